@@ -1,0 +1,79 @@
+"""Registering the pjrt device with PyTorch.
+
+`register()` is cheap and runs at `import torch` (autoload): it names the device, installs
+`torch.pjrt` and a catch-all PrivateUse1 kernel. The first op on a pjrt tensor reaches
+that catch-all, which calls `initialize()` (jax, every kernel) and re-runs the op.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+
+from torch_pjrt import _torch_private
+
+NAME = "pjrt"
+_lock = threading.RLock()
+_state: dict[str, Any] = {"registered": False, "initialized": False, "libraries": []}
+
+
+class _Hooks(_torch_private.hooks_base()):
+    def is_available(self) -> bool:
+        return True
+
+    def has_primary_context(self, device_index: int) -> bool:
+        return _state["initialized"]
+
+    def is_built(self) -> bool:
+        return True
+
+
+class _Guard(_torch_private.guard_base()):
+    def type_(self) -> Any:
+        return _torch_private.privateuse1_device_type()
+
+
+def registered() -> bool:
+    return _state["registered"]
+
+
+def initialized() -> bool:
+    return _state["initialized"]
+
+
+def register() -> None:
+    """Make "pjrt" a PyTorch device (idempotent, cheap, no jax)."""
+    with _lock:
+        if _state["registered"]:
+            return
+        from torch_pjrt import amp, device, serialization
+        from torch_pjrt.eager import fallback, modes
+
+        modes.load_from_environment()
+        _torch_private.setup_backend(NAME, device.build_module(), _Hooks(), _Guard())
+        _state["libraries"].append(_torch_private.library_fallback(fallback.catch_all, "PrivateUse1"))
+        serialization.register()
+        _state["libraries"].extend(amp.register())
+        _state["registered"] = True
+
+
+def initialize() -> None:
+    """Load jax, pick the platform and register every kernel (first device use)."""
+    if _state["initialized"]:
+        return
+    with _lock:
+        if _state["initialized"]:
+            return
+        register()
+        from torch_pjrt.eager import kernels
+        from torch_pjrt.runtime import client
+
+        client.devices()
+        _state["libraries"].extend(kernels.register_all())
+        _state["initialized"] = True
+
+
+def libraries() -> list[torch.library.Library]:
+    return _state["libraries"]

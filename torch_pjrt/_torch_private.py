@@ -1,0 +1,164 @@
+"""Every private PyTorch API torch_pjrt touches, in one place.
+
+A torch upgrade that moves one of these should only need this file changed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import torch
+from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
+
+CPU_KEYSET = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
+_ALIAS = torch.ops.aten.alias.default._handle
+_SET_STORAGE = torch.ops.aten.set_.source_Storage_storage_offset._handle
+_construct_storage = torch._C._construct_storage_from_data_pointer
+
+
+def setup_backend(name: str, device_module: Any, hooks: Any, guard: Any) -> None:
+    """Rename PrivateUse1 and register the device module, hooks and guard."""
+    _setup_privateuseone_for_python_backend(name, device_module, hooks, guard)
+
+
+def hooks_base() -> type:
+    return torch._C._acc.PrivateUse1Hooks
+
+
+def guard_base() -> type:
+    return torch._C._acc.DeviceGuard
+
+
+def privateuse1_device_type() -> Any:
+    return torch._C._autograd.DeviceType.PrivateUse1
+
+
+def redispatch_cpu(op: torch._ops.OpOverload, *args: Any, **kwargs: Any) -> Any:
+    """Run the CPU kernel of a metadata-only op (views, set_) on device tensors."""
+    return op._handle.redispatch_boxed(CPU_KEYSET, *args, **kwargs)
+
+
+# --- tensor creation --------------------------------------------------------------------
+# A template tensor per (device index, dtype) is made once through DLPack's kDLExtDev
+# device type, which PyTorch maps to PrivateUse1 with the right index; new tensors are
+# aliases of it re-pointed at a fresh storage (about 4 us, no data touched).
+
+_DL_EXT_DEV = 12
+_DL_CODES = {
+    torch.bool: (6, 8),
+    torch.uint8: (1, 8),
+    torch.uint16: (1, 16),
+    torch.uint32: (1, 32),
+    torch.uint64: (1, 64),
+    torch.int8: (0, 8),
+    torch.int16: (0, 16),
+    torch.int32: (0, 32),
+    torch.int64: (0, 64),
+    torch.float16: (2, 16),
+    torch.bfloat16: (4, 16),
+    torch.float32: (2, 32),
+    torch.float64: (2, 64),
+    torch.complex64: (5, 64),
+    torch.complex128: (5, 128),
+}
+
+
+class _DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int), ("device_id", ctypes.c_int)]
+
+
+class _DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class _DLTensor(ctypes.Structure):
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("device", _DLDevice),
+        ("ndim", ctypes.c_int),
+        ("dtype", _DLDataType),
+        ("shape", ctypes.POINTER(ctypes.c_int64)),
+        ("strides", ctypes.POINTER(ctypes.c_int64)),
+        ("byte_offset", ctypes.c_uint64),
+    ]
+
+
+_DL_DELETER = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+
+
+class _DLManagedTensor(ctypes.Structure):
+    _fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p), ("deleter", _DL_DELETER)]
+
+
+_capsule_new = ctypes.pythonapi.PyCapsule_New
+_capsule_new.restype = ctypes.py_object
+_capsule_new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+
+_templates: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+_template_structs: list[Any] = []
+
+
+def _template(index: int, dtype: torch.dtype) -> torch.Tensor:
+    key = (index, dtype)
+    tensor = _templates.get(key)
+    if tensor is None:
+        code, bits = _DL_CODES[dtype]
+        shape = (ctypes.c_int64 * 1)(0)
+        strides = (ctypes.c_int64 * 1)(1)
+        managed = _DLManagedTensor()
+        managed.dl_tensor.data = 0
+        managed.dl_tensor.device = _DLDevice(_DL_EXT_DEV, index)
+        managed.dl_tensor.ndim = 1
+        managed.dl_tensor.dtype = _DLDataType(code, bits, 1)
+        managed.dl_tensor.shape = shape
+        managed.dl_tensor.strides = strides
+        managed.deleter = _DL_DELETER()
+        _template_structs.append((managed, shape, strides))
+        capsule = _capsule_new(ctypes.addressof(managed), b"dltensor", None)
+        tensor = torch._C._from_dlpack(capsule)
+        _templates[key] = tensor
+    return tensor
+
+
+def new_tensor(
+    device: torch.device,
+    dtype: torch.dtype,
+    sizes: Any,
+    strides: Any,
+    offset: int,
+    address: int,
+    nbytes: int,
+) -> tuple[torch.Tensor, Any]:
+    """A PrivateUse1 tensor over a new non-owning storage at a fake address."""
+    tensor = _ALIAS.redispatch_boxed(CPU_KEYSET, _template(device.index, dtype))
+    storage = _construct_storage(address, device, nbytes)
+    _SET_STORAGE.redispatch_boxed(CPU_KEYSET, tensor, storage, offset, sizes, strides)
+    return tensor, storage
+
+
+def repoint(tensor: torch.Tensor, storage: Any, offset: int, sizes: Any, strides: Any) -> None:
+    _SET_STORAGE.redispatch_boxed(CPU_KEYSET, tensor, storage, offset, sizes, strides)
+
+
+def new_storage(address: int, device: torch.device, nbytes: int) -> Any:
+    return _construct_storage(address, device, nbytes)
+
+
+def has_kernel(name: str, key: str) -> bool:
+    return torch._C._dispatch_has_kernel_for_dispatch_key(name, key)
+
+
+def library_fallback(fn: Any, key: str) -> torch.library.Library:
+    lib = torch.library.Library("_", "IMPL")
+    lib.fallback(fn, key)
+    return lib
+
+
+def exclude_key(key: str) -> Any:
+    """Context that excludes a dispatch key (used by autocast kernels to re-dispatch)."""
+    return torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key)))
+
+
+def is_in_bad_fork() -> bool:
+    return False

@@ -1,0 +1,403 @@
+"""`torch.pjrt`: the device module, mirroring `torch.cuda`.
+
+Nothing here loads jax until a function needs a device: `import torch` stays fast.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+import time
+import types
+from typing import Any
+
+import torch
+
+from torch_pjrt.eager import modes
+from torch_pjrt.eager.modes import EagerMode, set_eager_mode
+
+_local = threading.local()
+_last_output: dict[int, Any] = {}
+
+
+def _client() -> Any:
+    from torch_pjrt import _registration
+    from torch_pjrt.runtime import client
+
+    _registration.initialize()
+    return client
+
+
+def _index(device: Any = None) -> int:
+    if device is None:
+        return current_device()
+    if isinstance(device, int):
+        return device
+    device = torch.device(device)
+    if device.type != "pjrt":
+        raise ValueError(f"Expected a pjrt device, but got: {device}")
+    return current_device() if device.index is None else device.index
+
+
+def is_available() -> bool:
+    try:
+        return device_count() > 0
+    except RuntimeError:
+        return False
+
+
+def is_initialized() -> bool:
+    from torch_pjrt import _registration
+
+    return _registration.initialized()
+
+
+def init() -> None:
+    _client()
+
+
+def _lazy_init() -> None:
+    _client()
+
+
+def _is_in_bad_fork() -> bool:
+    return False
+
+
+def device_count() -> int:
+    return len(_client().devices())
+
+
+def current_device() -> int:
+    return getattr(_local, "index", 0)
+
+
+def set_device(device: Any) -> None:
+    index = _index(device)
+    if index < 0:
+        return
+    _client().device_for(index)
+    _local.index = index
+
+
+class device:  # noqa: N801 (mirrors torch.cuda.device)
+    """Context manager that changes the current pjrt device."""
+
+    def __init__(self, device: Any) -> None:
+        self.index = -1 if device is None else _index(device)
+        self.previous = -1
+
+    def __enter__(self) -> None:
+        self.previous = current_device()
+        if self.index >= 0:
+            set_device(self.index)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.index >= 0:
+            _local.index = self.previous
+
+
+def synchronize(device: Any = None) -> None:
+    """Wait until every queued op on the device has finished."""
+    client = _client()
+    index = _index(device)
+    target = client.device_for(index)
+    client.synchronize([a for a in client.jax_module().live_arrays() if target in a.devices()])
+
+
+# --- random numbers ----------------------------------------------------------------------
+
+
+def _rng(device: Any = None) -> Any:
+    from torch_pjrt.runtime import rng
+
+    return rng.state(_index(device))
+
+
+def manual_seed(seed: int) -> None:
+    _rng().manual_seed(int(seed))
+
+
+def manual_seed_all(seed: int) -> None:
+    from torch_pjrt.runtime import rng
+
+    rng.manual_seed_all(int(seed), max(device_count(), 1))
+
+
+def seed() -> None:
+    from torch_pjrt.runtime import rng
+
+    manual_seed(rng.fresh_seed())
+
+
+def seed_all() -> None:
+    from torch_pjrt.runtime import rng
+
+    manual_seed_all(rng.fresh_seed())
+
+
+def initial_seed() -> int:
+    return _rng().seed
+
+
+def get_rng_state(device: Any = "pjrt") -> torch.Tensor:
+    return torch.from_numpy(_rng(device).get_state().copy())
+
+
+def set_rng_state(new_state: torch.Tensor, device: Any = "pjrt") -> None:
+    _rng(device).set_state(new_state.detach().cpu().numpy())
+
+
+def get_rng_state_all() -> list[torch.Tensor]:
+    return [get_rng_state(i) for i in range(device_count())]
+
+
+def set_rng_state_all(new_states: list[torch.Tensor]) -> None:
+    for index, state in enumerate(new_states):
+        set_rng_state(state, index)
+
+
+def generator_key(generator: torch.Generator) -> Any:
+    from torch_pjrt.runtime import rng
+
+    seed = generator.initial_seed()
+    offset = generator.get_offset()
+    generator.set_offset(offset + 1)
+    return rng.raw_key(seed, offset)
+
+
+# --- properties and memory -----------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceProperties:
+    name: str
+    platform: str
+    index: int
+    total_memory: int
+    memory_source: str
+
+    def __repr__(self) -> str:
+        return (
+            f"_PjrtDeviceProperties(name='{self.name}', platform='{self.platform}', "
+            f"total_memory={self.total_memory // (1 << 20)}MB ({self.memory_source}))"
+        )
+
+
+def _pjrt_stats(index: int) -> dict[str, Any]:
+    return _client().device_for(index).memory_stats() or {}
+
+
+def get_device_name(device: Any = None) -> str:
+    return get_device_properties(device).name
+
+
+def get_device_properties(device: Any = None) -> DeviceProperties:
+    client = _client()
+    index = _index(device)
+    handle = client.device_for(index)
+    stats = _pjrt_stats(index)
+    if "bytes_limit" in stats:
+        total, source = int(stats["bytes_limit"]), "PJRT bytes_limit"
+    else:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        source = "host memory: PJRT reports no limit for this device"
+    name = getattr(handle, "device_kind", str(handle))
+    return DeviceProperties(str(name), client.platform(), index, total, source)
+
+
+def get_device_capability(device: Any = None) -> tuple[int, int]:
+    return (0, 0)
+
+
+def memory_allocated(device: Any = None) -> int:
+    """Bytes held by live pjrt tensors' storages on the device."""
+    from torch_pjrt import storage
+
+    return storage.memory.allocated.get(_index(device), 0)
+
+
+def max_memory_allocated(device: Any = None) -> int:
+    from torch_pjrt import storage
+
+    return storage.memory.peak.get(_index(device), 0)
+
+
+def memory_reserved(device: Any = None) -> int:
+    """What PJRT reports as in use on the device (bytes_in_use), else the allocated bytes."""
+    stats = _pjrt_stats(_index(device))
+    return int(stats.get("bytes_in_use", memory_allocated(device)))
+
+
+def max_memory_reserved(device: Any = None) -> int:
+    stats = _pjrt_stats(_index(device))
+    return int(stats.get("peak_bytes_in_use", max_memory_allocated(device)))
+
+
+def memory_stats(device: Any = None) -> dict[str, Any]:
+    """torch.cuda-style keys from torch_pjrt's accounting, plus PJRT's own figures as `pjrt.*`."""
+    from torch_pjrt import storage
+
+    index = _index(device)
+    stats: dict[str, Any] = {
+        "allocated_bytes.all.current": memory_allocated(index),
+        "allocated_bytes.all.peak": max_memory_allocated(index),
+        "allocation.all.allocated": storage.memory.allocations.get(index, 0),
+    }
+    for key, value in _pjrt_stats(index).items():
+        stats[f"pjrt.{key}"] = value
+    return stats
+
+
+def reset_peak_memory_stats(device: Any = None) -> None:
+    from torch_pjrt import storage
+
+    storage.memory.reset_peak(_index(device))
+
+
+def reset_max_memory_allocated(device: Any = None) -> None:
+    reset_peak_memory_stats(device)
+
+
+def empty_cache() -> None:
+    """A no-op kept for torch.cuda parity: PJRT frees a buffer as soon as its tensor dies."""
+
+
+def mem_get_info(device: Any = None) -> tuple[int, int]:
+    stats = _pjrt_stats(_index(device))
+    if "bytes_limit" not in stats:
+        raise RuntimeError("PJRT reports no memory limit for this device, so free memory is unknown.")
+    return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0)), int(stats["bytes_limit"])
+
+
+# --- streams and events ----------------------------------------------------------------------
+# PJRT runs a device's programs in issue order on one queue. A Stream is that queue: work
+# cannot be split across streams, so wait_* calls are no-ops and synchronize waits for the
+# device. An Event marks the last program issued when it is recorded.
+
+
+def note_output(index: int, array: Any) -> None:
+    _last_output[index] = array
+
+
+class Stream:
+    def __init__(self, device: Any = None, priority: int = 0, **kwargs: Any) -> None:
+        self.device = torch.device("pjrt", _index(device))
+        self.priority = priority
+
+    def synchronize(self) -> None:
+        synchronize(self.device)
+
+    def wait_stream(self, stream: Stream) -> None:
+        """Ordering between streams is implied: there is one queue per device."""
+
+    def wait_event(self, event: Event) -> None:
+        """Ordering is implied by the single queue per device."""
+
+    def record_event(self, event: Event | None = None) -> Event:
+        event = event or Event()
+        event.record(self)
+        return event
+
+    def query(self) -> bool:
+        array = _last_output.get(self.device.index)
+        return array is None or array.is_ready()
+
+    def __enter__(self) -> Stream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Stream) and other.device == self.device
+
+    def __hash__(self) -> int:
+        return hash(self.device)
+
+
+class Event:
+    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> None:
+        self.enable_timing = enable_timing
+        self.array: Any = None
+        self.completed_at: float | None = None
+        self.recorded = False
+
+    def record(self, stream: Stream | None = None) -> None:
+        index = (stream.device.index if stream is not None else current_device())
+        self.array = _last_output.get(index)
+        self.completed_at = None
+        self.recorded = True
+
+    def query(self) -> bool:
+        return self.array is None or self.array.is_ready()
+
+    def synchronize(self) -> None:
+        if self.array is not None:
+            self.array.block_until_ready()
+        if self.completed_at is None:
+            self.completed_at = time.perf_counter()
+
+    def wait(self, stream: Stream | None = None) -> None:
+        """Ordering is implied by the single queue per device."""
+
+    def elapsed_time(self, end_event: Event) -> float:
+        """Milliseconds between the completion of this event's work and end_event's."""
+        if not (self.enable_timing and end_event.enable_timing):
+            raise RuntimeError("Both events must be created with enable_timing=True to measure elapsed time.")
+        if not (self.recorded and end_event.recorded):
+            raise RuntimeError("Both events must be recorded before calculating elapsed time.")
+        self.synchronize()
+        end_event.synchronize()
+        return (end_event.completed_at - self.completed_at) * 1000.0
+
+
+def current_stream(device: Any = None) -> Stream:
+    return Stream(device)
+
+
+def default_stream(device: Any = None) -> Stream:
+    return Stream(device)
+
+
+def stream(stream: Stream | None) -> Any:
+    return stream if stream is not None else Stream()
+
+
+def set_stream(stream: Stream) -> None:
+    """Every stream is the device's one queue, so there is nothing to switch."""
+
+
+# --- mixed precision -----------------------------------------------------------------------
+
+
+def is_bf16_supported(including_emulation: bool = True) -> bool:
+    return True
+
+
+def get_amp_supported_dtype() -> list[torch.dtype]:
+    return [torch.bfloat16, torch.float16]
+
+
+# --- the module object (module-level property for eager_mode) -------------------------------
+
+
+class _DeviceModule(types.ModuleType):
+    @property
+    def eager_mode(self) -> EagerMode:
+        return modes.current()
+
+    @eager_mode.setter
+    def eager_mode(self, mode: EagerMode) -> None:
+        set_eager_mode(mode)
+
+
+def build_module() -> types.ModuleType:
+    module = _DeviceModule("torch.pjrt", __doc__)
+    for name, value in globals().items():
+        if not name.startswith("__") and name not in ("build_module", "_DeviceModule"):
+            setattr(module, name, value)
+    module.EagerMode = EagerMode
+    module.set_eager_mode = set_eager_mode
+    return module

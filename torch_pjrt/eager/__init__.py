@@ -1,0 +1,1 @@
+"""Execution modes: strict eager (per-op programs), launch-blocking eager, and room for fused."""

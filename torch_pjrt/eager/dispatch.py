@@ -1,0 +1,526 @@
+"""Strict eager execution: every ATen call on pjrt tensors runs as one cached jitted program.
+
+A kernel is classified from its schema (functional, mutating: in-place or out=, view).
+Its program takes the flat arrays of the storages its tensors live in plus the traced
+scalars, reads each tensor through its view, applies the lowering, and returns new
+storages for the outputs and the updated flat arrays of every mutated storage.
+Programs are cached by (op, views, static arguments); a Python scalar that changes
+(a learning rate) is a traced argument, never part of the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+from torch._ops import OpOverload
+
+from torch_pjrt import storage
+from torch_pjrt.ops import graph, registry
+from torch_pjrt.runtime import client, metrics, programs, rng
+from torch_pjrt.storage import View
+
+PJRT = "pjrt"
+
+
+class Arg(enum.Enum):
+    TENSOR = 1
+    TENSOR_LIST = 2
+    SCALAR = 3
+    SCALAR_LIST = 4
+    GENERATOR = 5
+    DEVICE = 6
+    STATIC = 7
+
+
+def _arg_kind(type_: Any) -> Arg:
+    text = str(type_)
+    if "Tensor" in text:
+        return Arg.TENSOR_LIST if ("List" in text or "[]" in text) else Arg.TENSOR
+    if "Generator" in text:
+        return Arg.GENERATOR
+    if text in ("Device", "Optional[Device]"):
+        return Arg.DEVICE
+    if text in ("number", "Optional[number]", "Scalar", "Optional[Scalar]"):
+        return Arg.SCALAR
+    if text in ("List[number]", "List[Scalar]", "Optional[List[number]]"):
+        return Arg.SCALAR_LIST
+    return Arg.STATIC
+
+
+@dataclasses.dataclass
+class OpPlan:
+    """What the dispatcher needs to know about one overload, computed once."""
+
+    op: OpOverload
+    names: list[str]
+    kinds: list[Arg]
+    kwarg_only: list[bool]
+    defaults: list[Any]
+    mutated: list[int]
+    # for each schema return: the index of the argument it aliases, or None for a new tensor
+    return_aliases: list[int | None]
+    lowering: registry.Lowering
+    factory: bool
+    static_scalars: bool
+    has_device_arg: bool
+
+    def normalize(self, args: tuple, kwargs: dict) -> list[Any]:
+        values = list(args)
+        for i in range(len(values), len(self.names)):
+            name = self.names[i]
+            values.append(kwargs[name] if name in kwargs else self.defaults[i])
+        return values
+
+
+_NO_DEFAULT = object()
+
+
+@functools.cache
+def plan_for(op: OpOverload) -> OpPlan | None:
+    lowering = registry.lookup(op)
+    if lowering is None:
+        return None
+    schema = op._schema
+    arguments = schema.arguments
+    kinds = [_arg_kind(a.type) for a in arguments]
+    mutated = registry.mutated_arguments(op)
+    aliases: list[int | None] = []
+    for ret in schema.returns:
+        index = None
+        if ret.alias_info is not None:
+            for i in mutated:
+                if arguments[i].alias_info.before_set == ret.alias_info.before_set:
+                    index = i
+        aliases.append(index)
+    return OpPlan(
+        op=op,
+        names=[a.name for a in arguments],
+        kinds=kinds,
+        kwarg_only=[a.kwarg_only for a in arguments],
+        defaults=[a.default_value if a.has_default_value() else _NO_DEFAULT for a in arguments],
+        mutated=mutated,
+        return_aliases=aliases,
+        lowering=lowering,
+        factory=not any(k in (Arg.TENSOR, Arg.TENSOR_LIST) for k in kinds),
+        static_scalars=lowering.static_scalars or not any(k in (Arg.TENSOR, Arg.TENSOR_LIST) for k in kinds),
+        has_device_arg=Arg.DEVICE in kinds,
+    )
+
+
+# --- the per-call argument scan ------------------------------------------------------------
+
+CPU_TENSORS_ALLOWED = frozenset(
+    {torch.ops.aten.index.Tensor, torch.ops.aten.index_put.default, torch.ops.aten.index_put_.default,
+     torch.ops.aten._index_put_impl_.default}
+)
+
+
+class Leaf(NamedTuple):
+    """A pjrt tensor argument as the program sees it: which storage, which view of it."""
+
+    slot: int
+    view: View
+    numel: int
+    storage_dtype: torch.dtype
+    uninitialised: bool
+
+
+class Scan:
+    """Storages, key and traced values gathered from one call's arguments."""
+
+    __slots__ = ("storages", "slots", "key", "dynamic", "device", "plan", "allow_cpu")
+
+    def __init__(self, plan: OpPlan) -> None:
+        self.storages: list[storage.DeviceStorage] = []
+        self.slots: dict[int, int] = {}
+        self.key: list[Any] = [plan.op]
+        self.dynamic: list[Any] = []
+        self.device: torch.device | None = None
+        self.plan = plan
+        self.allow_cpu = plan.op in CPU_TENSORS_ALLOWED
+
+    def tensor(self, t: torch.Tensor) -> Any:
+        device = t.device
+        if device.type == PJRT:
+            if self.device is None:
+                self.device = device
+            elif device != self.device:
+                raise RuntimeError(
+                    "Expected all tensors to be on the same device, but found at least two devices, "
+                    f"{self.device} and {device}!"
+                )
+            st = t.untyped_storage()._pjrt
+            slot = self.slots.get(id(st))
+            if slot is None:
+                slot = self.slots[id(st)] = len(self.storages)
+                self.storages.append(st)
+            return Leaf(slot, View(t.dtype, tuple(t.shape), t.stride(), t.storage_offset()), st.numel, st.dtype,
+                        st.array is None)
+        if device.type == "cpu" and (t.dim() == 0 or self.allow_cpu):
+            self.dynamic.append(t.detach().numpy() if t.dtype != torch.bfloat16 else
+                                t.detach().float().numpy().astype(storage.numpy_dtype(torch.bfloat16)))
+            return ("host", t.dtype, tuple(t.shape))
+        raise RuntimeError(
+            "Expected all tensors to be on the same device, but found at least two devices, "
+            f"{self.device or 'pjrt:0'} and {device}!"
+        )
+
+    def value(self, kind: Arg, value: Any) -> Any:
+        if kind is Arg.TENSOR:
+            return None if value is None else self.tensor(value)
+        if kind is Arg.TENSOR_LIST:
+            return tuple(None if v is None else self.tensor(v) for v in value)
+        if kind is Arg.SCALAR:
+            if value is None or self.plan.static_scalars or isinstance(value, torch.SymInt):
+                return ("static", value)
+            if isinstance(value, torch.Tensor):
+                return ("scalar-tensor", self.tensor(value))
+            self.dynamic.append(value)
+            return type(value)
+        if kind is Arg.SCALAR_LIST:
+            if value is None or self.plan.static_scalars:
+                return ("static", None if value is None else tuple(value))
+            self.dynamic.extend(value)
+            return tuple(type(v) for v in value)
+        if kind is Arg.GENERATOR:
+            return None
+        if kind is Arg.DEVICE:
+            return None if value is None else torch.device(value)
+        return _static(value)
+
+
+def _static(value: Any) -> Any:
+    if isinstance(value, list):
+        return tuple(_static(v) for v in value)
+    return value
+
+
+# --- building a program --------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Entry:
+    program: programs.Program
+    # per new output: (dtype, sizes, strides, storage numel) or None
+    outputs: list[tuple[torch.dtype, tuple[int, ...], tuple[int, ...], int] | None]
+    mutated_slots: list[int]
+    resized: list[tuple[tuple[int, int], tuple[int, ...], tuple[int, ...]]]
+    passed_slots: list[int]
+    random: bool
+
+
+def _meta_tensor(view: View) -> torch.Tensor:
+    return torch.empty_strided(view.sizes, view.strides, dtype=view.dtype, device="meta")
+
+
+def _meta_value(kind: Arg, value: Any, described: Any) -> Any:
+    if kind is Arg.TENSOR:
+        return None if value is None else _meta_from(value, described)
+    if kind is Arg.TENSOR_LIST:
+        return [None if v is None else _meta_from(v, d) for v, d in zip(value, described)]
+    if kind is Arg.SCALAR and isinstance(value, torch.Tensor):
+        return _meta_from(value, described[1])
+    if kind is Arg.GENERATOR:
+        return None
+    if kind is Arg.DEVICE and value is not None:
+        return torch.device("meta")
+    return value
+
+
+def _meta_from(tensor: torch.Tensor, described: Any) -> torch.Tensor:
+    if isinstance(described, Leaf):
+        return _meta_tensor(described.view)
+    return torch.empty(described[2], dtype=described[1], device="cpu")
+
+
+def _run_meta(plan: OpPlan, values: list[Any], described: list[Any]) -> tuple[Any, list[Any]]:
+    metas = [_meta_value(k, v, d) for k, v, d in zip(plan.kinds, values, described)]
+    if plan.factory and "device" in plan.names:
+        metas[plan.names.index("device")] = torch.device("meta")
+    positional = [m for m, kw in zip(metas, plan.kwarg_only) if not kw]
+    keywords = {n: m for n, m, kw in zip(plan.names, metas, plan.kwarg_only) if kw and m is not _NO_DEFAULT}
+    return plan.op(*positional, **keywords), metas
+
+
+def _new_output_specs(plan: OpPlan, meta_result: Any, metas: list[Any]) -> list[Any]:
+    """Meta of each functional output: non-aliasing returns, then mutated arguments."""
+    count = len(plan.return_aliases)
+    returns = [] if count == 0 else [meta_result] if count == 1 else list(meta_result)
+    fresh = [r for r, alias in zip(returns, plan.return_aliases) if alias is None]
+    return fresh + [metas[i] for i in plan.mutated]
+
+
+def _spec(meta: torch.Tensor) -> tuple[torch.dtype, tuple[int, ...], tuple[int, ...], int]:
+    sizes = tuple(meta.shape)
+    strides = tuple(meta.stride())
+    if not storage.is_dense(sizes, strides):
+        strides = storage.contiguous_strides(sizes)
+    return meta.dtype, sizes, strides, math.prod(sizes)
+
+
+def _build(plan: OpPlan, scan: Scan, values: list[Any], described: list[Any]) -> Entry:
+    meta_result, metas = _run_meta(plan, values, described)
+    functional_metas = _new_output_specs(plan, meta_result, metas)
+    n_fresh = len(functional_metas) - len(plan.mutated)
+    fresh_specs: list[Any] = []
+    for meta in functional_metas[:n_fresh]:
+        if isinstance(meta, (list, tuple)):
+            fresh_specs.append([_spec(m) for m in meta])
+        else:
+            fresh_specs.append(None if meta is None else _spec(meta))
+
+    # mutated arguments: their views, their storages, and out= resizes
+    mutated_views: list[list[tuple[int, View, Any]]] = []
+    resized: list[tuple[tuple[int, int], tuple[int, ...], tuple[int, ...]]] = []
+    for index in plan.mutated:
+        entries = described[index] if plan.kinds[index] is Arg.TENSOR_LIST else (described[index],)
+        meta_after = metas[index] if plan.kinds[index] is Arg.TENSOR_LIST else [metas[index]]
+        views = []
+        for position, (desc, meta) in enumerate(zip(entries, meta_after)):
+            if desc is None:
+                views.append(None)
+                continue
+            slot, view = desc.slot, desc.view
+            if tuple(meta.shape) != view.sizes:
+                sizes = tuple(meta.shape)
+                strides = storage.contiguous_strides(sizes)
+                resized.append(((index, position), sizes, strides))
+                view = View(view.dtype, sizes, strides, 0)
+                views.append((slot, view, "resized"))
+            else:
+                if view.has_internal_overlap():
+                    raise RuntimeError(
+                        "unsupported operation: more than one element of the written-to tensor refers "
+                        "to a single memory location. Please clone() the tensor before performing the "
+                        "operation."
+                    )
+                views.append((slot, view, None))
+        mutated_views.append(views)
+
+    mutated_slots = sorted({v[0] for views in mutated_views for v in views if v is not None and v[2] is None})
+    slot_info = {leaf.slot: (leaf.numel, leaf.storage_dtype, leaf.uninitialised) for leaf in _leaves(described)}
+    passed_slots = [s for s in range(len(scan.storages)) if not slot_info[s][2]]
+    donate = tuple(i for i, s in enumerate(passed_slots) if s in mutated_slots)
+    n_passed = len(passed_slots)
+    kinds = plan.kinds
+    lowering = plan.lowering
+    random = lowering.random
+    kwarg_only = plan.kwarg_only
+    names = plan.names
+    wants_meta = lowering.wants_meta
+
+    def program(*inputs: Any) -> Any:
+        jnp = client.jax_module().numpy
+        flats: dict[int, Any] = {}
+        for position, slot in enumerate(passed_slots):
+            flats[slot] = inputs[position]
+        for slot, (numel, dtype, uninitialised) in slot_info.items():
+            if uninitialised:
+                flats[slot] = jnp.zeros((numel,), storage.numpy_dtype(dtype))
+        dynamic = iter(inputs[n_passed:])
+        key = next(dynamic) if random else None
+
+        def arg(kind: Arg, desc: Any) -> Any:
+            if kind is Arg.TENSOR:
+                return None if desc is None else leaf(desc)
+            if kind is Arg.TENSOR_LIST:
+                return [None if d is None else leaf(d) for d in desc]
+            if kind is Arg.SCALAR:
+                if isinstance(desc, tuple) and desc and desc[0] == "static":
+                    return desc[1]
+                if isinstance(desc, tuple) and desc and desc[0] == "scalar-tensor":
+                    return leaf(desc[1])
+                return next(dynamic)
+            if kind is Arg.SCALAR_LIST:
+                if isinstance(desc, tuple) and desc and desc[0] == "static":
+                    return None if desc[1] is None else list(desc[1])
+                return [next(dynamic) for _ in desc]
+            return desc
+
+        def leaf(desc: Any) -> Any:
+            if not isinstance(desc, Leaf):
+                return jnp.asarray(next(dynamic))
+            return storage.read_view(flats[desc.slot], desc.storage_dtype, desc.view)
+
+        resolved = [arg(k, d) for k, d in zip(kinds, described)]
+        if random:
+            key = client.jax_module().random.wrap_key_data(key, impl="threefry2x32")
+        positional = [v for v, kw in zip(resolved, kwarg_only) if not kw]
+        keywords = {n: v for n, v, kw in zip(names, resolved, kwarg_only) if kw}
+        extra: dict[str, Any] = {}
+        if random:
+            extra["rng"] = key
+        if wants_meta:
+            extra["out_meta"] = functional_metas
+        result = lowering.fn(*positional, **keywords, **extra)
+        if result is NotImplemented:
+            raise registry.MissingLowering(plan.op)
+        outputs = [result] if len(functional_metas) == 1 else list(result)
+        outputs = [graph.conform(o, m) for o, m in zip(outputs, functional_metas)]
+
+        fresh = []
+        for value, spec in zip(outputs[:n_fresh], fresh_specs):
+            if spec is None:
+                fresh.append(None)
+            elif isinstance(spec, list):
+                fresh.append([storage.pack(v, s[1], s[2]) for v, s in zip(value, spec)])
+            else:
+                fresh.append(storage.pack(value, spec[1], spec[2]))
+        resized_values = []
+        for views, value in zip(mutated_views, outputs[n_fresh:]):
+            values_list = value if isinstance(value, (list, tuple)) else [value]
+            for entry, item in zip(views, values_list):
+                if entry is None:
+                    continue
+                slot, view, how = entry
+                if how == "resized":
+                    resized_values.append(storage.pack(item, view.sizes, view.strides))
+                else:
+                    numel, storage_dtype, _ = slot_info[slot]
+                    flats[slot] = storage.write_view(flats[slot], storage_dtype, view, item)
+        return fresh, resized_values, [flats[s] for s in mutated_slots]
+
+    device_index = scan.device.index if not passed_slots else None
+    compiled = programs.Program(program, str(plan.op), donate=donate, device_index=device_index)
+    return Entry(compiled, fresh_specs, mutated_slots, resized, passed_slots, random)
+
+
+def _leaves(described: Any) -> list[Leaf]:
+    if isinstance(described, Leaf):
+        return [described]
+    if isinstance(described, (list, tuple)):
+        return [leaf for d in described for leaf in _leaves(d)]
+    return []
+
+
+# --- executing ----------------------------------------------------------------------------
+
+_cache = programs.ProgramCache()
+
+
+def _target_device(values: list[Any], plan: OpPlan, found: torch.device | None) -> torch.device:
+    """Where results go: an explicit pjrt device argument, else the inputs' device."""
+    from torch_pjrt import device as device_module
+
+    for kind, value in zip(plan.kinds, values):
+        if kind is Arg.DEVICE and value is not None:
+            device = torch.device(value)
+            if device.type != PJRT:
+                raise RuntimeError(f"torch_pjrt cannot place the result of {plan.op} on {device}.")
+            return torch.device(PJRT, device_module.current_device() if device.index is None else device.index)
+    if found is None:
+        return torch.device(PJRT, device_module.current_device())
+    return found
+
+
+def _random_key(plan: OpPlan, values: list[Any], device: torch.device) -> np.ndarray:
+    for kind, value in zip(plan.kinds, values):
+        if kind is Arg.GENERATOR and value is not None:
+            return generator_key(value)
+    return rng.state(device.index).next_key()
+
+
+def generator_key(generator: torch.Generator) -> np.ndarray:
+    """A key drawn from a user's torch.Generator (advancing it), so it is honoured."""
+    if generator.device.type == PJRT:
+        from torch_pjrt import device as device_module
+
+        return device_module.generator_key(generator)
+    seed = int(torch.randint(0, 2**62, (), generator=generator, device=generator.device))
+    return rng.raw_key(seed, 0)
+
+
+def execute(plan: OpPlan, args: tuple, kwargs: dict) -> Any:
+    values = plan.normalize(args, kwargs)
+    scan = Scan(plan)
+    described = [scan.value(k, v) for k, v in zip(plan.kinds, values)]
+    if plan.has_device_arg or scan.device is None:
+        scan.device = _target_device(values, plan, scan.device)
+    key = (*scan.key, tuple(described), scan.device)
+    try:
+        entry = _cache.get(key)
+    except TypeError:
+        raise TypeError(f"torch_pjrt: unhashable argument to {plan.op}: {values!r}") from None
+    if entry is None:
+        entry = _cache.put(key, _build(plan, scan, values, described))
+    inputs = [scan.storages[s].array for s in entry.passed_slots]
+    if entry.random:
+        inputs.append(_random_key(plan, values, scan.device))
+    inputs.extend(scan.dynamic)
+    fresh, resized_values, updated = entry.program.call(*inputs)
+    metrics.bump("ops_executed")
+    for slot, array in zip(entry.mutated_slots, updated):
+        scan.storages[slot].array = array
+    if entry.resized:
+        _apply_resizes(plan, values, entry, resized_values)
+    return _returns(plan, values, fresh, entry.outputs, scan.device)
+
+
+def _apply_resizes(plan: OpPlan, values: list[Any], entry: Entry, resized_values: list[Any]) -> None:
+    for ((index, position), sizes, strides), array in zip(entry.resized, resized_values):
+        target = values[index] if plan.kinds[index] is Arg.TENSOR else values[index][position]
+        st = storage.replace_storage(target, math.prod(sizes), sizes, strides)
+        st.array = array
+
+
+def _wrap(array: Any, spec: Any, device: torch.device) -> torch.Tensor:
+    dtype, sizes, strides, numel = spec
+    return storage.new_tensor(array, dtype, device, sizes, strides, numel)
+
+
+def _returns(plan: OpPlan, values: list[Any], fresh: list[Any], specs: list[Any], device: torch.device) -> Any:
+    results = []
+    fresh_iter = iter(zip(fresh, specs))
+    for alias in plan.return_aliases:
+        if alias is not None:
+            results.append(values[alias])
+            continue
+        array, spec = next(fresh_iter)
+        if spec is None:
+            results.append(None)
+        elif isinstance(spec, list):
+            results.append([_wrap(a, s, device) for a, s in zip(array, spec)])
+        else:
+            results.append(_wrap(array, spec, device))
+    if not plan.return_aliases:
+        return None
+    return results[0] if len(results) == 1 else tuple(results)
+
+
+def make_kernel(plan: OpPlan) -> Callable[..., Any]:
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        return execute(plan, args, kwargs)
+
+    kernel.__name__ = f"pjrt_{plan.op.name()}"
+    return kernel
+
+
+def clear_cache() -> None:
+    _cache.clear()
+
+
+def device_arrays(tensors: Sequence[torch.Tensor]) -> list[Any]:
+    """Logical jax arrays of tensors (their views read out)."""
+    return [read(t) for t in tensors]
+
+
+@functools.cache
+def _reader(view: View, storage_dtype: torch.dtype, numel: int) -> programs.Program:
+    return programs.Program(lambda flat: storage.read_view(flat, storage_dtype, view), "read_view")
+
+
+def read(tensor: torch.Tensor) -> Any:
+    """The logical jax array of a pjrt tensor (zero-copy when it is its whole storage)."""
+    st = storage.storage_of(tensor)
+    view = storage.view_of(tensor)
+    flat = st.materialize()
+    if view.covers(st.numel) and view.dtype == st.dtype:
+        return flat.reshape(view.sizes)
+    return _reader(view, st.dtype, st.numel).call(flat)

@@ -1,0 +1,261 @@
+"""PrivateUse1 kernels: transfers, allocation, views and the lowered ops.
+
+Kernels are classified from each overload's schema: composite-implicit ops are left to
+PyTorch (autograd keeps their decomposition); view ops reuse PyTorch's own CPU metadata
+kernels; transfers, allocation and host reads are written here; every other op with a
+lowering (written or decomposed) runs through `dispatch`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from torch_pjrt import _torch_private, storage
+from torch_pjrt.eager import dispatch
+from torch_pjrt.runtime import client
+
+aten = torch.ops.aten
+KEY = "PrivateUse1"
+
+
+# --- host <-> device ---------------------------------------------------------------------------
+
+
+def host_array(tensor: torch.Tensor) -> np.ndarray:
+    """A numpy array of a CPU tensor's logical contents (bfloat16 through ml_dtypes)."""
+    tensor = tensor.detach().resolve_conj().resolve_neg()
+    if tensor.dtype == torch.bfloat16:
+        return tensor.contiguous().view(torch.int16).numpy().view(storage.numpy_dtype(torch.bfloat16))
+    return tensor.contiguous().numpy()
+
+
+def host_tensor(array: np.ndarray) -> torch.Tensor:
+    if array.dtype.name == "bfloat16":
+        return torch.from_numpy(np.ascontiguousarray(array).view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(np.array(array, copy=True))
+
+
+def to_pjrt(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A new pjrt tensor with a CPU tensor's contents (one host-to-device transfer)."""
+    if dtype is not None and dtype != tensor.dtype:
+        tensor = tensor.to(dtype)
+    array = client.to_device(host_array(tensor).reshape(-1), device.index)
+    return storage.new_tensor(array, tensor.dtype, device, tuple(tensor.shape))
+
+
+def to_cpu(tensor: torch.Tensor) -> torch.Tensor:
+    """A new CPU tensor with a pjrt tensor's contents (waits for it)."""
+    return host_tensor(client.to_host(dispatch.read(tensor)))
+
+
+def _resolve_index(device: Any) -> torch.device:
+    from torch_pjrt import device as device_module
+
+    device = torch.device(device)
+    return torch.device("pjrt", device_module.current_device() if device.index is None else device.index)
+
+
+def copy_(self: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+    if self.device.type == "pjrt" and src.device.type == "pjrt":
+        if self.device != src.device:
+            src = to_device_tensor(src, self.device)
+        return _copy_on_device(self, src)
+    if self.device.type == "pjrt":
+        if src.dim() == 0 or tuple(src.shape) != tuple(self.shape):
+            src = src.expand(self.shape)
+        staged = to_pjrt(src.contiguous(), self.device, self.dtype)
+        return _copy_on_device(self, staged)
+    self.copy_(to_cpu(src))
+    return self
+
+
+def _copy_on_device(self: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    st = storage.storage_of(self)
+    src_st = storage.storage_of(src)
+    same_layout = (
+        tuple(self.shape) == tuple(src.shape)
+        and self.dtype == src.dtype
+        and storage.view_of(self).covers(st.numel)
+        and st.dtype == self.dtype
+        and storage.view_of(src).covers(src_st.numel)
+        and src_st.dtype == src.dtype
+        and src_st.array is not None
+    )
+    if same_layout:
+        st.array = src_st.array
+        return self
+    return dispatch.execute(dispatch.plan_for(aten.copy_.default), (self, src), {})
+
+
+def to_device_tensor(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    jax = client.jax_module()
+    array = jax.device_put(dispatch.read(tensor), client.device_for(device.index))
+    return storage.new_tensor(array.reshape(-1), tensor.dtype, device, tuple(tensor.shape))
+
+
+def _to_copy(
+    self: torch.Tensor,
+    *,
+    dtype: torch.dtype | None = None,
+    layout: Any = None,
+    device: Any = None,
+    pin_memory: bool | None = None,
+    non_blocking: bool = False,
+    memory_format: Any = None,
+) -> torch.Tensor:
+    dtype = dtype or self.dtype
+    target = torch.device(device) if device is not None else self.device
+    if target.type == "cpu":
+        result = to_cpu(self).to(dtype)
+        return result.pin_memory() if pin_memory else result
+    target = _resolve_index(target)
+    if self.device.type == "cpu":
+        return to_pjrt(self, target, dtype)
+    source = self if target == self.device else to_device_tensor(self, target)
+    return dispatch.execute(dispatch.plan_for(aten._to_copy.default), (source,), {"dtype": dtype})
+
+
+# --- allocation --------------------------------------------------------------------------------
+
+
+def empty_memory_format(
+    size: Any, *, dtype: Any = None, layout: Any = None, device: Any = None, pin_memory: Any = None,
+    memory_format: Any = None,
+) -> torch.Tensor:
+    dtype = dtype or torch.get_default_dtype()
+    sizes = tuple(int(s) for s in size)
+    if any(s < 0 for s in sizes):
+        raise RuntimeError(f"Trying to create tensor with negative dimension {min(sizes)}: {list(sizes)}")
+    storage.numpy_dtype(dtype)
+    meta = torch.empty(sizes, dtype=dtype, device="meta", memory_format=memory_format or torch.contiguous_format)
+    return storage.new_tensor(None, dtype, _resolve_index(device or "pjrt"), sizes, tuple(meta.stride()))
+
+
+def empty_strided(
+    size: Any, stride: Any, *, dtype: Any = None, layout: Any = None, device: Any = None, pin_memory: Any = None
+) -> torch.Tensor:
+    dtype = dtype or torch.get_default_dtype()
+    storage.numpy_dtype(dtype)
+    sizes, strides = tuple(int(s) for s in size), tuple(int(s) for s in stride)
+    return storage.new_tensor(None, dtype, _resolve_index(device or "pjrt"), sizes, strides)
+
+
+def resize_(self: torch.Tensor, size: Any, memory_format: Any = None) -> torch.Tensor:
+    sizes = tuple(int(s) for s in size)
+    if memory_format is not None and memory_format != torch.contiguous_format:
+        strides = tuple(torch.empty(sizes, device="meta", memory_format=memory_format).stride())
+    else:
+        strides = storage.contiguous_strides(sizes)
+    needed = self.storage_offset() + storage.storage_numel(sizes, strides, 0)
+    st = storage.storage_of(self)
+    if needed * self.dtype.itemsize <= st.nbytes:
+        _torch_private.repoint(self, self.untyped_storage(), self.storage_offset(), sizes, strides)
+        return self
+    old = None if st.array is None or st.numel == 0 else storage.reinterpret(st.array, st.dtype, self.dtype)
+    fresh = storage.replace_storage(self, needed, sizes, strides)
+    if old is not None:
+        jnp = client.jax_module().numpy
+        fresh.array = jnp.zeros((needed,), old.dtype).at[: min(old.shape[0], needed)].set(old[:needed])
+    if self.storage_offset():
+        _torch_private.repoint(self, self.untyped_storage(), 0, sizes, strides)
+    return self
+
+
+def set_empty(self: torch.Tensor) -> torch.Tensor:
+    storage.replace_storage(self, 0, (0,), (1,))
+    return self
+
+
+# --- reads to the host ----------------------------------------------------------------------------
+
+
+def local_scalar_dense(self: torch.Tensor) -> Any:
+    return to_cpu(self).item()
+
+
+def equal(self: torch.Tensor, other: torch.Tensor) -> bool:
+    if self.shape != other.shape:
+        return False
+    return bool(torch.eq(self, other).all().item())
+
+
+SPECIAL: dict[Any, Any] = {
+    aten.copy_.default: copy_,
+    aten._copy_from.default: lambda self, dst, non_blocking=False: copy_(dst, self, non_blocking),
+    aten._copy_from_and_resize.default: lambda self, dst: copy_(dst.resize_(self.shape), self),
+    aten._to_copy.default: _to_copy,
+    aten.empty.memory_format: empty_memory_format,
+    aten.empty_strided.default: empty_strided,
+    aten.resize_.default: resize_,
+    aten.set_.default: set_empty,
+    aten._local_scalar_dense.default: local_scalar_dense,
+    aten.equal.default: equal,
+}
+
+
+# --- registration ----------------------------------------------------------------------------------
+
+
+def _is_view(op: torch._ops.OpOverload) -> bool:
+    returns = op._schema.returns
+    return bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns) and not (
+        op._schema.is_mutable
+    )
+
+
+def _metadata_kernel(op: torch._ops.OpOverload) -> Any:
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        return _torch_private.redispatch_cpu(op, *args, **kwargs)
+
+    return kernel
+
+
+def _aten_overloads() -> list[torch._ops.OpOverload]:
+    found = []
+    for qualified in torch._C._dispatch_get_all_op_names():
+        if not qualified.startswith("aten::"):
+            continue
+        name, _, overload = qualified[len("aten::"):].partition(".")
+        packet = getattr(aten, name, None)
+        if packet is None:
+            continue
+        try:
+            found.append(getattr(packet, overload or "default"))
+        except AttributeError:
+            continue
+    return found
+
+
+def register_all() -> list[torch.library.Library]:
+    """Register a PrivateUse1 kernel for every aten overload we can run."""
+    from torch_pjrt import ops  # noqa: F401 (fills the lowering table)
+
+    library = torch.library.Library("aten", "IMPL")
+    for op in _aten_overloads():
+        name = op.name()
+        if _torch_private.has_kernel(name, "CompositeImplicitAutograd"):
+            continue
+        if op in SPECIAL:
+            library.impl(op, SPECIAL[op], KEY)
+        elif _is_view(op) or op in METADATA_OPS:
+            if not _torch_private.has_kernel(name, "CompositeExplicitAutograd"):
+                library.impl(op, _metadata_kernel(op), KEY)
+        else:
+            plan = dispatch.plan_for(op)
+            if plan is not None:
+                library.impl(op, dispatch.make_kernel(plan), KEY)
+    return [library]
+
+
+METADATA_OPS = frozenset(
+    {
+        aten.set_.source_Storage,
+        aten.set_.source_Storage_storage_offset,
+        aten.set_.source_Tensor,
+        aten.as_strided_.default,
+    }
+)
+

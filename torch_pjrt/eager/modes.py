@@ -1,0 +1,75 @@
+"""The eager mode: how ops on pjrt tensors are executed."""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import os
+
+
+class EagerMode(enum.Enum):
+    """DEFER_NEVER: each op runs as its own cached program, asynchronously (the default).
+    DEFER_NEVER_AND_LAUNCH_BLOCKING: the same, waiting for each op to finish (debugging).
+    DEFER_AND_FUSE: ops are recorded and run fused at sync points (its own issue; not yet here).
+    """
+
+    DEFER_NEVER = "defer_never"
+    DEFER_NEVER_AND_LAUNCH_BLOCKING = "defer_never_and_launch_blocking"
+    DEFER_AND_FUSE = "defer_and_fuse"
+
+
+AVAILABLE = (EagerMode.DEFER_NEVER, EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING)
+
+
+def _from_environment() -> EagerMode:
+    if os.environ.get("TORCH_PJRT_LAUNCH_BLOCKING", "") not in ("", "0"):
+        return EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING
+    name = os.environ.get("TORCH_PJRT_EAGER_MODE", "").strip().lower()
+    if not name:
+        return EagerMode.DEFER_NEVER
+    try:
+        return _check(EagerMode(name))
+    except ValueError:
+        raise RuntimeError(
+            f"TORCH_PJRT_EAGER_MODE={name!r} is not a mode; use one of "
+            + ", ".join(m.value for m in AVAILABLE)
+            + "."
+        ) from None
+
+
+def _check(mode: EagerMode) -> EagerMode:
+    if mode not in AVAILABLE:
+        raise NotImplementedError(f"{mode} is not implemented yet; use one of {[m.name for m in AVAILABLE]}.")
+    return mode
+
+
+class _State:
+    mode: EagerMode = EagerMode.DEFER_NEVER
+    blocking: bool = False
+
+
+state = _State()
+
+
+def current() -> EagerMode:
+    return state.mode
+
+
+def _apply(mode: EagerMode) -> None:
+    state.mode = _check(EagerMode(mode))
+    state.blocking = state.mode is EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING
+
+
+class set_eager_mode(contextlib.AbstractContextManager):  # noqa: N801 (a function to users)
+    """Set the eager mode; also usable as `with torch.pjrt.set_eager_mode(mode):` to restore it."""
+
+    def __init__(self, mode: EagerMode | str) -> None:
+        self.previous = state.mode
+        _apply(EagerMode(mode) if not isinstance(mode, EagerMode) else mode)
+
+    def __exit__(self, *exc: object) -> None:
+        _apply(self.previous)
+
+
+def load_from_environment() -> None:
+    _apply(_from_environment())

@@ -1,0 +1,52 @@
+"""Copies, conversions and fills: the ops every other family leans on."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax.numpy as jnp
+import torch
+
+from torch_pjrt.ops.registry import register
+
+aten = torch.ops.aten
+
+
+@register(aten.copy.default)
+def copy(self: Any, src: Any, non_blocking: bool = False) -> Any:
+    return jnp.broadcast_to(src.astype(self.dtype), self.shape)
+
+
+@register(aten._to_copy.default)
+def _to_copy(self: Any, **_: Any) -> Any:
+    return self
+
+
+@register(aten.clone.default)
+def clone(self: Any, memory_format: Any = None) -> Any:
+    return self
+
+
+@register(aten.fill.Scalar, aten.fill.Tensor)
+def fill(self: Any, value: Any) -> Any:
+    return jnp.full(self.shape, value, self.dtype)
+
+
+@register(aten.zero.default)
+def zero(self: Any) -> Any:
+    return jnp.zeros_like(self)
+
+
+@register(aten.full.default)
+def full(size: Any, fill_value: Any, *, dtype: Any = None, **_: Any) -> Any:
+    return jnp.full(tuple(size), fill_value)
+
+
+@register(aten.ones.default)
+def ones(size: Any, **_: Any) -> Any:
+    return jnp.ones(tuple(size))
+
+
+@register(aten.zeros.default)
+def zeros(size: Any, **_: Any) -> Any:
+    return jnp.zeros(tuple(size))

@@ -1,0 +1,142 @@
+"""Lower ATen FX graphs with the lowering table (decompositions here, torch.compile later)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.fx
+from torch.utils import _pytree as pytree
+
+from torch_pjrt import storage
+from torch_pjrt.ops import registry
+from torch_pjrt.runtime import client
+
+
+def is_array(value: Any) -> bool:
+    return isinstance(value, client.jax_module().Array)
+
+
+def meta_like(array: Any) -> torch.Tensor:
+    return torch.empty(tuple(array.shape), dtype=storage.torch_dtype(array.dtype), device="meta")
+
+
+def conform(value: Any, meta: Any) -> Any:
+    """Cast a lowering's result to the dtype PyTorch's meta kernel gives, checking the shape."""
+    if isinstance(meta, torch.Tensor):
+        if value is None:
+            return None
+        jnp = client.jax_module().numpy
+        value = jnp.asarray(value)
+        want = storage.numpy_dtype(meta.dtype)
+        if value.dtype != want:
+            value = value.astype(want)
+        if tuple(value.shape) != tuple(meta.shape):
+            if value.size == meta.numel():
+                return value.reshape(tuple(meta.shape))
+            raise RuntimeError(
+                f"torch_pjrt lowering bug: result shape {tuple(value.shape)} but PyTorch expects "
+                f"{tuple(meta.shape)}; please report it."
+            )
+        return value
+    if isinstance(meta, (list, tuple)):
+        return type(meta)(conform(v, m) for v, m in zip(value, meta))
+    return value
+
+
+class KeySource:
+    """Hands out fresh PRNG keys split from one traced key, for the random ops of a graph."""
+
+    def __init__(self, key: Any) -> None:
+        self.key = key
+
+    def next(self) -> Any:
+        if self.key is None:
+            raise RuntimeError("torch_pjrt: a random op was traced without a random key.")
+        self.key, sub = client.jax_module().random.split(self.key)
+        return sub
+
+
+def call_lowering(op: Any, args: tuple, kwargs: dict, rng: KeySource | None, meta: Any = None) -> Any:
+    entry = registry.lookup(op)
+    if entry is None:
+        raise registry.MissingLowering(op)
+    extra = {}
+    if entry.random:
+        extra["rng"] = rng.next() if rng is not None else KeySource(None).next()
+    if entry.wants_meta:
+        extra["out_meta"] = meta
+    result = entry.fn(*args, **kwargs, **extra)
+    if result is NotImplemented:
+        raise registry.MissingLowering(op)
+    return result if meta is None else conform(result, meta)
+
+
+def run_graph(gm: torch.fx.GraphModule, inputs: list[Any], rng: KeySource | None = None) -> Any:
+    """Evaluate an ATen graph on jax values (traced inside the caller's jax.jit)."""
+    env: dict[torch.fx.Node, Any] = {}
+    feed: Iterator[Any] = iter(inputs)
+    jnp = client.jax_module().numpy
+
+    def load(arg: Any) -> Any:
+        return torch.fx.node.map_arg(arg, lambda n: env[n])
+
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            env[node] = next(feed)
+        elif node.op == "get_attr":
+            constant = getattr(gm, node.target)
+            env[node] = jnp.asarray(constant.detach().cpu().numpy()) if isinstance(constant, torch.Tensor) else constant
+        elif node.op == "call_function":
+            args, kwargs = load(node.args), load(node.kwargs)
+            if isinstance(node.target, torch._ops.OpOverload):
+                env[node] = call_lowering(node.target, args, kwargs, rng, node.meta.get("val"))
+            else:
+                env[node] = node.target(*args, **kwargs)
+        elif node.op == "output":
+            return load(node.args[0])
+        else:
+            raise RuntimeError(f"torch_pjrt cannot lower graph node {node.op} {node.target}.")
+    return None
+
+
+_traced: dict[Any, torch.fx.GraphModule] = {}
+
+
+def trace_to_graph(fn: Callable, metas: list[torch.Tensor]) -> torch.fx.GraphModule:
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    functional = torch.func.functionalize(fn, remove="mutations_and_views")
+    return make_fx(functional, tracing_mode="real")(*metas)
+
+
+def lower_callable(fn: Callable, args: tuple, kwargs: dict, rng: KeySource | None = None) -> Any:
+    """Trace a torch function of these arguments to an ATen graph and lower it on jax values."""
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    leaves = [torch.device("meta") if isinstance(leaf, torch.device) else leaf for leaf in leaves]
+    positions = [i for i, leaf in enumerate(leaves) if is_array(leaf)]
+    metas = [meta_like(leaves[i]) for i in positions]
+    static = tuple(None if i in positions else leaves[i] for i in range(len(leaves)))
+    key = (fn, spec, _hashable(static), tuple((m.shape, m.dtype) for m in metas))
+    gm = _traced.get(key)
+    if gm is None:
+
+        def traced(*tensors: torch.Tensor) -> Any:
+            filled = list(leaves)
+            for i, tensor in zip(positions, tensors):
+                filled[i] = tensor
+            a, k = pytree.tree_unflatten(filled, spec)
+            return fn(*a, **k)
+
+        gm = trace_to_graph(traced, metas)
+        _traced[key] = gm
+    return run_graph(gm, [leaves[i] for i in positions], rng)
+
+
+def _hashable(value: Any) -> Any:
+    try:
+        hash(value)
+        return value
+    except TypeError:
+        return repr(value)

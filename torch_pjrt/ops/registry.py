@@ -1,0 +1,175 @@
+"""The lowering table: ATen overload -> pure function of jax arrays.
+
+One table serves strict eager, fused execution and torch.compile graphs.
+
+Contract of a lowering: it takes the op's arguments in schema order, with every tensor
+replaced by a jax array (None stays None) and everything else as given. It returns
+what the *functional* form of the op returns: for an op that mutates arguments, first
+its non-aliasing returns, then the new value of each mutated argument in argument order
+(PyTorch's own functionalization rule). Result dtypes and shapes need not be exact:
+the caller casts to what PyTorch's meta kernel says.
+
+Where no lowering is written, PyTorch's decomposition of the op (torch._decomp) is
+traced to an ATen graph and that graph is lowered with this same table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch._ops import OpOverload, OpOverloadPacket
+
+aten = torch.ops.aten
+
+
+@dataclasses.dataclass(frozen=True)
+class Lowering:
+    fn: Callable[..., Any]
+    # A random op receives `rng=` (a jax PRNG key) as a keyword argument.
+    random: bool = False
+    # Scalars are normally traced (a changing learning rate must not recompile); ops whose
+    # result shape or structure depends on a Scalar's value mark them static.
+    static_scalars: bool = False
+    # The lowering needs the meta outputs (shapes/dtypes) as `out_meta=`.
+    wants_meta: bool = False
+
+
+LOWERINGS: dict[OpOverload, Lowering] = {}
+
+
+def _overloads(target: OpOverload | OpOverloadPacket) -> list[OpOverload]:
+    if isinstance(target, OpOverload):
+        return [target]
+    found = []
+    for name in target.overloads():
+        overload = getattr(target, name)
+        schema = overload._schema
+        if schema.is_mutable or any(a.alias_info is not None for a in schema.returns):
+            continue
+        if any(str(a.type) in ("int", "float", "complex", "bool") for a in schema.arguments) and not any(
+            "Tensor" in str(a.type) for a in schema.arguments
+        ):
+            continue
+        found.append(overload)
+    return found
+
+
+def register(*targets: OpOverload | OpOverloadPacket, random: bool = False,
+             static_scalars: bool = False, wants_meta: bool = False) -> Callable:
+    """Decorator: register a lowering for overloads (a packet means its functional overloads)."""
+
+    def decorate(fn: Callable) -> Callable:
+        entry = Lowering(fn, random, static_scalars, wants_meta)
+        for target in targets:
+            for overload in _overloads(target):
+                LOWERINGS[overload] = entry
+        return fn
+
+    return decorate
+
+
+# --- mutating ops and their functional counterparts ------------------------------------------
+
+
+def mutated_arguments(op: OpOverload) -> list[int]:
+    return [
+        i for i, a in enumerate(op._schema.arguments) if a.alias_info is not None and a.alias_info.is_write
+    ]
+
+
+def _argument_signature(op: OpOverload, skip: set[int]) -> list[tuple[str, str]]:
+    return [
+        (a.name, str(a.type).replace("Optional", ""))
+        for i, a in enumerate(op._schema.arguments)
+        if i not in skip
+    ]
+
+
+@functools.cache
+def functional_counterpart(op: OpOverload) -> OpOverload | None:
+    """The functional overload computing what a mutating op writes (add_.Tensor -> add.Tensor)."""
+    schema = op._schema
+    name = schema.name.split("::")[1]
+    namespace = getattr(torch.ops, schema.name.split("::")[0])
+    candidates = []
+    base = name[:-1] if name.endswith("_") else name
+    for packet_name in (base, base + "_functional", name + "_functional", base.lstrip("_") + "_functional"):
+        packet = getattr(namespace, packet_name, None)
+        if packet is not None and packet_name != name:
+            candidates.append(packet)
+    if not name.endswith("_"):
+        candidates.insert(0, getattr(namespace, name))
+    mutated = set(mutated_arguments(op))
+    wanted = _argument_signature(op, {i for i in mutated if op._schema.arguments[i].kwarg_only})
+    for packet in candidates:
+        preferred = [schema.overload_name] if schema.overload_name in packet.overloads() else []
+        for overload_name in preferred + [o for o in packet.overloads() if o not in preferred]:
+            overload = getattr(packet, overload_name)
+            if overload is op or overload._schema.is_mutable:
+                continue
+            if _argument_signature(overload, set()) == wanted:
+                return overload
+    return None
+
+
+# --- lookup, with decompositions --------------------------------------------------------------
+
+
+@functools.cache
+def _decompositions() -> dict[OpOverload, Callable]:
+    from torch._decomp import decomposition_table
+
+    return dict(decomposition_table)
+
+
+def lookup(op: OpOverload) -> Lowering | None:
+    """The lowering for an op: written by hand, else its functional counterpart's, else traced."""
+    entry = LOWERINGS.get(op)
+    if entry is not None:
+        return entry
+    if mutated_arguments(op):
+        functional = functional_counterpart(op)
+        if functional is not None:
+            entry = lookup(functional)
+            if entry is not None:
+                LOWERINGS[op] = entry
+                return entry
+    decomposition = _decompositions().get(op)
+    if decomposition is not None and not mutated_arguments(op):
+        entry = Lowering(decomposed(op, decomposition), random=is_random(op), static_scalars=True)
+        LOWERINGS[op] = entry
+        return entry
+    return None
+
+
+def has_lowering(op: OpOverload) -> bool:
+    return lookup(op) is not None
+
+
+class MissingLowering(NotImplementedError):
+    """An ATen op that the table cannot lower (raised at trace time)."""
+
+    def __init__(self, op: Any) -> None:
+        super().__init__(f"{op}")
+        self.op = op
+
+
+def decomposed(op: OpOverload, decomposition: Callable) -> Callable:
+    """A lowering that traces PyTorch's decomposition on meta tensors and lowers that graph."""
+
+    def lower(*args: Any, rng: Any = None, **kwargs: Any) -> Any:
+        from torch_pjrt.ops import graph
+
+        keys = graph.KeySource(rng) if rng is not None else None
+        return graph.lower_callable(decomposition, args, kwargs, keys)
+
+    lower.__name__ = f"decomposed_{op.name()}"
+    return lower
+
+
+def is_random(op: OpOverload) -> bool:
+    return torch.Tag.nondeterministic_seeded in op.tags

@@ -1,0 +1,106 @@
+"""The PJRT client: platform choice, devices, host<->device transfers.
+
+jax is configured here, once, before its first backend use: 64-bit types on (PyTorch
+has real float64/int64), the CPU device count, and the persistent compile cache.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+import numpy as np
+
+from torch_pjrt.runtime import metrics
+
+PLATFORM_ALIASES = {"cpu": "cpu", "cuda": "cuda", "gpu": "cuda", "tpu": "tpu", "rocm": "rocm"}
+
+
+def _default_cache_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "torch_pjrt")
+
+
+def cache_dir() -> str | None:
+    """The persistent compile cache folder, or None when TORCH_PJRT_CACHE_DIR=0 disables it."""
+    value = os.environ.get("TORCH_PJRT_CACHE_DIR")
+    if value == "0":
+        return None
+    return value or _default_cache_dir()
+
+
+@functools.cache
+def jax_module() -> Any:
+    """Import and configure jax on first device use (keeps `import torch` fast)."""
+    import jax
+
+    jax.config.update("jax_enable_x64", True)
+    cpu_devices = os.environ.get("TORCH_PJRT_CPU_DEVICES")
+    if cpu_devices:
+        jax.config.update("jax_num_cpu_devices", int(cpu_devices))
+    folder = cache_dir()
+    if folder:
+        jax.config.update("jax_compilation_cache_dir", os.path.join(folder, "xla"))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return jax
+
+
+@functools.cache
+def platform() -> str:
+    """The PJRT platform in use: TORCH_PJRT_PLATFORM, else the best one jaxlib finds."""
+    jax = jax_module()
+    wanted = os.environ.get("TORCH_PJRT_PLATFORM", "").strip().lower()
+    if wanted:
+        if wanted not in PLATFORM_ALIASES:
+            raise RuntimeError(
+                f"TORCH_PJRT_PLATFORM={wanted!r} is not a platform; use one of cpu, cuda, tpu."
+            )
+        name = PLATFORM_ALIASES[wanted]
+        try:
+            jax.devices(name)
+        except RuntimeError as error:
+            raise RuntimeError(
+                f"TORCH_PJRT_PLATFORM={wanted} but jaxlib finds no {name} devices ({error}); "
+                "install the jaxlib plugin for it or unset the variable."
+            ) from None
+        return name
+    return jax.default_backend()
+
+
+@functools.cache
+def devices() -> tuple[Any, ...]:
+    return tuple(jax_module().devices(platform()))
+
+
+def device_for(index: int | None) -> Any:
+    all_devices = devices()
+    index = 0 if index is None else index
+    if not 0 <= index < len(all_devices):
+        raise RuntimeError(
+            f"pjrt:{index} does not exist: this process has {len(all_devices)} pjrt device(s) "
+            f"on {platform()} (set TORCH_PJRT_CPU_DEVICES=N for more CPU devices)."
+        )
+    return all_devices[index]
+
+
+def to_device(value: np.ndarray, index: int) -> Any:
+    metrics.bump("transfers_to_device")
+    metrics.bump("bytes_to_device", value.nbytes)
+    return jax_module().device_put(value, device_for(index))
+
+
+def to_host(array: Any) -> np.ndarray:
+    metrics.bump("transfers_to_host")
+    value = np.asarray(array)
+    metrics.bump("bytes_to_host", value.nbytes)
+    return value
+
+
+def synchronize(arrays: Any = None) -> None:
+    """Wait for queued work: for the given arrays, or for every live array."""
+    jax = jax_module()
+    targets = arrays if arrays is not None else jax.live_arrays()
+    for array in targets:
+        array.block_until_ready()

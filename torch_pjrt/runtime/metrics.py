@@ -1,0 +1,54 @@
+"""Counters for everything the runtime does, readable as a dict or a table."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+COUNTER_NAMES = (
+    "compiles",
+    "compile_seconds",
+    "cache_hits",
+    "cache_misses",
+    "ops_executed",
+    "cpu_fallbacks",
+    "transfers_to_device",
+    "transfers_to_host",
+    "bytes_to_device",
+    "bytes_to_host",
+)
+
+_counts: Counter = Counter()
+op_counts: Counter = Counter()
+fallback_ops: Counter = Counter()
+
+
+def bump(name: str, amount: float = 1) -> None:
+    _counts[name] += amount
+
+
+def counters() -> dict[str, float]:
+    """The current value of every counter (all names always present)."""
+    values = {name: 0 for name in COUNTER_NAMES}
+    values.update(_counts)
+    return values
+
+
+def reset() -> None:
+    _counts.clear()
+    op_counts.clear()
+    fallback_ops.clear()
+
+
+def report() -> str:
+    """A readable table of the counters, the busiest ops and the ops that fell back to CPU."""
+    lines = ["torch_pjrt metrics", "-" * 40]
+    for name, value in counters().items():
+        shown = f"{value:.3f}" if isinstance(value, float) else str(value)
+        lines.append(f"{name:<28}{shown:>12}")
+    if op_counts:
+        lines += ["", "ops executed (top 20)", "-" * 40]
+        lines += [f"{op:<36}{n:>6}" for op, n in op_counts.most_common(20)]
+    if fallback_ops:
+        lines += ["", "ops run on CPU (fallback)", "-" * 40]
+        lines += [f"{op:<36}{n:>6}" for op, n in fallback_ops.most_common()]
+    return "\n".join(lines)

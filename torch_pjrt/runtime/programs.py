@@ -1,0 +1,57 @@
+"""Jitted programs and their cache, shared by strict eager, fused and compiled execution."""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Callable, Hashable
+from typing import Any
+
+from torch_pjrt.runtime import client, metrics
+
+
+class Program:
+    """One jitted function; its first call (trace + XLA compile) is timed and counted."""
+
+    __slots__ = ("call", "_jitted", "name")
+
+    def __init__(self, fn: Callable, name: str, donate: tuple[int, ...] = (), device_index: int | None = None) -> None:
+        jax = client.jax_module()
+        options: dict[str, Any] = {"donate_argnums": donate}
+        if device_index is not None:
+            options["out_shardings"] = jax.sharding.SingleDeviceSharding(client.device_for(device_index))
+        self._jitted = jax.jit(fn, **options)
+        self.name = name
+        self.call = self._first_call
+
+    def _first_call(self, *args: Any) -> Any:
+        start = time.perf_counter()
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+            result = self._jitted(*args)
+        metrics.bump("compiles")
+        metrics.bump("compile_seconds", time.perf_counter() - start)
+        self.call = self._jitted
+        return result
+
+    def lower_text(self, *args: Any) -> str:
+        return self._jitted.lower(*args).as_text()
+
+
+class ProgramCache:
+    """Programs by structural key; hits and misses are counted."""
+
+    def __init__(self) -> None:
+        self.entries: dict[Hashable, Any] = {}
+
+    def get(self, key: Hashable) -> Any:
+        entry = self.entries.get(key)
+        metrics.bump("cache_hits" if entry is not None else "cache_misses")
+        return entry
+
+    def put(self, key: Hashable, entry: Any) -> Any:
+        self.entries[key] = entry
+        return entry
+
+    def clear(self) -> None:
+        self.entries.clear()

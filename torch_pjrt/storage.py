@@ -1,0 +1,364 @@
+"""Device storages: a tensor is (storage, sizes, strides, offset) exactly as on CPU.
+
+Each PyTorch storage of a pjrt tensor carries a `DeviceStorage` that owns one flat 1-D
+jax array of its elements. Views are PyTorch's own metadata over that storage, so
+they alias like CUDA: reading a view is a slice/transpose (or, for odd strides, a
+gather) of the flat array; writing a view is an update of the flat array.
+The read and write functions here are pure jax and run inside jitted programs.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+
+from torch_pjrt import _torch_private
+from torch_pjrt.runtime import client
+
+TORCH_TO_NUMPY: dict[torch.dtype, Any] = {
+    torch.bool: np.bool_,
+    torch.uint8: np.uint8,
+    torch.uint16: np.uint16,
+    torch.uint32: np.uint32,
+    torch.uint64: np.uint64,
+    torch.int8: np.int8,
+    torch.int16: np.int16,
+    torch.int32: np.int32,
+    torch.int64: np.int64,
+    torch.float16: np.float16,
+    torch.float32: np.float32,
+    torch.float64: np.float64,
+    torch.complex64: np.complex64,
+    torch.complex128: np.complex128,
+}
+
+
+def numpy_dtype(dtype: torch.dtype) -> Any:
+    """The numpy/jax dtype holding a torch dtype's elements (bfloat16 through ml_dtypes)."""
+    if dtype is torch.bfloat16:
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    try:
+        return np.dtype(TORCH_TO_NUMPY[dtype])
+    except KeyError:
+        raise TypeError(
+            f"pjrt tensors cannot hold {dtype}; use one of "
+            + ", ".join(str(d) for d in [*TORCH_TO_NUMPY, torch.bfloat16])
+            + "."
+        ) from None
+
+
+def torch_dtype(dtype: Any) -> torch.dtype:
+    dtype = np.dtype(dtype)
+    if dtype.name == "bfloat16":
+        return torch.bfloat16
+    for key, value in TORCH_TO_NUMPY.items():
+        if np.dtype(value) == dtype:
+            return key
+    raise TypeError(f"no torch dtype for {dtype}")
+
+
+# --- memory accounting and fake addresses ------------------------------------------------
+
+_ADDRESS_BASE = 1 << 52
+_ALIGN = 64
+_address_lock = threading.Lock()
+_next_address = [_ADDRESS_BASE]
+
+
+def _new_address(nbytes: int) -> int:
+    with _address_lock:
+        address = _next_address[0]
+        _next_address[0] += max(_ALIGN, -(-nbytes // _ALIGN) * _ALIGN)
+    return address
+
+
+class MemoryStats:
+    """Bytes held by live pjrt storages, per device (what torch.cuda.memory_allocated counts)."""
+
+    def __init__(self) -> None:
+        self.allocated: dict[int, int] = {}
+        self.peak: dict[int, int] = {}
+        self.allocations: dict[int, int] = {}
+
+    def add(self, index: int, nbytes: int) -> None:
+        now = self.allocated.get(index, 0) + nbytes
+        self.allocated[index] = now
+        if now > self.peak.get(index, 0):
+            self.peak[index] = now
+        if nbytes > 0:
+            self.allocations[index] = self.allocations.get(index, 0) + 1
+
+    def reset_peak(self, index: int) -> None:
+        self.peak[index] = self.allocated.get(index, 0)
+
+
+memory = MemoryStats()
+
+
+class DeviceStorage:
+    """The device side of one PyTorch storage: a flat jax array, or None while uninitialised."""
+
+    __slots__ = ("array", "dtype", "numel", "device", "nbytes", "__weakref__")
+
+    def __init__(self, array: Any, dtype: torch.dtype, numel: int, device: torch.device) -> None:
+        self.array = array
+        self.dtype = dtype
+        self.numel = numel
+        self.device = device
+        self.nbytes = numel * dtype.itemsize
+        memory.add(device.index, self.nbytes)
+
+    def __del__(self) -> None:
+        memory.add(self.device.index, -self.nbytes)
+
+    def materialize(self) -> Any:
+        """The flat array; an uninitialised storage (torch.empty) reads as zeros."""
+        if self.array is None:
+            jax = client.jax_module()
+            zeros = np.zeros(self.numel, numpy_dtype(self.dtype))
+            self.array = jax.device_put(zeros, client.device_for(self.device.index))
+        return self.array
+
+
+def storage_of(tensor: torch.Tensor) -> DeviceStorage:
+    try:
+        return tensor.untyped_storage()._pjrt
+    except AttributeError:
+        raise RuntimeError(
+            f"this {tensor.device} tensor has no device storage (it was not made by torch_pjrt)."
+        ) from None
+
+
+def new_tensor(
+    array: Any,
+    dtype: torch.dtype,
+    device: torch.device,
+    sizes: Sequence[int],
+    strides: Sequence[int] | None = None,
+    numel: int | None = None,
+) -> torch.Tensor:
+    """Wrap a flat device array (or None: uninitialised) as a tensor with the given layout."""
+    if strides is None:
+        strides = contiguous_strides(sizes)
+    if numel is None:
+        numel = storage_numel(sizes, strides, 0)
+    nbytes = numel * dtype.itemsize
+    tensor, storage = _torch_private.new_tensor(
+        device, dtype, sizes, strides, 0, _new_address(nbytes), nbytes
+    )
+    storage._pjrt = DeviceStorage(array, dtype, numel, device)
+    return tensor
+
+
+def replace_storage(tensor: torch.Tensor, numel: int, sizes: Sequence[int], strides: Sequence[int]) -> DeviceStorage:
+    """Point a tensor at a new, larger storage (resize_), keeping nothing of the old one."""
+    device = tensor.device
+    nbytes = numel * tensor.dtype.itemsize
+    storage = _torch_private.new_storage(_new_address(nbytes), device, nbytes)
+    storage._pjrt = DeviceStorage(None, tensor.dtype, numel, device)
+    _torch_private.repoint(tensor, storage, 0, sizes, strides)
+    return storage._pjrt
+
+
+def contiguous_strides(sizes: Sequence[int]) -> tuple[int, ...]:
+    strides = []
+    running = 1
+    for size in reversed(sizes):
+        strides.append(running)
+        running *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def storage_numel(sizes: Sequence[int], strides: Sequence[int], offset: int) -> int:
+    """Elements a storage needs to hold this view (0 for an empty view)."""
+    if any(s == 0 for s in sizes):
+        return 0
+    return offset + 1 + sum((s - 1) * st for s, st in zip(sizes, strides))
+
+
+# --- views as pure jax -------------------------------------------------------------------
+
+
+class View(NamedTuple):
+    """How a tensor sits in its storage; part of every program's cache key."""
+
+    dtype: torch.dtype
+    sizes: tuple[int, ...]
+    strides: tuple[int, ...]
+    offset: int
+
+    def covers(self, storage_numel_: int) -> bool:
+        """True when the view is the whole storage in row-major order (zero-copy case)."""
+        return (
+            self.offset == 0
+            and math.prod(self.sizes) == storage_numel_
+            and self.strides == contiguous_strides(self.sizes)
+        )
+
+    def has_internal_overlap(self) -> bool:
+        return any(st == 0 and s > 1 for s, st in zip(self.sizes, self.strides))
+
+
+def view_of(tensor: torch.Tensor) -> View:
+    return View(tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset())
+
+
+def reinterpret(flat: Any, source: torch.dtype, target: torch.dtype) -> Any:
+    """Reinterpret the bytes of a flat array as another dtype (tensor.view(dtype), view_as_real)."""
+    if source == target:
+        return flat
+    jnp = client.jax_module().numpy
+    lax = client.jax_module().lax
+    if source.is_complex and target == source.to_real():
+        return jnp.stack([flat.real, flat.imag], axis=-1).reshape(-1)
+    if target.is_complex and source == target.to_real():
+        pairs = flat.reshape(-1, 2)
+        return lax.complex(pairs[:, 0], pairs[:, 1])
+    if source == torch.bool:
+        return reinterpret(flat.astype(np.uint8), torch.uint8, target)
+    if target == torch.bool:
+        return reinterpret(flat, source, torch.uint8).astype(np.bool_)
+    if source.is_complex or target.is_complex:
+        raise NotImplementedError(f"pjrt cannot reinterpret {source} storage as {target}.")
+    out_np = numpy_dtype(target)
+    if source.itemsize == target.itemsize:
+        return lax.bitcast_convert_type(flat, out_np)
+    if source.itemsize > target.itemsize:
+        return lax.bitcast_convert_type(flat, out_np).reshape(-1)
+    ratio = target.itemsize // source.itemsize
+    return lax.bitcast_convert_type(flat.reshape(-1, ratio), out_np)
+
+
+def _core_dims(view: View) -> list[int]:
+    """Dims that move through memory: size > 1 and a non-zero stride, by stride, outermost first."""
+    dims = [d for d, (s, st) in enumerate(zip(view.sizes, view.strides)) if s > 1 and st != 0]
+    return sorted(dims, key=lambda d: -view.strides[d])
+
+
+def _dense_plan(view: View) -> tuple[list[int], tuple[int, ...], int] | None:
+    """If the view is a strided box of a dense block, the block's shape and length."""
+    dims = _core_dims(view)
+    if not dims:
+        return dims, (), 1
+    strides = [view.strides[d] for d in dims]
+    sizes = [view.sizes[d] for d in dims]
+    if any(st < 0 for st in strides):
+        return None
+    base = [sizes[0]]
+    for outer, inner, size in zip(strides, strides[1:], sizes[1:]):
+        if outer % inner or size * inner > outer:
+            return None
+        base.append(outer // inner)
+    base.append(strides[-1])
+    return dims, tuple(base), sizes[0] * strides[0]
+
+
+def _gather_indices(view: View, dims: list[int]) -> Any:
+    jnp = client.jax_module().numpy
+    lax = client.jax_module().lax
+    shape = tuple(view.sizes[d] for d in dims)
+    index = jnp.full(shape, view.offset, dtype=np.int64)
+    for axis, d in enumerate(dims):
+        index = index + lax.broadcasted_iota(np.int64, shape, axis) * view.strides[d]
+    return index
+
+
+def _block(flat: Any, offset: int, length: int) -> Any:
+    jnp = client.jax_module().numpy
+    end = offset + length
+    if end > flat.shape[0]:
+        flat = jnp.pad(flat, (0, end - flat.shape[0]))
+    return flat[offset:end]
+
+
+def read_view(flat: Any, storage_dtype: torch.dtype, view: View) -> Any:
+    """The logical array a view shows (jax, traced)."""
+    jnp = client.jax_module().numpy
+    flat = reinterpret(flat, storage_dtype, view.dtype)
+    if math.prod(view.sizes) == 0:
+        return jnp.zeros(view.sizes, flat.dtype)
+    plan = _dense_plan(view)
+    if plan is not None:
+        dims, base, length = plan
+        if not dims:
+            core = flat[view.offset]
+        else:
+            block = _block(flat, view.offset, length).reshape(base)
+            index = (slice(None),) + tuple(slice(0, view.sizes[d]) for d in dims[1:]) + (0,)
+            core = block[index]
+    else:
+        dims = _core_dims(view)
+        core = flat[_gather_indices(view, dims)]
+    order = sorted(range(len(dims)), key=lambda i: dims[i])
+    core = jnp.transpose(core, order) if dims else core
+    kept = tuple(view.sizes[d] if d in dims else 1 for d in range(len(view.sizes)))
+    return jnp.broadcast_to(core.reshape(kept), view.sizes)
+
+
+def write_view(flat: Any, storage_dtype: torch.dtype, view: View, value: Any) -> Any:
+    """The storage's flat array after writing `value` (broadcast to the view) through the view."""
+    jnp = client.jax_module().numpy
+    value = jnp.broadcast_to(value.astype(numpy_dtype(view.dtype)), view.sizes)
+    if view.covers(flat.shape[0]) and view.dtype == storage_dtype:
+        return value.reshape(-1)
+    if math.prod(view.sizes) == 0:
+        return flat
+    typed = reinterpret(flat, storage_dtype, view.dtype)
+    dims = _core_dims(view)
+    index_of_first = tuple(0 if d not in dims else slice(None) for d in range(len(view.sizes)))
+    core = jnp.transpose(value[index_of_first], [sorted(dims).index(d) for d in dims]) if dims else value[
+        tuple(0 for _ in view.sizes)
+    ]
+    plan = _dense_plan(view)
+    if plan is not None and dims:
+        _, base, length = plan
+        end = view.offset + length
+        padded = typed if end <= typed.shape[0] else jnp.pad(typed, (0, end - typed.shape[0]))
+        block = padded[view.offset:end].reshape(base)
+        index = (slice(None),) + tuple(slice(0, view.sizes[d]) for d in dims[1:]) + (0,)
+        block = block.at[index].set(core)
+        updated = padded.at[view.offset:end].set(block.reshape(-1))[: typed.shape[0]]
+    else:
+        updated = typed.at[_gather_indices(view, dims)].set(core)
+    return reinterpret(updated, view.dtype, storage_dtype)
+
+
+def physical_order(sizes: Sequence[int], strides: Sequence[int]) -> tuple[int, ...] | None:
+    """The dim order that makes a dense non-overlapping layout row-major, if it is one."""
+    order = sorted(range(len(sizes)), key=lambda d: (-strides[d], -sizes[d]))
+    running = 1
+    for d in reversed(order):
+        if sizes[d] != 1 and strides[d] != running:
+            return None
+        running *= sizes[d]
+    return tuple(order)
+
+
+def pack(value: Any, sizes: Sequence[int], strides: Sequence[int]) -> Any:
+    """Lay a logical array out as the flat storage of a dense layout with these strides."""
+    jnp = client.jax_module().numpy
+    order = physical_order(sizes, strides)
+    if order is None or order == tuple(range(len(sizes))):
+        return jnp.reshape(value, (-1,))
+    return jnp.reshape(jnp.transpose(value, order), (-1,))
+
+
+def is_dense(sizes: Sequence[int], strides: Sequence[int]) -> bool:
+    return physical_order(sizes, strides) is not None
+
+
+def iter_tensors(values: Any) -> Any:
+    """Every tensor in a (possibly nested list/tuple) argument structure."""
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, (list, tuple)):
+            yield from iter_tensors(value)
+
