@@ -277,8 +277,16 @@ def mem_get_info(device: Any = None) -> tuple[int, int]:
 # device. An Event marks the last program issued when it is recorded.
 
 
-def note_output(index: int, array: Any) -> None:
-    _last_output[index] = array
+def note_output(index: int, outputs: Any) -> None:
+    """Remember the newest program's results on a device (what an Event waits for)."""
+    _last_output[index] = outputs
+
+
+def _is_ready(outputs: Any) -> bool:
+    if outputs is None:
+        return True
+    leaves = _client().jax_module().tree_util.tree_leaves(outputs)
+    return all(leaf.is_ready() for leaf in leaves)
 
 
 class Stream:
@@ -301,8 +309,7 @@ class Stream:
         return event
 
     def query(self) -> bool:
-        array = _last_output.get(self.device.index)
-        return array is None or array.is_ready()
+        return _is_ready(_last_output.get(self.device.index))
 
     def __enter__(self) -> Stream:
         return self
@@ -331,11 +338,11 @@ class Event:
         self.recorded = True
 
     def query(self) -> bool:
-        return self.array is None or self.array.is_ready()
+        return _is_ready(self.array)
 
     def synchronize(self) -> None:
         if self.array is not None:
-            self.array.block_until_ready()
+            _client().jax_module().block_until_ready(self.array)
         if self.completed_at is None:
             self.completed_at = time.perf_counter()
 

@@ -21,7 +21,9 @@ import numpy as np
 import torch
 from torch._ops import OpOverload
 
+from torch_pjrt import device as device_module
 from torch_pjrt import storage
+from torch_pjrt.eager import modes
 from torch_pjrt.ops import graph, registry
 from torch_pjrt.runtime import client, metrics, programs, rng
 from torch_pjrt.storage import View
@@ -172,18 +174,22 @@ class Scan:
             f"{self.device or 'pjrt:0'} and {device}!"
         )
 
+    def number(self, value: Any) -> Any:
+        """A Python number: traced (its type in the key), unless the op wants it static."""
+        if value is None or self.plan.static_scalars or isinstance(value, torch.SymInt):
+            return ("static", value)
+        self.dynamic.append(value)
+        return type(value)
+
     def value(self, kind: Arg, value: Any) -> Any:
-        if kind is Arg.TENSOR:
-            return None if value is None else self.tensor(value)
+        if kind is Arg.TENSOR or kind is Arg.SCALAR:
+            if value is None:
+                return None if kind is Arg.TENSOR else ("static", None)
+            if isinstance(value, torch.Tensor):
+                return self.tensor(value)
+            return self.number(value)
         if kind is Arg.TENSOR_LIST:
             return tuple(None if v is None else self.tensor(v) for v in value)
-        if kind is Arg.SCALAR:
-            if value is None or self.plan.static_scalars or isinstance(value, torch.SymInt):
-                return ("static", value)
-            if isinstance(value, torch.Tensor):
-                return ("scalar-tensor", self.tensor(value))
-            self.dynamic.append(value)
-            return type(value)
         if kind is Arg.SCALAR_LIST:
             if value is None or self.plan.static_scalars:
                 return ("static", None if value is None else tuple(value))
@@ -221,12 +227,10 @@ def _meta_tensor(view: View) -> torch.Tensor:
 
 
 def _meta_value(kind: Arg, value: Any, described: Any) -> Any:
-    if kind is Arg.TENSOR:
-        return None if value is None else _meta_from(value, described)
+    if kind is Arg.TENSOR or kind is Arg.SCALAR:
+        return _meta_from(value, described) if isinstance(value, torch.Tensor) else value
     if kind is Arg.TENSOR_LIST:
         return [None if v is None else _meta_from(v, d) for v, d in zip(value, described)]
-    if kind is Arg.SCALAR and isinstance(value, torch.Tensor):
-        return _meta_from(value, described[1])
     if kind is Arg.GENERATOR:
         return None
     if kind is Arg.DEVICE and value is not None:
@@ -328,16 +332,16 @@ def _build(plan: OpPlan, scan: Scan, values: list[Any], described: list[Any]) ->
         key = next(dynamic) if random else None
 
         def arg(kind: Arg, desc: Any) -> Any:
-            if kind is Arg.TENSOR:
-                return None if desc is None else leaf(desc)
+            if kind is Arg.TENSOR or kind is Arg.SCALAR:
+                if desc is None:
+                    return None
+                if isinstance(desc, type):
+                    return next(dynamic)
+                if desc[0] == "static":
+                    return desc[1]
+                return leaf(desc)
             if kind is Arg.TENSOR_LIST:
                 return [None if d is None else leaf(d) for d in desc]
-            if kind is Arg.SCALAR:
-                if isinstance(desc, tuple) and desc and desc[0] == "static":
-                    return desc[1]
-                if isinstance(desc, tuple) and desc and desc[0] == "scalar-tensor":
-                    return leaf(desc[1])
-                return next(dynamic)
             if kind is Arg.SCALAR_LIST:
                 if isinstance(desc, tuple) and desc and desc[0] == "static":
                     return None if desc[1] is None else list(desc[1])
@@ -407,8 +411,6 @@ _cache = programs.ProgramCache()
 
 def _target_device(values: list[Any], plan: OpPlan, found: torch.device | None) -> torch.device:
     """Where results go: an explicit pjrt device argument, else the inputs' device."""
-    from torch_pjrt import device as device_module
-
     for kind, value in zip(plan.kinds, values):
         if kind is Arg.DEVICE and value is not None:
             device = torch.device(value)
@@ -430,11 +432,17 @@ def _random_key(plan: OpPlan, values: list[Any], device: torch.device) -> np.nda
 def generator_key(generator: torch.Generator) -> np.ndarray:
     """A key drawn from a user's torch.Generator (advancing it), so it is honoured."""
     if generator.device.type == PJRT:
-        from torch_pjrt import device as device_module
-
         return device_module.generator_key(generator)
     seed = int(torch.randint(0, 2**62, (), generator=generator, device=generator.device))
     return rng.raw_key(seed, 0)
+
+
+def _inputs(entry: Entry, scan: Scan, plan: OpPlan, values: list[Any]) -> list[Any]:
+    inputs = [scan.storages[s].array for s in entry.passed_slots]
+    if entry.random:
+        inputs.append(_random_key(plan, values, scan.device))
+    inputs.extend(scan.dynamic)
+    return inputs
 
 
 def execute(plan: OpPlan, args: tuple, kwargs: dict) -> Any:
@@ -449,13 +457,25 @@ def execute(plan: OpPlan, args: tuple, kwargs: dict) -> Any:
     except TypeError:
         raise TypeError(f"torch_pjrt: unhashable argument to {plan.op}: {values!r}") from None
     if entry is None:
-        entry = _cache.put(key, _build(plan, scan, values, described))
-    inputs = [scan.storages[s].array for s in entry.passed_slots]
-    if entry.random:
-        inputs.append(_random_key(plan, values, scan.device))
-    inputs.extend(scan.dynamic)
-    fresh, resized_values, updated = entry.program.call(*inputs)
+        try:
+            entry = _build(plan, scan, values, described)
+            outputs = entry.program.call(*_inputs(entry, scan, plan, values))
+        except registry.MissingLowering as missing:
+            from torch_pjrt.eager import fallback
+
+            if fallback.cpu_fallback_enabled():
+                return fallback.run_on_cpu(plan.op, args, kwargs)
+            detail = "" if missing.op == plan.op else f" (its decomposition reaches {missing.op})"
+            raise NotImplementedError(fallback.missing_message(plan.op) + detail) from None
+        _cache.put(key, entry)
+    else:
+        outputs = entry.program.call(*_inputs(entry, scan, plan, values))
+    fresh, resized_values, updated = outputs
     metrics.bump("ops_executed")
+    metrics.op_counts[plan.op] += 1
+    if modes.state.blocking:
+        client.jax_module().block_until_ready(outputs)
+    device_module.note_output(scan.device.index, outputs)
     for slot, array in zip(entry.mutated_slots, updated):
         scan.storages[slot].array = array
     if entry.resized:

@@ -64,10 +64,8 @@ def run_on_cpu(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
     if name not in _warned:
         _warned.add(name)
         warnings.warn(f"torch_pjrt: {name} has no pjrt lowering and runs on CPU (copies both ways).", stacklevel=3)
-    device = next(
-        (t.device for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.device.type == "pjrt"),
-        None,
-    )
+    leaves = pytree.tree_leaves((args, kwargs))
+    device = next((t.device for t in leaves if isinstance(t, torch.Tensor) and t.device.type == "pjrt"), None)
 
     def to_cpu(value: Any) -> Any:
         if isinstance(value, torch.Tensor) and value.device.type == "pjrt":

@@ -232,14 +232,16 @@ def _aten_overloads() -> list[torch._ops.OpOverload]:
 def register_all() -> list[torch.library.Library]:
     """Register a PrivateUse1 kernel for every aten overload we can run."""
     from torch_pjrt import ops  # noqa: F401 (fills the lowering table)
+    from torch_pjrt.eager import data_dependent
 
+    special = {**SPECIAL, **data_dependent.KERNELS}
     library = torch.library.Library("aten", "IMPL")
     for op in _aten_overloads():
         name = op.name()
         if _torch_private.has_kernel(name, "CompositeImplicitAutograd"):
             continue
-        if op in SPECIAL:
-            library.impl(op, SPECIAL[op], KEY)
+        if op in special:
+            library.impl(op, special[op], KEY)
         elif _is_view(op) or op in METADATA_OPS:
             if not _torch_private.has_kernel(name, "CompositeExplicitAutograd"):
                 library.impl(op, _metadata_kernel(op), KEY)

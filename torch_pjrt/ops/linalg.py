@@ -1,0 +1,9 @@
+"""Matrix products and torch.linalg."""
+
+from __future__ import annotations
+
+import torch
+
+from torch_pjrt.ops.registry import register  # noqa: F401
+
+aten = torch.ops.aten

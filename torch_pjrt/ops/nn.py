@@ -1,0 +1,9 @@
+"""Neural-network ops: activations, norms, pooling, interpolation, embedding, losses, attention, padding."""
+
+from __future__ import annotations
+
+import torch
+
+from torch_pjrt.ops.registry import register  # noqa: F401
+
+aten = torch.ops.aten

@@ -1,0 +1,9 @@
+"""sort, argsort, topk, kthvalue, median, searchsorted, unique (static parts)."""
+
+from __future__ import annotations
+
+import torch
+
+from torch_pjrt.ops.registry import register  # noqa: F401
+
+aten = torch.ops.aten
