@@ -13,6 +13,20 @@ def _tag(obj: Any) -> str | None:
     return None
 
 
+def storage_to_pjrt(storage: Any, device: Any = None) -> torch.UntypedStorage:
+    """A pjrt copy of a CPU storage's bytes (PyTorch's generated `.pjrt()` would need a C++ allocator)."""
+    from torch_pjrt.eager import kernels
+
+    device = torch.device("pjrt" if device is None else device)
+    if isinstance(device, int):
+        device = torch.device("pjrt", device)
+    untyped = storage.untyped() if hasattr(storage, "untyped") else storage
+    if untyped.device.type == "pjrt":
+        return untyped
+    data = torch.empty(0, dtype=torch.uint8).set_(untyped)
+    return kernels.to_pjrt(data, kernels.resolve_device(device)).untyped_storage()
+
+
 def _deserialize(obj: Any, location: str) -> Any:
     if not location.startswith("pjrt"):
         return None
@@ -21,8 +35,14 @@ def _deserialize(obj: Any, location: str) -> Any:
     index = torch.device(location).index or 0
     if index >= device_module.device_count():
         index = 0
-    return obj.pjrt(index) if hasattr(obj, "pjrt") else obj
+    return storage_to_pjrt(obj, torch.device("pjrt", index))
+
+
+def _storage_method(self: Any, device: Any = None, non_blocking: bool = False, **kwargs: Any) -> Any:
+    return storage_to_pjrt(self, torch.device("pjrt", device) if isinstance(device, int) else device)
 
 
 def register() -> None:
-    torch.serialization.register_package(30, _tag, _deserialize)
+    # Before PyTorch's own PrivateUse1 entry (23), whose storage.to(device) needs a C++ allocator.
+    torch.serialization.register_package(15, _tag, _deserialize)
+    torch.UntypedStorage.pjrt = _storage_method

@@ -34,7 +34,7 @@ def host_array(tensor: torch.Tensor) -> np.ndarray:
 
 def host_tensor(array: np.ndarray) -> torch.Tensor:
     if array.dtype.name == "bfloat16":
-        return torch.from_numpy(np.ascontiguousarray(array).view(np.int16)).view(torch.bfloat16)
+        return torch.from_numpy(np.array(array, copy=True).view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(np.array(array, copy=True))
 
 
@@ -51,7 +51,7 @@ def to_cpu(tensor: torch.Tensor) -> torch.Tensor:
     return host_tensor(client.to_host(dispatch.read(tensor)))
 
 
-def _resolve_index(device: Any) -> torch.device:
+def resolve_device(device: Any) -> torch.device:
     from torch_pjrt import device as device_module
 
     device = torch.device(device)
@@ -111,7 +111,7 @@ def _to_copy(
     if target.type == "cpu":
         result = to_cpu(self).to(dtype)
         return result.pin_memory() if pin_memory else result
-    target = _resolve_index(target)
+    target = resolve_device(target)
     if self.device.type == "cpu":
         return to_pjrt(self, target, dtype)
     source = self if target == self.device else to_device_tensor(self, target)
@@ -131,7 +131,7 @@ def empty_memory_format(
         raise RuntimeError(f"Trying to create tensor with negative dimension {min(sizes)}: {list(sizes)}")
     storage.numpy_dtype(dtype)
     meta = torch.empty(sizes, dtype=dtype, device="meta", memory_format=memory_format or torch.contiguous_format)
-    return storage.new_tensor(None, dtype, _resolve_index(device or "pjrt"), sizes, tuple(meta.stride()))
+    return storage.new_tensor(None, dtype, resolve_device(device or "pjrt"), sizes, tuple(meta.stride()))
 
 
 def empty_strided(
@@ -140,7 +140,7 @@ def empty_strided(
     dtype = dtype or torch.get_default_dtype()
     storage.numpy_dtype(dtype)
     sizes, strides = tuple(int(s) for s in size), tuple(int(s) for s in stride)
-    return storage.new_tensor(None, dtype, _resolve_index(device or "pjrt"), sizes, strides)
+    return storage.new_tensor(None, dtype, resolve_device(device or "pjrt"), sizes, strides)
 
 
 def resize_(self: torch.Tensor, size: Any, memory_format: Any = None) -> torch.Tensor:
