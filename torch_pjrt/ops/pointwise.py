@@ -1,9 +1,575 @@
-"""Elementwise math, comparisons, logic, bitwise ops, where/clamp/lerp, special functions."""
+"""Elementwise math, comparisons, logic, bitwise ops, where/clamp/lerp, special functions.
+
+Operands are first brought to PyTorch's *computation* dtype (its type promotion, with
+float16/bfloat16 computed in float32 like PyTorch's opmath); the caller casts the result
+to the dtype PyTorch's meta kernel gives.
+"""
 
 from __future__ import annotations
 
-import torch
+import math
+from collections.abc import Callable
+from typing import Any
 
-from torch_pjrt.ops.registry import register  # noqa: F401
+import jax
+import jax.numpy as jnp
+import jax.scipy.special as jss
+import numpy as np
+import torch
+from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND as KIND
+from torch._prims_common import elementwise_dtypes
+
+from torch_pjrt import storage
+from torch_pjrt.ops.registry import register
 
 aten = torch.ops.aten
+
+_PYTHON_SAMPLE = {"b": False, "i": 0, "u": 0, "f": 0.0, "c": 0j}
+
+
+def _stand_in(value: Any) -> Any:
+    """What PyTorch's promotion sees for an operand: a number for weak scalars, else a meta tensor."""
+    if isinstance(value, (bool, int, float, complex)):
+        return value
+    dtype = np.dtype(value.dtype)
+    if value.ndim == 0 and jax.typeof(value).weak_type:
+        return _PYTHON_SAMPLE["f" if dtype.name == "bfloat16" else dtype.kind]
+    return torch.empty(() if value.ndim == 0 else (0,), dtype=storage.torch_dtype(dtype), device="meta")
+
+
+def promote(*args: Any, kind: KIND = KIND.DEFAULT, exact: bool = False) -> list[Any]:
+    """Operands cast to PyTorch's computation dtype (its result dtype when `exact`); None stays."""
+    samples = [_stand_in(a) for a in args if a is not None]
+    computation, result = elementwise_dtypes(*samples, type_promotion_kind=kind)
+    dtype = storage.numpy_dtype(result if exact else computation)
+    return [None if a is None else jnp.asarray(a, dtype) for a in args]
+
+
+def is_integral(x: Any) -> bool:
+    return np.dtype(x.dtype).kind in "biu"
+
+
+def is_complex(x: Any) -> bool:
+    return np.dtype(x.dtype).kind == "c"
+
+
+def _unary(fn: Callable, kind: KIND) -> Callable:
+    def lowering(self: Any) -> Any:
+        (x,) = promote(self, kind=kind)
+        return fn(x)
+
+    lowering.__name__ = getattr(fn, "__name__", "unary")
+    return lowering
+
+
+def _binary(fn: Callable, kind: KIND) -> Callable:
+    def lowering(self: Any, other: Any) -> Any:
+        return fn(*promote(self, other, kind=kind))
+
+    lowering.__name__ = getattr(fn, "__name__", "binary")
+    return lowering
+
+
+# --- arithmetic --------------------------------------------------------------------------------
+
+
+@register(aten.add.Tensor, aten.add.Scalar)
+def add(self: Any, other: Any, alpha: Any = 1) -> Any:
+    a, b, alpha = promote(self, other, alpha)
+    return a + alpha * b
+
+
+@register(aten.sub.Tensor, aten.sub.Scalar)
+def sub(self: Any, other: Any, alpha: Any = 1) -> Any:
+    a, b, alpha = promote(self, other, alpha)
+    return a - alpha * b
+
+
+@register(aten.rsub.Tensor, aten.rsub.Scalar)
+def rsub(self: Any, other: Any, alpha: Any = 1) -> Any:
+    return sub(other, self, alpha)
+
+
+@register(aten.mul.Tensor, aten.mul.Scalar)
+def mul(self: Any, other: Any) -> Any:
+    a, b = promote(self, other)
+    if a.dtype == np.bool_:
+        return a & b
+    return a * b
+
+
+def _trunc_divide(a: Any, b: Any) -> Any:
+    if is_integral(a):
+        return jax.lax.div(a, b)
+    return jnp.trunc(a / b)
+
+
+def _floor_divide(a: Any, b: Any) -> Any:
+    """Python's floor division; floats follow PyTorch's fmod-based formula (exact quotients)."""
+    if is_integral(a):
+        return jnp.floor_divide(a, b)
+    mod = jnp.fmod(a, b)
+    div = (a - mod) / b
+    div = jnp.where((mod != 0) & ((b < 0) != (mod < 0)), div - 1, div)
+    floored = jnp.floor(div)
+    floored = jnp.where(div - floored > 0.5, floored + 1, floored)
+    floored = jnp.where(div == 0, jnp.copysign(jnp.zeros_like(div), a / b), floored)
+    return jnp.where(b == 0, a / b, floored)
+
+
+@register(aten.div.Tensor, aten.div.Scalar)
+def div(self: Any, other: Any) -> Any:
+    a, b = promote(self, other, kind=KIND.INT_TO_FLOAT)
+    return a / b
+
+
+@register(aten.div.Tensor_mode, aten.div.Scalar_mode)
+def div_mode(self: Any, other: Any, *, rounding_mode: str | None = None) -> Any:
+    if rounding_mode is None:
+        return div(self, other)
+    a, b = promote(self, other)
+    if rounding_mode == "trunc":
+        return _trunc_divide(a, b)
+    if rounding_mode == "floor":
+        return _floor_divide(a, b)
+    raise NotImplementedError(f"div: unknown rounding_mode {rounding_mode!r}")
+
+
+@register(aten.floor_divide.default, aten.floor_divide.Scalar)
+def floor_divide(self: Any, other: Any) -> Any:
+    return _floor_divide(*promote(self, other))
+
+
+@register(aten.remainder.Tensor, aten.remainder.Scalar, aten.remainder.Scalar_Tensor)
+def remainder(self: Any, other: Any) -> Any:
+    """The remainder takes the divisor's sign (Python's %)."""
+    a, b = promote(self, other)
+    mod = jnp.fmod(a, b)
+    return jnp.where((mod != 0) & ((b < 0) != (mod < 0)), mod + b, mod)
+
+
+@register(aten.fmod.Tensor, aten.fmod.Scalar)
+def fmod(self: Any, other: Any) -> Any:
+    return jnp.fmod(*promote(self, other))
+
+
+def _integer_power(base: Any, exponent: Any) -> Any:
+    """Integer powers; negative exponents give 0 except for bases 1 and -1 (as PyTorch)."""
+    positive = jnp.power(base, jnp.maximum(exponent, 0))
+    odd = (exponent % 2) != 0
+    one = jnp.ones_like(positive)
+    negative = jnp.where(base == 1, one, jnp.where(base == -1, jnp.where(odd, -one, one), 0 * one))
+    return jnp.where(exponent < 0, negative, positive)
+
+
+@register(aten.pow.Tensor_Tensor, aten.pow.Tensor_Scalar, aten.pow.Scalar)
+def pow(self: Any, exponent: Any) -> Any:  # noqa: A001
+    a, b = promote(self, exponent)
+    if a.dtype == np.bool_:
+        return a | ~b
+    if is_integral(a):
+        return _integer_power(a, b)
+    return jnp.power(a, b)
+
+
+@register(aten.neg.default)
+def neg(self: Any) -> Any:
+    return -self
+
+
+@register(aten.abs.default)
+def abs(self: Any) -> Any:  # noqa: A001
+    if self.dtype == np.bool_:
+        return self
+    return jnp.abs(self)
+
+
+@register(aten.sign.default)
+def sign(self: Any) -> Any:
+    """NaN maps to 0, as PyTorch's (0 < x) - (x < 0)."""
+    if self.dtype == np.bool_:
+        return self
+    return jnp.where(jnp.isnan(self), 0, jnp.sign(self)) if not is_integral(self) else jnp.sign(self)
+
+
+@register(aten.sgn.default)
+def sgn(self: Any) -> Any:
+    if not is_complex(self):
+        return sign(self)
+    magnitude = jnp.abs(self)
+    return jnp.where(magnitude == 0, 0, self / jnp.where(magnitude == 0, 1, magnitude))
+
+
+@register(aten.square.default)
+def square(self: Any) -> Any:
+    (x,) = promote(self, kind=KIND.BOOL_TO_LONG)
+    return x * x
+
+
+def _float_rounding(fn: Callable) -> Callable:
+    def lowering(self: Any) -> Any:
+        return self if is_integral(self) else fn(self)
+
+    lowering.__name__ = fn.__name__
+    return lowering
+
+
+def _frac(x: Any) -> Any:
+    return x - jnp.trunc(x)
+
+
+for _op, _fn in {
+    aten.floor.default: jnp.floor, aten.ceil.default: jnp.ceil, aten.round.default: jnp.round,
+    aten.trunc.default: jnp.trunc, aten.frac.default: _frac,
+}.items():
+    register(_op)(_float_rounding(_fn))
+
+
+@register(aten.round.decimals)
+def round_decimals(self: Any, *, decimals: int = 0) -> Any:
+    """Half to even at 10**-decimals, scaled the way PyTorch does it."""
+    if is_integral(self):
+        return self
+    (x,) = promote(self)
+    if decimals == 0:
+        return jnp.round(x)
+    if decimals > 0:
+        scale = 10.0**decimals
+        return jnp.round(x * scale) / scale
+    scale = 10.0 ** (-decimals)
+    return jnp.round(x / scale) * scale
+
+
+# --- transcendental and special functions ----------------------------------------------------
+
+
+def _rsqrt(x: Any) -> Any:
+    return jax.lax.rsqrt(x)
+
+
+def _exp2(x: Any) -> Any:
+    return jnp.exp2(x)
+
+
+def _sigmoid(x: Any) -> Any:
+    return jax.nn.sigmoid(x)
+
+
+def _digamma(x: Any) -> Any:
+    """PyTorch: digamma(+-0) = -+inf."""
+    return jnp.where(x == 0, jnp.copysign(jnp.inf, -x), jax.lax.digamma(x))
+
+
+def _i0(x: Any) -> Any:
+    return jss.i0(x)
+
+
+def _deg2rad(x: Any) -> Any:
+    return x * (math.pi / 180)
+
+
+def _rad2deg(x: Any) -> Any:
+    return x * (180 / math.pi)
+
+
+def _reciprocal(x: Any) -> Any:
+    return 1 / x
+
+
+def _entr(x: Any) -> Any:
+    return jnp.where(x > 0, -x * jnp.log(jnp.where(x > 0, x, 1)), jnp.where(x == 0, 0.0, -jnp.inf * (x == x)))
+
+
+def _angle(x: Any) -> Any:
+    if is_complex(x):
+        return jnp.angle(x)
+    return jnp.where(jnp.isnan(x), x, jnp.where(x < 0, math.pi, 0.0))
+
+
+FLOAT_UNARY: dict[Any, Callable] = {
+    aten.sqrt.default: jnp.sqrt, aten.rsqrt.default: _rsqrt, aten.exp.default: jnp.exp,
+    aten.exp2.default: _exp2, aten.expm1.default: jnp.expm1, aten.log.default: jnp.log,
+    aten.log2.default: jnp.log2, aten.log10.default: jnp.log10, aten.log1p.default: jnp.log1p,
+    aten.sin.default: jnp.sin, aten.cos.default: jnp.cos, aten.tan.default: jnp.tan,
+    aten.asin.default: jnp.arcsin, aten.acos.default: jnp.arccos, aten.atan.default: jnp.arctan,
+    aten.sinh.default: jnp.sinh, aten.cosh.default: jnp.cosh, aten.tanh.default: jnp.tanh,
+    aten.asinh.default: jnp.arcsinh, aten.acosh.default: jnp.arccosh, aten.atanh.default: jnp.arctanh,
+    aten.sigmoid.default: _sigmoid, aten.erf.default: jss.erf, aten.erfc.default: jss.erfc,
+    aten.erfinv.default: jss.erfinv, aten.lgamma.default: jax.lax.lgamma, aten.digamma.default: _digamma,
+    aten.i0.default: _i0, aten.special_i0e.default: jss.i0e, aten.special_i1.default: jss.i1,
+    aten.special_i1e.default: jss.i1e, aten.special_ndtri.default: jss.ndtri, aten.special_ndtr.default: jss.ndtr,
+    aten.special_log_ndtr.default: jss.log_ndtr, aten.special_erfcx.default: jss.erfcx,
+    aten.special_entr.default: _entr, aten.special_modified_bessel_i0.default: _i0,
+    aten.special_modified_bessel_i1.default: jss.i1, aten.deg2rad.default: _deg2rad,
+    aten.rad2deg.default: _rad2deg, aten.sinc.default: jnp.sinc, aten.reciprocal.default: _reciprocal,
+    aten.angle.default: _angle,
+}
+
+for _op, _fn in FLOAT_UNARY.items():
+    register(_op)(_unary(_fn, KIND.INT_TO_FLOAT))
+
+
+@register(aten.conj_physical.default)
+def conj_physical(self: Any) -> Any:
+    return jnp.conj(self) if is_complex(self) else self
+
+
+@register(aten.logit.default)
+def logit(self: Any, eps: float | None = None) -> Any:
+    (x,) = promote(self, kind=KIND.INT_TO_FLOAT)
+    if eps is not None:
+        x = jnp.clip(x, eps, 1 - eps)
+    return jnp.log(x / (1 - x))
+
+
+@register(aten.polygamma.default)
+def polygamma(n: int, self: Any) -> Any:
+    (x,) = promote(self, kind=KIND.INT_TO_FLOAT)
+    if n == 0:
+        return _digamma(x)
+    return jss.polygamma(n, x)
+
+
+def _xlogy(x: Any, y: Any) -> Any:
+    """0 where x == 0 unless y is NaN."""
+    return jnp.where(jnp.isnan(y), y, jnp.where(x == 0, 0, x * jnp.log(y)))
+
+
+def _xlog1py(x: Any, y: Any) -> Any:
+    return jnp.where(jnp.isnan(y), y, jnp.where(x == 0, 0, x * jnp.log1p(y)))
+
+
+def _nextafter(x: Any, y: Any) -> Any:
+    return jnp.nextafter(x, y)
+
+
+FLOAT_BINARY: dict[Any, Callable] = {
+    aten.atan2.default: jnp.arctan2, aten.hypot.default: jnp.hypot,
+    aten.copysign.Tensor: jnp.copysign, aten.copysign.Scalar: jnp.copysign,
+    aten.logaddexp.default: jnp.logaddexp, aten.logaddexp2.default: jnp.logaddexp2,
+    aten.xlogy.Tensor: _xlogy, aten.xlogy.Scalar_Other: _xlogy, aten.xlogy.Scalar_Self: _xlogy,
+    aten.special_xlog1py.default: _xlog1py, aten.special_xlog1py.other_scalar: _xlog1py,
+    aten.special_xlog1py.self_scalar: _xlog1py, aten.special_zeta.default: jss.zeta,
+    aten.special_zeta.other_scalar: jss.zeta, aten.special_zeta.self_scalar: jss.zeta,
+}
+
+for _op, _fn in FLOAT_BINARY.items():
+    register(_op)(_binary(_fn, KIND.INT_TO_FLOAT))
+
+
+@register(aten.nextafter.default)
+def nextafter(self: Any, other: Any) -> Any:
+    """In the tensors' own dtype: the next representable value is dtype-specific."""
+    return jnp.nextafter(*promote(self, other, exact=True))
+
+
+@register(aten.heaviside.default)
+def heaviside(self: Any, values: Any) -> Any:
+    x, v = promote(self, values, exact=True)
+    return jnp.where(x == 0, v, (x > 0).astype(v.dtype))
+
+
+@register(aten.gcd.default)
+def gcd(self: Any, other: Any) -> Any:
+    return jnp.gcd(*promote(self, other))
+
+
+@register(aten.lcm.default)
+def lcm(self: Any, other: Any) -> Any:
+    return jnp.lcm(*promote(self, other))
+
+
+# --- comparisons, predicates, logic and bits --------------------------------------------------
+
+
+def _compare(fn: Callable) -> Callable:
+    return _binary(fn, KIND.ALWAYS_BOOL)
+
+
+for _packet, _fn in {
+    aten.eq: jnp.equal, aten.ne: jnp.not_equal, aten.lt: jnp.less, aten.le: jnp.less_equal,
+    aten.gt: jnp.greater, aten.ge: jnp.greater_equal,
+}.items():
+    register(_packet.Tensor, _packet.Scalar)(_compare(_fn))
+
+
+def _truth(x: Any) -> Any:
+    return jnp.asarray(x) != 0
+
+
+@register(aten.logical_and.default)
+def logical_and(self: Any, other: Any) -> Any:
+    return _truth(self) & _truth(other)
+
+
+@register(aten.logical_or.default)
+def logical_or(self: Any, other: Any) -> Any:
+    return _truth(self) | _truth(other)
+
+
+@register(aten.logical_xor.default)
+def logical_xor(self: Any, other: Any) -> Any:
+    return _truth(self) ^ _truth(other)
+
+
+@register(aten.logical_not.default)
+def logical_not(self: Any) -> Any:
+    return ~_truth(self)
+
+
+@register(aten.isnan.default)
+def isnan(self: Any) -> Any:
+    return jnp.isnan(self) if not is_integral(self) else jnp.zeros(self.shape, bool)
+
+
+@register(aten.isinf.default)
+def isinf(self: Any) -> Any:
+    return jnp.isinf(self) if not is_integral(self) else jnp.zeros(self.shape, bool)
+
+
+@register(aten.isfinite.default)
+def isfinite(self: Any) -> Any:
+    return jnp.isfinite(self) if not is_integral(self) else jnp.ones(self.shape, bool)
+
+
+@register(aten.isposinf.default)
+def isposinf(self: Any) -> Any:
+    return self == jnp.inf if not is_integral(self) else jnp.zeros(self.shape, bool)
+
+
+@register(aten.isneginf.default)
+def isneginf(self: Any) -> Any:
+    return self == -jnp.inf if not is_integral(self) else jnp.zeros(self.shape, bool)
+
+
+@register(aten.signbit.default)
+def signbit(self: Any) -> Any:
+    return jnp.signbit(self) if not is_integral(self) else self < 0
+
+
+@register(aten.nan_to_num.default)
+def nan_to_num(self: Any, nan: float | None = None, posinf: float | None = None, neginf: float | None = None) -> Any:
+    """Defaults are the extremes of the tensor's own dtype."""
+    if is_integral(self):
+        return self
+    info = jnp.finfo(self.dtype)
+    x = jnp.where(jnp.isnan(self), 0.0 if nan is None else nan, self)
+    x = jnp.where(x == jnp.inf, info.max if posinf is None else posinf, x)
+    return jnp.where(x == -jnp.inf, info.min if neginf is None else neginf, x).astype(self.dtype)
+
+
+def _bitwise(fn: Callable) -> Callable:
+    return _binary(fn, KIND.DEFAULT)
+
+
+for _packet, _fn in {
+    aten.bitwise_and: jnp.bitwise_and, aten.bitwise_or: jnp.bitwise_or, aten.bitwise_xor: jnp.bitwise_xor,
+    aten.bitwise_left_shift: jnp.left_shift, aten.bitwise_right_shift: jnp.right_shift,
+}.items():
+    register(*[getattr(_packet, name) for name in ("Tensor", "Scalar", "Scalar_Tensor", "Tensor_Scalar")
+               if name in _packet.overloads()])(_bitwise(_fn))
+
+register(aten.__and__.Tensor, aten.__and__.Scalar)(_bitwise(jnp.bitwise_and))
+register(aten.__or__.Tensor, aten.__or__.Scalar)(_bitwise(jnp.bitwise_or))
+register(aten.__xor__.Tensor, aten.__xor__.Scalar)(_bitwise(jnp.bitwise_xor))
+register(aten.__lshift__.Tensor, aten.__lshift__.Scalar)(_bitwise(jnp.left_shift))
+register(aten.__rshift__.Tensor, aten.__rshift__.Scalar)(_bitwise(jnp.right_shift))
+
+
+@register(aten.bitwise_not.default)
+def bitwise_not(self: Any) -> Any:
+    return ~self
+
+
+# --- selection, bounds and blends ---------------------------------------------------------------
+
+
+@register(aten.where.self, aten.where.ScalarSelf, aten.where.ScalarOther, aten.where.Scalar)
+def where(condition: Any, self: Any, other: Any) -> Any:
+    a, b = promote(self, other, exact=True)
+    return jnp.where(_truth(condition), a, b)
+
+
+@register(aten.clamp.default, aten.clamp.Tensor)
+def clamp(self: Any, min: Any = None, max: Any = None) -> Any:  # noqa: A002
+    """NaN in the input or a bound propagates; min > max gives max (as PyTorch)."""
+    x, low, high = promote(self, min, max, exact=True)
+    if low is not None:
+        x = jnp.maximum(x, low)
+    if high is not None:
+        x = jnp.minimum(x, high)
+    return x
+
+
+@register(aten.clamp_min.default, aten.clamp_min.Tensor)
+def clamp_min(self: Any, min: Any) -> Any:  # noqa: A002
+    return clamp(self, min, None)
+
+
+@register(aten.clamp_max.default, aten.clamp_max.Tensor)
+def clamp_max(self: Any, max: Any) -> Any:  # noqa: A002
+    return clamp(self, None, max)
+
+
+@register(aten.maximum.default)
+def maximum(self: Any, other: Any) -> Any:
+    return jnp.maximum(*promote(self, other, exact=True))
+
+
+@register(aten.minimum.default)
+def minimum(self: Any, other: Any) -> Any:
+    return jnp.minimum(*promote(self, other, exact=True))
+
+
+@register(aten.fmax.default)
+def fmax(self: Any, other: Any) -> Any:
+    return jnp.fmax(*promote(self, other, exact=True))
+
+
+@register(aten.fmin.default)
+def fmin(self: Any, other: Any) -> Any:
+    return jnp.fmin(*promote(self, other, exact=True))
+
+
+@register(aten.lerp.Scalar, aten.lerp.Tensor)
+def lerp(self: Any, end: Any, weight: Any) -> Any:
+    """PyTorch's two-sided formula: exact at both ends."""
+    start, stop, w = promote(self, end, weight)
+    diff = stop - start
+    return jnp.where(jnp.abs(w) < 0.5, start + w * diff, stop - diff * (1 - w))
+
+
+@register(aten.addcmul.default)
+def addcmul(self: Any, tensor1: Any, tensor2: Any, *, value: Any = 1) -> Any:
+    x, a, b, v = promote(self, tensor1, tensor2, value)
+    return x + v * a * b
+
+
+@register(aten.addcdiv.default)
+def addcdiv(self: Any, tensor1: Any, tensor2: Any, *, value: Any = 1) -> Any:
+    x, a, b, v = promote(self, tensor1, tensor2, value)
+    return x + v * (a / b)
+
+
+# --- backward ops ----------------------------------------------------------------------------
+
+
+@register(aten.sigmoid_backward.default)
+def sigmoid_backward(grad_output: Any, output: Any) -> Any:
+    g, y = promote(grad_output, output)
+    return g * jnp.conj((1 - y) * y)
+
+
+@register(aten.tanh_backward.default)
+def tanh_backward(grad_output: Any, output: Any) -> Any:
+    g, y = promote(grad_output, output)
+    return g * jnp.conj(1 - y * y)
+
+
+@register(aten.logit_backward.default)
+def logit_backward(grad_output: Any, self: Any, eps: float | None = None) -> Any:
+    g, x = promote(grad_output, self)
+    grad = g / (x * (1 - x))
+    if eps is None:
+        return jnp.where((x < 0) | (x > 1), jnp.nan, grad)
+    return jnp.where((x < eps) | (x > 1 - eps), 0, grad)
