@@ -48,13 +48,14 @@ def register() -> None:
     with _lock:
         if _state["registered"]:
             return
-        from torch_pjrt import amp, device, serialization
+        from torch_pjrt import amp, device, integrations, serialization
         from torch_pjrt.eager import fallback, modes
 
         modes.load_from_environment()
         _torch_private.setup_backend(NAME, device.build_module(), _Hooks(), _Guard())
         _state["libraries"].append(_torch_private.library_fallback(fallback.catch_all, "PrivateUse1"))
         serialization.register()
+        integrations.install()
         _state["libraries"].extend(amp.register())
         _state["registered"] = True
 

@@ -325,26 +325,35 @@ class Stream:
 
 
 class Event:
+    """Marks the newest program issued on a device; a watcher thread timestamps its completion."""
+
     def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> None:
         self.enable_timing = enable_timing
-        self.array: Any = None
+        self.outputs: Any = None
         self.completed_at: float | None = None
-        self.recorded = False
+        self.watcher: threading.Thread | None = None
 
     def record(self, stream: Stream | None = None) -> None:
-        index = (stream.device.index if stream is not None else current_device())
-        self.array = _last_output.get(index)
+        index = stream.device.index if stream is not None else current_device()
+        self.outputs = _last_output.get(index)
         self.completed_at = None
-        self.recorded = True
+        if _is_ready(self.outputs):
+            self.completed_at = time.perf_counter()
+            self.watcher = None
+        else:
+            self.watcher = threading.Thread(target=self._watch, daemon=True)
+            self.watcher.start()
+
+    def _watch(self) -> None:
+        _client().jax_module().block_until_ready(self.outputs)
+        self.completed_at = time.perf_counter()
 
     def query(self) -> bool:
-        return _is_ready(self.array)
+        return self.completed_at is not None or _is_ready(self.outputs)
 
     def synchronize(self) -> None:
-        if self.array is not None:
-            _client().jax_module().block_until_ready(self.array)
-        if self.completed_at is None:
-            self.completed_at = time.perf_counter()
+        if self.watcher is not None:
+            self.watcher.join()
 
     def wait(self, stream: Stream | None = None) -> None:
         """Ordering is implied by the single queue per device."""
@@ -353,10 +362,10 @@ class Event:
         """Milliseconds between the completion of this event's work and end_event's."""
         if not (self.enable_timing and end_event.enable_timing):
             raise RuntimeError("Both events must be created with enable_timing=True to measure elapsed time.")
-        if not (self.recorded and end_event.recorded):
-            raise RuntimeError("Both events must be recorded before calculating elapsed time.")
         self.synchronize()
         end_event.synchronize()
+        if self.completed_at is None or end_event.completed_at is None:
+            raise RuntimeError("Both events must be recorded before calculating elapsed time.")
         return (end_event.completed_at - self.completed_at) * 1000.0
 
 
