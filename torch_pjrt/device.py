@@ -122,7 +122,7 @@ def manual_seed(seed: int) -> None:
 def manual_seed_all(seed: int) -> None:
     from torch_pjrt.runtime import rng
 
-    rng.manual_seed_all(int(seed), max(device_count(), 1))
+    rng.manual_seed_all(int(seed))
 
 
 def seed() -> None:

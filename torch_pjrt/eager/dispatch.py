@@ -369,15 +369,13 @@ def _build(plan: OpPlan, scan: Scan, values: list[Any], described: list[Any]) ->
         outputs = [result] if len(functional_metas) == 1 else list(result)
         outputs = [graph.conform(o, m) for o, m in zip(outputs, functional_metas)]
 
-        fresh = []
+        flat_outputs = []
         for value, spec in zip(outputs[:n_fresh], fresh_specs):
-            if spec is None:
-                fresh.append(None)
-            elif isinstance(spec, list):
-                fresh.append([storage.pack(v, s[1], s[2]) for v, s in zip(value, spec)])
-            else:
-                fresh.append(storage.pack(value, spec[1], spec[2]))
-        resized_values = []
+            if isinstance(spec, list):
+                flat_outputs.extend(storage.pack(v, s[1], s[2]) for v, s in zip(value, spec))
+            elif spec is not None:
+                flat_outputs.append(storage.pack(value, spec[1], spec[2]))
+        resized = []
         for views, value in zip(mutated_views, outputs[n_fresh:]):
             values_list = value if isinstance(value, (list, tuple)) else [value]
             for entry, item in zip(views, values_list):
@@ -385,11 +383,11 @@ def _build(plan: OpPlan, scan: Scan, values: list[Any], described: list[Any]) ->
                     continue
                 slot, view, how = entry
                 if how == "resized":
-                    resized_values.append(storage.pack(item, view.sizes, view.strides))
+                    resized.append(storage.pack(item, view.sizes, view.strides))
                 else:
                     numel, storage_dtype, _ = slot_info[slot]
                     flats[slot] = storage.write_view(flats[slot], storage_dtype, view, item)
-        return fresh, resized_values, [flats[s] for s in mutated_slots]
+        return (*flat_outputs, *resized, *(flats[s] for s in mutated_slots))
 
     device_index = scan.device.index if not passed_slots else None
     compiled = programs.Program(program, str(plan.op), donate=donate, device_index=device_index)
@@ -470,17 +468,19 @@ def execute(plan: OpPlan, args: tuple, kwargs: dict) -> Any:
         _cache.put(key, entry)
     else:
         outputs = entry.program.call(*_inputs(entry, scan, plan, values))
-    fresh, resized_values, updated = outputs
+    n_updated = len(entry.mutated_slots)
+    n_resized = len(entry.resized)
+    n_fresh = len(outputs) - n_updated - n_resized
     metrics.bump("ops_executed")
     metrics.op_counts[plan.op] += 1
     if modes.state.blocking:
         client.jax_module().block_until_ready(outputs)
     device_module.note_output(scan.device.index, outputs)
-    for slot, array in zip(entry.mutated_slots, updated):
+    for slot, array in zip(entry.mutated_slots, outputs[n_fresh + n_resized:]):
         scan.storages[slot].array = array
-    if entry.resized:
-        _apply_resizes(plan, values, entry, resized_values)
-    return _returns(plan, values, fresh, entry.outputs, scan.device)
+    if n_resized:
+        _apply_resizes(plan, values, entry, outputs[n_fresh:n_fresh + n_resized])
+    return _returns(plan, values, iter(outputs[:n_fresh]), entry.outputs, scan.device)
 
 
 def _apply_resizes(plan: OpPlan, values: list[Any], entry: Entry, resized_values: list[Any]) -> None:
@@ -495,20 +495,20 @@ def _wrap(array: Any, spec: Any, device: torch.device) -> torch.Tensor:
     return storage.new_tensor(array, dtype, device, sizes, strides, numel)
 
 
-def _returns(plan: OpPlan, values: list[Any], fresh: list[Any], specs: list[Any], device: torch.device) -> Any:
+def _returns(plan: OpPlan, values: list[Any], arrays: Any, specs: list[Any], device: torch.device) -> Any:
     results = []
-    fresh_iter = iter(zip(fresh, specs))
+    spec_iter = iter(specs)
     for alias in plan.return_aliases:
         if alias is not None:
             results.append(values[alias])
             continue
-        array, spec = next(fresh_iter)
+        spec = next(spec_iter)
         if spec is None:
             results.append(None)
         elif isinstance(spec, list):
-            results.append([_wrap(a, s, device) for a, s in zip(array, spec)])
+            results.append([_wrap(next(arrays), s, device) for s in spec])
         else:
-            results.append(_wrap(array, spec, device))
+            results.append(_wrap(next(arrays), spec, device))
     if not plan.return_aliases:
         return None
     return results[0] if len(results) == 1 else tuple(results)

@@ -65,7 +65,8 @@ def run_on_cpu(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
         _warned.add(name)
         warnings.warn(f"torch_pjrt: {name} has no pjrt lowering and runs on CPU (copies both ways).", stacklevel=3)
     leaves = pytree.tree_leaves((args, kwargs))
-    devices = [v.device if isinstance(v, torch.Tensor) else v for v in leaves if isinstance(v, (torch.Tensor, torch.device))]
+    devices = [v.device if isinstance(v, torch.Tensor) else v for v in leaves
+               if isinstance(v, (torch.Tensor, torch.device))]
     device = next((d for d in devices if d.type == "pjrt"), None)
 
     def to_cpu(value: Any) -> Any:

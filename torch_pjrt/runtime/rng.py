@@ -51,18 +51,21 @@ def raw_key(seed: int, counter: int) -> np.ndarray:
 
 
 _states: dict[int, DeviceRng] = {}
+_default_seed = [_DEFAULT_SEED]
 
 
 def state(index: int) -> DeviceRng:
     rng = _states.get(index)
     if rng is None:
-        rng = _states.setdefault(index, DeviceRng())
+        rng = _states.setdefault(index, DeviceRng(_default_seed[0]))
     return rng
 
 
-def manual_seed_all(seed: int, count: int) -> None:
-    for index in range(count):
-        state(index).manual_seed(seed)
+def manual_seed_all(seed: int) -> None:
+    """Seed every device, including those not used yet (no device query: torch.manual_seed stays cheap)."""
+    _default_seed[0] = int(seed) & 0xFFFFFFFFFFFFFFFF
+    for rng in _states.values():
+        rng.manual_seed(seed)
 
 
 def fresh_seed() -> int:
