@@ -1,9 +1,376 @@
-"""Matrix products and torch.linalg."""
+# ruff: noqa: N802, N803, N806 (parameters keep ATen schema names: A, B, LU, UPLO; math names L, U, P)
+"""Matrix products and torch.linalg.
+
+Products run at Precision.HIGHEST with float32 accumulation for half types, as PyTorch's
+CPU kernels do. Factorisations return LAPACK-style extras (1-based int32 pivots, `info`)
+because PyTorch's backward formulas and error checks read them.
+"""
 
 from __future__ import annotations
 
-import torch
+from typing import Any
 
-from torch_pjrt.ops.registry import register  # noqa: F401
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+from jax import lax
+
+from torch_pjrt.ops.registry import register
 
 aten = torch.ops.aten
+HIGHEST = lax.Precision.HIGHEST
+
+
+# --- shared helpers ----------------------------------------------------------------------------
+
+
+def _accumulator(*arrays: Any) -> Any:
+    """float32 accumulation for half types (what PyTorch's CPU and CUDA kernels do)."""
+    if any(a.dtype in (jnp.bfloat16, jnp.float16) for a in arrays):
+        return jnp.float32
+    return None
+
+
+def _matmul(a: Any, b: Any) -> Any:
+    if a.dtype == jnp.bool_:
+        return jnp.matmul(a.astype(jnp.int32), b.astype(jnp.int32)) != 0
+    return jnp.matmul(a, b, precision=HIGHEST, preferred_element_type=_accumulator(a, b))
+
+
+def _scaled_sum(self: Any, product: Any, beta: Any, alpha: Any) -> Any:
+    """beta * self + alpha * product, where beta == 0 ignores self (NaN included), as in BLAS."""
+    if self.dtype == jnp.bool_:
+        return (jnp.logical_and(self, beta != 0)) | (jnp.logical_and(product, alpha != 0))
+    scaled = jnp.where(beta == 0, jnp.zeros((), self.dtype), self * beta)
+    return scaled + product * alpha
+
+
+def _mT(a: Any) -> Any:
+    return jnp.swapaxes(a, -1, -2)
+
+
+def _mH(a: Any) -> Any:
+    return jnp.conj(_mT(a)) if jnp.iscomplexobj(a) else _mT(a)
+
+
+def _broadcast_batch(a: Any, b: Any) -> tuple[Any, Any]:
+    """Broadcast the batch dims (all but the last two) of two matrix stacks."""
+    batch = jnp.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    return jnp.broadcast_to(a, batch + a.shape[-2:]), jnp.broadcast_to(b, batch + b.shape[-2:])
+
+
+def _lu(a: Any) -> tuple[Any, Any, Any]:
+    """Partial-pivoting LU: (LU, LAPACK 1-based int32 pivots, 0-based permutation)."""
+    lu, pivots, permutation = lax.linalg.lu(a)
+    return lu, (pivots + 1).astype(jnp.int32), permutation
+
+
+def _singular_info(lu: Any) -> Any:
+    """LAPACK getrf's info: 1-based index of the first zero pivot of U, else 0."""
+    zero = jnp.diagonal(lu, axis1=-2, axis2=-1) == 0
+    first = jnp.argmax(zero, axis=-1) + 1
+    return jnp.where(jnp.any(zero, axis=-1), first, 0).astype(jnp.int32)
+
+
+def _permutation_from_pivots(pivots: Any, m: int) -> Any:
+    """The row permutation that LAPACK's 1-based sequential swaps describe."""
+    pivots = pivots.astype(jnp.int32) - 1
+    batch = pivots.shape[:-1]
+    perm = jnp.broadcast_to(jnp.arange(m, dtype=jnp.int32), batch + (m,))
+
+    def swap(i: int, p: Any) -> Any:
+        target = pivots[..., i]
+        at_i = perm[..., i]
+        at_t = jnp.take_along_axis(perm, target[..., None], axis=-1)[..., 0]
+        p = p.at[..., i].set(at_t)
+        return jnp.where(jnp.arange(m) == target[..., None], at_i[..., None], p)
+
+    for i in range(pivots.shape[-1]):
+        perm = swap(i, perm)
+    return perm
+
+
+def _lu_solve(lu: Any, permutation: Any, b: Any, adjoint: bool = False) -> Any:
+    """Solve A X = B (or A^H X = B) from A's LU factors; b is a matrix stack."""
+    lu, b = _broadcast_batch(lu, b)
+    permutation = jnp.broadcast_to(permutation, lu.shape[:-1])
+    if not adjoint:
+        pb = jnp.take_along_axis(b, permutation[..., None], axis=-2)
+        y = lax.linalg.triangular_solve(lu, pb, left_side=True, lower=True, unit_diagonal=True)
+        return lax.linalg.triangular_solve(lu, y, left_side=True, lower=False)
+    y = lax.linalg.triangular_solve(lu, b, left_side=True, lower=False, transpose_a=True,
+                                    conjugate_a=True)
+    y = lax.linalg.triangular_solve(lu, y, left_side=True, lower=True, unit_diagonal=True,
+                                    transpose_a=True, conjugate_a=True)
+    inverse = jnp.argsort(permutation, axis=-1)
+    return jnp.take_along_axis(y, inverse[..., None], axis=-2)
+
+
+def _triangular_solve(a: Any, b: Any, upper: bool, left: bool, unitriangular: bool,
+                      transpose: bool = False) -> Any:
+    a, b = _broadcast_batch(a, b)
+    return lax.linalg.triangular_solve(a, b, left_side=left, lower=not upper, transpose_a=transpose,
+                                       unit_diagonal=unitriangular)
+
+
+def _float(a: Any) -> Any:
+    """Factorisations need a floating type (PyTorch rejects others before we get here)."""
+    return a if jnp.issubdtype(a.dtype, jnp.inexact) else a.astype(jnp.float32)
+
+
+# --- products ----------------------------------------------------------------------------------
+
+
+@register(aten.mm.default)
+def mm(self: Any, mat2: Any) -> Any:
+    return _matmul(self, mat2)
+
+
+@register(aten.mm.dtype)
+def mm_dtype(self: Any, mat2: Any, out_dtype: Any) -> Any:
+    return _matmul(self, mat2)
+
+
+@register(aten.bmm.default)
+def bmm(self: Any, mat2: Any) -> Any:
+    return _matmul(self, mat2)
+
+
+@register(aten.bmm.dtype)
+def bmm_dtype(self: Any, mat2: Any, out_dtype: Any) -> Any:
+    return _matmul(self, mat2)
+
+
+@register(aten.addmm.default)
+def addmm(self: Any, mat1: Any, mat2: Any, *, beta: Any = 1, alpha: Any = 1) -> Any:
+    return _scaled_sum(self, _matmul(mat1, mat2), beta, alpha)
+
+
+@register(aten.addmm.dtype)
+def addmm_dtype(self: Any, mat1: Any, mat2: Any, out_dtype: Any, *, beta: Any = 1, alpha: Any = 1) -> Any:
+    return _scaled_sum(self.astype(jnp.float32), _matmul(mat1, mat2), beta, alpha)
+
+
+@register(aten.baddbmm.default)
+def baddbmm(self: Any, batch1: Any, batch2: Any, *, beta: Any = 1, alpha: Any = 1) -> Any:
+    return _scaled_sum(self, _matmul(batch1, batch2), beta, alpha)
+
+
+@register(aten.baddbmm.dtype)
+def baddbmm_dtype(self: Any, batch1: Any, batch2: Any, out_dtype: Any, *, beta: Any = 1, alpha: Any = 1) -> Any:
+    return _scaled_sum(self.astype(jnp.float32), _matmul(batch1, batch2), beta, alpha)
+
+
+@register(aten.addbmm.default)
+def addbmm(self: Any, batch1: Any, batch2: Any, *, beta: Any = 1, alpha: Any = 1) -> Any:
+    product = jnp.einsum("bij,bjk->ik", batch1, batch2, precision=HIGHEST,
+                         preferred_element_type=_accumulator(batch1, batch2))
+    return _scaled_sum(self, product, beta, alpha)
+
+
+@register(aten.addmv.default)
+def addmv(self: Any, mat: Any, vec: Any, *, beta: Any = 1, alpha: Any = 1) -> Any:
+    return _scaled_sum(self, _matmul(mat, vec), beta, alpha)
+
+
+@register(aten.addr.default)
+def addr(self: Any, vec1: Any, vec2: Any, *, beta: Any = 1, alpha: Any = 1) -> Any:
+    outer = jnp.logical_and(vec1[:, None], vec2[None, :]) if vec1.dtype == jnp.bool_ else (
+        vec1[:, None] * vec2[None, :])
+    return _scaled_sum(self, outer, beta, alpha)
+
+
+@register(aten.mv.default)
+def mv(self: Any, vec: Any) -> Any:
+    return _matmul(self, vec)
+
+
+@register(aten.dot.default)
+def dot(self: Any, tensor: Any) -> Any:
+    return _matmul(self, tensor)
+
+
+@register(aten.vdot.default)
+def vdot(self: Any, other: Any) -> Any:
+    return _matmul(jnp.conj(self), other)
+
+
+# --- factorisations and solvers ----------------------------------------------------------------
+
+
+@register(aten.linalg_inv_ex.default)
+def linalg_inv_ex(A: Any, *, check_errors: bool = False) -> tuple[Any, Any]:
+    A = _float(A)
+    lu, _, permutation = _lu(A)
+    eye = jnp.broadcast_to(jnp.eye(A.shape[-1], dtype=A.dtype), A.shape)
+    return _lu_solve(lu, permutation, eye), _singular_info(lu)
+
+
+@register(aten.linalg_cholesky_ex.default)
+def linalg_cholesky_ex(self: Any, *, upper: bool = False, check_errors: bool = False) -> tuple[Any, Any]:
+    """Reads the lower triangle only; info is the order of the first non-positive leading minor."""
+    A = _float(self)
+    lower = jnp.tril(A)
+    L = lax.linalg.cholesky(lower + _mH(jnp.tril(A, -1)), symmetrize_input=False)
+    bad = jnp.isnan(jnp.diagonal(L, axis1=-2, axis2=-1))
+    info = jnp.where(jnp.any(bad, axis=-1), jnp.argmax(bad, axis=-1) + 1, 0).astype(jnp.int32)
+    L = jnp.tril(jnp.where(jnp.isnan(L), 0, L))
+    return (_mH(L) if upper else L), info
+
+
+@register(aten.linalg_qr.default)
+def linalg_qr(A: Any, mode: str = "reduced") -> tuple[Any, Any]:
+    A = _float(A)
+    if mode == "r":
+        return jnp.zeros((0,), A.dtype), jnp.linalg.qr(A, mode="r")
+    q, r = jnp.linalg.qr(A, mode="complete" if mode == "complete" else "reduced")
+    return q, r
+
+
+@register(aten._linalg_svd.default)
+def _linalg_svd(A: Any, full_matrices: bool = False, compute_uv: bool = True, *,
+                driver: str | None = None) -> tuple[Any, Any, Any]:
+    A = _float(A)
+    if not compute_uv:
+        s = jnp.linalg.svd(A, compute_uv=False)
+        return jnp.zeros((0,), A.dtype), s, jnp.zeros((0,), A.dtype)
+    u, s, vh = jnp.linalg.svd(A, full_matrices=full_matrices)
+    return u, s, vh
+
+
+@register(aten._linalg_eigh.default)
+def _linalg_eigh(A: Any, UPLO: str = "L", compute_v: bool = True) -> tuple[Any, Any]:
+    A = _float(A)
+    w, v = jnp.linalg.eigh(A, UPLO=UPLO, symmetrize_input=False)
+    return w, (v if compute_v else jnp.zeros((0,), A.dtype))
+
+
+def _det_from_lu(lu: Any, swaps: Any) -> tuple[Any, Any]:
+    """(sign of the row permutation, diagonal of U); each pivot that moves a row is one swap.
+
+    det and slogdet factor A^T, as PyTorch does: their backward formulas solve with that LU.
+    """
+    moved = jnp.sum(swaps != jnp.arange(swaps.shape[-1]), axis=-1)
+    sign = jnp.where(moved % 2 == 1, -1, 1).astype(lu.dtype)
+    return sign, jnp.diagonal(lu, axis1=-2, axis2=-1)
+
+
+@register(aten._linalg_det.default)
+def _linalg_det(A: Any) -> tuple[Any, Any, Any]:
+    lu, pivots, _ = _lu(_mT(_float(A)))
+    sign, diagonal = _det_from_lu(lu, pivots - 1)
+    return sign * jnp.prod(diagonal, axis=-1), lu, pivots
+
+
+@register(aten._linalg_slogdet.default)
+def _linalg_slogdet(A: Any) -> tuple[Any, Any, Any, Any]:
+    lu, pivots, _ = _lu(_mT(_float(A)))
+    sign, diagonal = _det_from_lu(lu, pivots - 1)
+    magnitude = jnp.abs(diagonal)
+    phase = jnp.prod(jnp.where(magnitude == 0, 0, diagonal / jnp.where(magnitude == 0, 1, magnitude)), axis=-1)
+    return sign * phase, jnp.sum(jnp.log(magnitude), axis=-1), lu, pivots
+
+
+@register(aten.linalg_lu_factor_ex.default)
+def linalg_lu_factor_ex(A: Any, *, pivot: bool = True, check_errors: bool = False) -> tuple[Any, Any, Any]:
+    if not pivot:
+        raise NotImplementedError("torch_pjrt: LU without pivoting is not supported (nor is it on CPU).")
+    lu, pivots, _ = _lu(_float(A))
+    return lu, pivots, _singular_info(lu)
+
+
+@register(aten.linalg_lu.default)
+def linalg_lu(A: Any, *, pivot: bool = True) -> tuple[Any, Any, Any]:
+    if not pivot:
+        raise NotImplementedError("torch_pjrt: LU without pivoting is not supported (nor is it on CPU).")
+    A = _float(A)
+    m, n = A.shape[-2:]
+    k = min(m, n)
+    lu, _, permutation = _lu(A)
+    P = jnp.swapaxes(jax.nn.one_hot(permutation, m, dtype=A.dtype), -1, -2)
+    L = jnp.tril(lu[..., :, :k], -1) + jnp.eye(m, k, dtype=A.dtype)
+    U = jnp.triu(lu[..., :k, :])
+    return P, L, U
+
+
+@register(aten.linalg_lu_solve.default)
+def linalg_lu_solve(LU: Any, pivots: Any, B: Any, *, left: bool = True, adjoint: bool = False) -> Any:
+    permutation = _permutation_from_pivots(pivots, LU.shape[-1])
+    if left:
+        return _lu_solve(LU, permutation, B, adjoint)
+    # X A = B  <=>  A^H X^H = B^H
+    return _mH(_lu_solve(LU, permutation, _mH(B), not adjoint))
+
+
+@register(aten._linalg_solve_ex.default)
+def _linalg_solve_ex(A: Any, B: Any, *, left: bool = True, check_errors: bool = False) -> tuple[Any, Any, Any, Any]:
+    """B is a (batch of) vector(s) when PyTorch's rule says so: 1-D, or A's batch shape plus n."""
+    A = _float(A)
+    B = B.astype(A.dtype)
+    vector = B.ndim == 1 or (left and B.ndim == A.ndim - 1 and B.shape == A.shape[:-1])
+    lu, pivots, permutation = _lu(A)
+    matrix = B[..., None] if vector else B
+    if left:
+        x = _lu_solve(lu, permutation, matrix)
+    else:
+        x = _mH(_lu_solve(lu, permutation, _mH(matrix), adjoint=True))
+    return (x[..., 0] if vector else x), lu, pivots, _singular_info(lu)
+
+
+@register(aten.linalg_solve_triangular.default)
+def linalg_solve_triangular(self: Any, B: Any, *, upper: bool, left: bool = True,
+                            unitriangular: bool = False) -> Any:
+    A = _float(self)
+    return _triangular_solve(A, B.astype(A.dtype), upper, left, unitriangular)
+
+
+@register(aten.triangular_solve.default)
+def triangular_solve(self: Any, A: Any, upper: bool = True, transpose: bool = False,
+                     unitriangular: bool = False) -> tuple[Any, Any]:
+    A = _float(A)
+    solution = _triangular_solve(A, self.astype(A.dtype), upper, True, unitriangular, transpose)
+    return solution, jnp.broadcast_to(A, solution.shape[:-2] + A.shape[-2:])
+
+
+@register(aten.cholesky_solve.default)
+def cholesky_solve(self: Any, input2: Any, upper: bool = False) -> Any:
+    L = _mH(input2) if upper else input2
+    y = _triangular_solve(L, self, False, True, False)
+    L, y = _broadcast_batch(L, y)
+    return lax.linalg.triangular_solve(L, y, left_side=True, lower=True, transpose_a=True, conjugate_a=True)
+
+
+@register(aten.cholesky_inverse.default)
+def cholesky_inverse(self: Any, upper: bool = False) -> Any:
+    eye = jnp.broadcast_to(jnp.eye(self.shape[-1], dtype=self.dtype), self.shape)
+    return cholesky_solve(eye, self, upper)
+
+
+@register(aten.linalg_matrix_exp.default)
+def linalg_matrix_exp(self: Any) -> Any:
+    return jax.scipy.linalg.expm(_float(self))
+
+
+@register(aten.linalg_pinv.atol_rtol_tensor)
+def linalg_pinv(self: Any, *, atol: Any = None, rtol: Any = None, hermitian: bool = False) -> Any:
+    """Singular values below max(atol, rtol * largest) are dropped, PyTorch's rule."""
+    A = _float(self)
+    m, n = A.shape[-2:]
+    if hermitian:
+        w, v = jnp.linalg.eigh(A)
+        s = jnp.abs(w)
+        left, right = v * jnp.sign(w)[..., None, :], _mH(v)
+    else:
+        left, s, right = jnp.linalg.svd(A, full_matrices=False)
+    largest = jnp.max(s, axis=-1, keepdims=True) if s.shape[-1] else jnp.zeros(s.shape[:-1] + (1,), s.dtype)
+    zero = jnp.zeros((), s.dtype)
+    atol_ = zero if atol is None else jnp.asarray(atol, s.dtype)[..., None]
+    if rtol is None:
+        default = jnp.asarray(np.finfo(np.dtype(s.dtype)).eps * max(m, n), s.dtype)
+        rtol_ = default if atol is None else jnp.where(atol_ > 0, zero, default)
+    else:
+        rtol_ = jnp.asarray(rtol, s.dtype)[..., None]
+    cutoff = jnp.maximum(atol_, rtol_ * largest)
+    inverse = jnp.where(s > cutoff, 1 / jnp.where(s > cutoff, s, 1), 0).astype(A.dtype)
+    return _matmul(_mH(right) * inverse[..., None, :], _mH(left))
