@@ -330,6 +330,14 @@ def polygamma(n: int, self: Any) -> Any:
     return jss.polygamma(n, x)
 
 
+@register(aten.mvlgamma.default)
+def mvlgamma(self: Any, p: int) -> Any:
+    """Sum of lgamma(x - i/2); PyTorch's check that x > (p-1)/2 is data-dependent and not made."""
+    (x,) = promote(self, kind=KIND.INT_TO_FLOAT)
+    terms = sum(jax.lax.lgamma(x - i / 2) for i in range(p))
+    return terms + p * (p - 1) / 4 * math.log(math.pi)
+
+
 def _xlogy(x: Any, y: Any) -> Any:
     """0 where x == 0 unless y is NaN."""
     return jnp.where(jnp.isnan(y), y, jnp.where(x == 0, 0, x * jnp.log(y)))
@@ -351,6 +359,7 @@ FLOAT_BINARY: dict[Any, Callable] = {
     aten.special_xlog1py.default: _xlog1py, aten.special_xlog1py.other_scalar: _xlog1py,
     aten.special_xlog1py.self_scalar: _xlog1py, aten.special_zeta.default: jss.zeta,
     aten.special_zeta.other_scalar: jss.zeta, aten.special_zeta.self_scalar: jss.zeta,
+    aten.igamma.default: jss.gammainc, aten.igammac.default: jss.gammaincc,
 }
 
 for _op, _fn in FLOAT_BINARY.items():
