@@ -1,0 +1,312 @@
+// Native PrivateUse1 device guard, hooks and generator for the pjrt device.
+//
+// PyTorch's Python-side guard reports one device and its Python hooks have no
+// generators, so autograd gets a single device queue and torch.Generator(device="pjrt")
+// fails. These C++ versions are registered before the Python ones (which then skip
+// their own registration). Streams and events are trivial: pjrt ops are ordered by jax.
+
+#include <ATen/core/Generator.h>
+#include <ATen/detail/PrivateUse1HooksInterface.h>
+#include <c10/core/GeneratorImpl.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <torch/csrc/Generator.h>
+#include <torch/extension.h>
+
+#include <atomic>
+#include <cstring>
+#include <limits>
+#include <map>
+#include <mutex>
+
+namespace torch_pjrt {
+namespace {
+
+constexpr c10::DeviceType kPjrt = c10::DeviceType::PrivateUse1;
+constexpr int64_t kStateBytes = 2 * sizeof(uint64_t);
+
+std::atomic<c10::DeviceIndex> device_count{1};
+thread_local c10::DeviceIndex current_index = 0;
+
+c10::DeviceIndex count() {
+  return device_count.load(std::memory_order_relaxed);
+}
+
+// An index the caller asked for, -1 meaning the thread's current device.
+c10::DeviceIndex resolve(c10::DeviceIndex index) {
+  return index < 0 ? current_index : index;
+}
+
+void check_index(c10::DeviceIndex index) {
+  TORCH_CHECK(
+      index >= 0 && index < count(),
+      "pjrt:",
+      static_cast<int>(index),
+      " does not exist: this process has ",
+      static_cast<int>(count()),
+      " pjrt device(s) (set TORCH_PJRT_CPU_DEVICES=N for more CPU devices).");
+}
+
+c10::Stream default_stream(c10::Device device) {
+  return c10::Stream(c10::Stream::DEFAULT, device);
+}
+
+struct Guard final : public c10::impl::DeviceGuardImplInterface {
+  c10::DeviceType type() const override {
+    return kPjrt;
+  }
+
+  c10::Device exchangeDevice(c10::Device device) const override {
+    const c10::Device previous = getDevice();
+    setDevice(device);
+    return previous;
+  }
+
+  c10::Device getDevice() const override {
+    return c10::Device(kPjrt, current_index);
+  }
+
+  // No upper bound check: the autograd engine sets every device index below the count it
+  // read at start-up from its own threads, and the count may have been lowered since.
+  void setDevice(c10::Device device) const override {
+    TORCH_CHECK(device.type() == kPjrt && device.index() >= 0, "expected a pjrt device with an index, got ", device);
+    current_index = device.index();
+  }
+
+  void uncheckedSetDevice(c10::Device device) const noexcept override {
+    current_index = device.index();
+  }
+
+  c10::Stream getStream(c10::Device device) const override {
+    return default_stream(device);
+  }
+
+  c10::Stream getDefaultStream(c10::Device device) const override {
+    return default_stream(device);
+  }
+
+  c10::Stream getStreamFromGlobalPool(c10::Device device, bool /*high_priority*/) const override {
+    return default_stream(device);
+  }
+
+  c10::Stream getNewStream(c10::Device device, int /*priority*/) const override {
+    return default_stream(device);
+  }
+
+  // Only the default stream exists, so it is always the current one.
+  c10::Stream exchangeStream(c10::Stream stream) const override {
+    return default_stream(stream.device());
+  }
+
+  c10::DeviceIndex deviceCount() const noexcept override {
+    return count();
+  }
+
+  // Events: work on one device runs in order, so every event has already happened.
+  void record(void** /*event*/, const c10::Stream& /*stream*/, const c10::DeviceIndex /*index*/,
+              const c10::EventFlag /*flag*/) const override {}
+
+  void block(void* /*event*/, const c10::Stream& /*stream*/) const override {}
+
+  bool queryEvent(void* /*event*/) const override {
+    return true;
+  }
+
+  void destroyEvent(void* /*event*/, const c10::DeviceIndex /*index*/) const noexcept override {}
+
+  void synchronizeEvent(void* /*event*/) const override {}
+
+  bool queryStream(const c10::Stream& /*stream*/) const override {
+    return true;
+  }
+
+  void synchronizeStream(const c10::Stream& /*stream*/) const override {}
+
+  void synchronizeDevice(const c10::DeviceIndex /*index*/) const override {}
+};
+
+Guard* guard_instance() {
+  static auto* instance = new Guard();
+  return instance;
+}
+
+// The RNG state of a pjrt device: a seed and an offset (the counter of keys drawn).
+struct PjrtGenerator final : public c10::GeneratorImpl {
+  explicit PjrtGenerator(c10::DeviceIndex index)
+      : c10::GeneratorImpl(c10::Device(kPjrt, index), c10::DispatchKeySet(c10::DispatchKey::PrivateUse1)) {}
+
+  void set_current_seed(uint64_t seed) override {
+    seed_ = seed;
+    offset_ = 0;
+  }
+
+  uint64_t current_seed() const override {
+    return seed_;
+  }
+
+  uint64_t seed() override {
+    set_current_seed(c10::detail::getNonDeterministicRandom());
+    return seed_;
+  }
+
+  void set_offset(uint64_t offset) override {
+    offset_ = offset;
+  }
+
+  uint64_t get_offset() const override {
+    return offset_;
+  }
+
+  c10::intrusive_ptr<c10::TensorImpl> get_state() const override {
+    at::Tensor state = at::empty({kStateBytes}, at::TensorOptions().dtype(at::kByte).device(at::kCPU));
+    const uint64_t values[2] = {seed_, offset_};
+    std::memcpy(state.data_ptr(), values, kStateBytes);
+    return state.getIntrusivePtr();
+  }
+
+  void set_state(const c10::TensorImpl& new_state) override {
+    at::detail::check_rng_state(new_state);
+    TORCH_CHECK(
+        new_state.numel() == kStateBytes,
+        "a pjrt RNG state is ",
+        kStateBytes,
+        " bytes (seed and offset, as returned by get_state()), got ",
+        new_state.numel());
+    uint64_t values[2];
+    std::memcpy(values, new_state.data(), kStateBytes);
+    seed_ = values[0];
+    offset_ = values[1];
+  }
+
+  static c10::DeviceType device_type() {
+    return kPjrt;
+  }
+
+ private:
+  PjrtGenerator* clone_impl() const override {
+    auto* copy = new PjrtGenerator(device().index());
+    copy->seed_ = seed_;
+    copy->offset_ = offset_;
+    return copy;
+  }
+
+  uint64_t seed_ = c10::default_rng_seed_val;
+  uint64_t offset_ = 0;
+};
+
+struct Hooks final : public at::PrivateUse1HooksInterface {
+  bool isBuilt() const override {
+    return true;
+  }
+
+  bool isAvailable() const override {
+    return true;
+  }
+
+  bool hasPrimaryContext(c10::DeviceIndex /*index*/) const override {
+    return true;
+  }
+
+  c10::DeviceIndex deviceCount() const override {
+    return count();
+  }
+
+  c10::DeviceIndex getCurrentDevice() const override {
+    return current_index;
+  }
+
+  void setCurrentDevice(c10::DeviceIndex index) const override {
+    check_index(index);
+    current_index = index;
+  }
+
+  c10::DeviceIndex exchangeDevice(c10::DeviceIndex index) const override {
+    const c10::DeviceIndex previous = current_index;
+    setCurrentDevice(index);
+    return previous;
+  }
+
+  c10::DeviceIndex maybeExchangeDevice(c10::DeviceIndex index) const override {
+    return exchangeDevice(index);
+  }
+
+  // Default generators live as long as the process; std::map keeps references stable.
+  const at::Generator& getDefaultGenerator(c10::DeviceIndex index) const override {
+    const c10::DeviceIndex resolved = resolve(index);
+    check_index(resolved);
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto found = defaults_.find(resolved);
+    if (found == defaults_.end()) {
+      found = defaults_.emplace(resolved, at::make_generator<PjrtGenerator>(resolved)).first;
+    }
+    return found->second;
+  }
+
+  at::Generator getNewGenerator(c10::DeviceIndex index) const override {
+    const c10::DeviceIndex resolved = resolve(index);
+    check_index(resolved);
+    return at::make_generator<PjrtGenerator>(resolved);
+  }
+
+  // pjrt storages hold fake addresses, so a pointer alone cannot name its device.
+  at::Device getDeviceFromPtr(void* /*data*/) const override {
+    return c10::Device(kPjrt, 0);
+  }
+
+  at::Allocator* getPinnedMemoryAllocator() const override {
+    TORCH_CHECK(false, "the pjrt device has no pinned host memory; use ordinary CPU tensors.");
+  }
+
+  void resizePrivateUse1Bytes(const c10::Storage& /*storage*/, size_t /*newsize*/) const override {
+    TORCH_CHECK(false, "pjrt storages cannot be resized in place; create a new tensor instead.");
+  }
+
+  mutable std::mutex mutex_;
+  mutable std::map<c10::DeviceIndex, at::Generator> defaults_;
+};
+
+Hooks* hooks_instance() {
+  static auto* instance = new Hooks();
+  return instance;
+}
+
+void set_device_count(int64_t n) {
+  TORCH_CHECK(n >= 0 && n <= std::numeric_limits<c10::DeviceIndex>::max(), "invalid pjrt device count ", n);
+  device_count.store(static_cast<c10::DeviceIndex>(n), std::memory_order_relaxed);
+}
+
+bool installed() {
+  return c10::impl::hasDeviceGuardImpl(kPjrt) && c10::impl::getDeviceGuardImpl(kPjrt) == guard_instance() &&
+      at::isPrivateUse1HooksRegistered() && &at::detail::getPrivateUse1Hooks() == hooks_instance();
+}
+
+// Registers the guard and hooks unless PrivateUse1 already has some; true when ours are in use.
+bool install(int64_t n) {
+  set_device_count(n);
+  if (!c10::impl::hasDeviceGuardImpl(kPjrt)) {
+    c10::impl::registerDeviceGuard(kPjrt, guard_instance());
+  }
+  if (!at::isPrivateUse1HooksRegistered()) {
+    at::RegisterPrivateUse1HooksInterface(hooks_instance());
+  }
+  return installed();
+}
+
+py::object default_generator(int64_t index) {
+  TORCH_CHECK(installed(), "torch_pjrt._hooks.install() has not registered the pjrt hooks.");
+  const at::Generator& generator = hooks_instance()->getDefaultGenerator(static_cast<c10::DeviceIndex>(index));
+  return py::reinterpret_steal<py::object>(THPGenerator_Wrap(generator));
+}
+
+}  // namespace
+}  // namespace torch_pjrt
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "Native PrivateUse1 guard, hooks and generator of the pjrt device.";
+  m.def("install", &torch_pjrt::install, py::arg("device_count"),
+        "Register the guard and hooks (before the Python registration); True when they are in use.");
+  m.def("installed", &torch_pjrt::installed, "Whether this module's guard and hooks serve PrivateUse1.");
+  m.def("set_device_count", &torch_pjrt::set_device_count, py::arg("n"), "Set the device count the guard reports.");
+  m.def("device_count", []() { return static_cast<int64_t>(torch_pjrt::count()); });
+  m.def("default_generator", &torch_pjrt::default_generator, py::arg("index"),
+        "The default torch.Generator of pjrt:index.");
+}
