@@ -1,0 +1,266 @@
+"""Tensor factories on pjrt against the same calls on CPU: values, dtypes, shapes, strides, out=, autograd."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from support import assert_same, check
+
+from torch_pjrt.ops import graph
+
+# Floating results may differ from CPU's vectorised kernels in the last bit.
+TOLERANCES = {
+    torch.float16: {"atol": 1e-3, "rtol": 1e-3},
+    torch.bfloat16: {"atol": 1e-2, "rtol": 8e-3},
+    torch.float32: {"atol": 1e-6, "rtol": 1e-6},
+    torch.float64: {"atol": 1e-12, "rtol": 1e-12},
+}
+
+
+def same_on_both(fn: Callable[[str], Any]) -> Any:
+    """Call a factory with device="cpu" and device="pjrt"; compare (dtype-aware tolerance)."""
+    expected = fn("cpu")
+    actual = fn("pjrt")
+    dtype = expected.dtype if isinstance(expected, torch.Tensor) else None
+    assert_same(actual, expected, **TOLERANCES.get(dtype, {"atol": 0, "rtol": 0}))
+    return actual
+
+
+# --- arange -------------------------------------------------------------------------------------
+
+ARANGE_CASES = [
+    ((7,), {}),
+    ((0,), {}),
+    ((2, 11), {}),
+    ((2, 11, 3), {}),
+    ((10, -4, -3), {}),
+    ((0, 1, 0.1), {}),
+    ((1.5, 7.25, 0.25), {"dtype": torch.float64}),
+    ((10, -3.5, -1.5), {}),
+    ((0.5, 7.3, 1.5), {"dtype": torch.int64}),
+    ((0.5, 7.3, 1.5), {"dtype": torch.int32}),
+    ((-3, 40, 7), {"dtype": torch.int8}),
+    ((0, 300, 0.7), {"dtype": torch.bfloat16}),
+    ((0, 20, 0.3), {"dtype": torch.float16}),
+    ((5,), {"dtype": torch.float32}),
+]
+
+
+@pytest.mark.parametrize(("args", "kwargs"), ARANGE_CASES)
+def test_arange(args: tuple, kwargs: dict) -> None:
+    same_on_both(lambda d: torch.arange(*args, **kwargs, device=d))
+
+
+def test_arange_new_values_reuse_no_wrong_cache() -> None:
+    for end in (3, 4, 9):
+        same_on_both(lambda d, end=end: torch.arange(1, end, device=d))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64, torch.int16])
+def test_arange_out(dtype: torch.dtype) -> None:
+    same_on_both(lambda d: torch.arange(2, 9, 2, out=torch.empty(0, dtype=dtype, device=d)))
+    out = torch.empty(4, dtype=dtype, device="pjrt")
+    result = torch.arange(4, out=out)
+    assert result is out
+    assert_same(out, torch.arange(4, dtype=dtype))
+
+
+def test_arange_requires_grad() -> None:
+    x = torch.arange(0, 2, 0.5, device="pjrt", requires_grad=True)
+    assert x.requires_grad and x.is_leaf
+    (x * x).sum().backward()
+    assert_same(x.grad, 2 * torch.arange(0, 2, 0.5))
+
+
+def test_arange_errors_like_pytorch() -> None:
+    with pytest.raises(RuntimeError):
+        torch.arange(0, 5, -1, device="pjrt")
+    with pytest.raises(RuntimeError):
+        torch.arange(0, 5, 0, device="pjrt")
+
+
+# --- linspace / logspace -------------------------------------------------------------------------
+
+LINSPACE_CASES = [
+    ((0, 1, 7), {}),
+    ((-3.3, 1e4, 1001), {}),
+    ((2, -2, 8), {"dtype": torch.float64}),
+    ((0.5, 10.7, 5), {"dtype": torch.int64}),
+    ((-100, 100, 9), {"dtype": torch.int8}),
+    ((-2, 4, 6), {"dtype": torch.int16}),
+    ((2.5, 7, 1), {}),
+    ((2.5, 7, 0), {}),
+    ((0, 100, 33), {"dtype": torch.bfloat16}),
+    ((-1, 1, 21), {"dtype": torch.float16}),
+]
+
+
+@pytest.mark.parametrize(("args", "kwargs"), LINSPACE_CASES)
+def test_linspace(args: tuple, kwargs: dict) -> None:
+    same_on_both(lambda d: torch.linspace(*args, **kwargs, device=d))
+
+
+def test_linspace_hits_both_ends_exactly() -> None:
+    x = torch.linspace(0.1, 0.7, 13, device="pjrt").cpu()
+    assert x[0].item() == torch.tensor(0.1).item() and x[-1].item() == torch.tensor(0.7).item()
+
+
+@pytest.mark.parametrize("variant", ["tensor_tensor", "tensor_scalar", "scalar_tensor"])
+def test_linspace_logspace_tensor_ends(variant: str) -> None:
+    def ends(d: str) -> tuple[Any, Any]:
+        start, end = torch.tensor(1.5, device=d), torch.tensor(4, device=d)
+        return {"tensor_tensor": (start, end), "tensor_scalar": (start, 4), "scalar_tensor": (1.5, end)}[variant]
+
+    same_on_both(lambda d: torch.linspace(*ends(d), 6, device=d))
+    same_on_both(lambda d: torch.logspace(*ends(d), 6, base=2, device=d))
+    same_on_both(lambda d: torch.linspace(*ends(d), 6, dtype=torch.int32, device=d))
+
+
+def test_linspace_changing_ends_do_not_recompile_wrongly() -> None:
+    for start in (0.0, 0.25, -3.0):
+        same_on_both(lambda d, start=start: torch.linspace(start, 2.0, 5, device=d))
+
+
+LOGSPACE_CASES = [
+    ((0, 1, 7), {}),
+    ((-2, 5, 11), {"base": 2}),
+    ((0.5, 3.7, 6), {"dtype": torch.int64}),
+    ((2.5, 7, 1), {"dtype": torch.int64}),
+    ((-1, 2, 9), {"dtype": torch.float64, "base": 3.5}),
+    ((0, 2, 5), {"dtype": torch.bfloat16}),
+    ((1, 3, 0), {}),
+]
+
+
+@pytest.mark.parametrize(("args", "kwargs"), LOGSPACE_CASES)
+def test_logspace(args: tuple, kwargs: dict) -> None:
+    same_on_both(lambda d: torch.logspace(*args, **kwargs, device=d))
+
+
+def test_linspace_logspace_out() -> None:
+    same_on_both(lambda d: torch.linspace(0, 1, 6, out=torch.empty(6, dtype=torch.float64, device=d)))
+    same_on_both(lambda d: torch.linspace(-5, 5, 4, out=torch.empty(0, dtype=torch.int32, device=d)))
+    same_on_both(lambda d: torch.logspace(0, 2, 6, out=torch.empty(0, device=d)))
+
+
+def test_linspace_requires_grad() -> None:
+    x = torch.linspace(-2.0, 4.0, 6, device="pjrt", requires_grad=True)
+    assert x.requires_grad and x.is_leaf
+    (3 * x).sum().backward()
+    assert_same(x.grad, torch.full((6,), 3.0))
+
+
+# --- eye, tril/triu indices ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "dtype"), [((3,), None), ((3, 5), None), ((4, 2), torch.int32), ((0, 3), None), ((3,), torch.bool),
+                        ((2, 2), torch.bfloat16)]
+)
+def test_eye(args: tuple, dtype: torch.dtype | None) -> None:
+    same_on_both(lambda d: torch.eye(*args, dtype=dtype, device=d))
+
+
+def test_eye_out_and_requires_grad() -> None:
+    same_on_both(lambda d: torch.eye(3, 2, out=torch.empty(0, device=d)))
+    same_on_both(lambda d: torch.eye(4, out=torch.empty(4, 4, dtype=torch.int64, device=d)))
+    x = torch.eye(3, device="pjrt", requires_grad=True)
+    assert x.requires_grad and x.is_leaf
+
+
+@pytest.mark.parametrize("fn", [torch.tril_indices, torch.triu_indices])
+@pytest.mark.parametrize(("row", "col", "offset"), [(3, 4, 0), (5, 3, -1), (4, 4, 2), (0, 3, 0), (3, 3, -5)])
+def test_trilu_indices(fn: Callable, row: int, col: int, offset: int) -> None:
+    same_on_both(lambda d: fn(row, col, offset, device=d))
+
+
+def test_trilu_indices_dtype() -> None:
+    same_on_both(lambda d: torch.tril_indices(4, 3, dtype=torch.int32, device=d))
+
+
+# --- filled tensors -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("value", "dtype"), [(3.7, None), (3.7, torch.int64), (-2, None), (True, None),
+                                              (0.1, torch.float64), (1.5, torch.bfloat16)])
+def test_scalar_tensor(value: Any, dtype: torch.dtype | None) -> None:
+    same_on_both(lambda d: torch.scalar_tensor(value, dtype=dtype, device=d))
+
+
+# (base on CPU, view taken on each device): transfers give contiguous tensors, so views come after them.
+LIKE_INPUTS: dict[str, tuple[Callable[[], torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]] = {
+    "float32": (lambda: torch.randn(3, 4), lambda t: t),
+    "int64": (lambda: torch.randint(-5, 5, (2, 3)), lambda t: t),
+    "bfloat16_transposed": (lambda: torch.randn(4, 3).to(torch.bfloat16), lambda t: t.t()),
+    "float64_sliced": (lambda: torch.randn(6, 5, dtype=torch.float64), lambda t: t[::2, 1:]),
+    "bool": (lambda: torch.randn(5) > 0, lambda t: t),
+}
+
+
+@pytest.mark.parametrize("name", list(LIKE_INPUTS))
+@pytest.mark.parametrize("dtype", [None, torch.float32, torch.int32])
+def test_full_zeros_ones_like(name: str, dtype: torch.dtype | None) -> None:
+    make, view = LIKE_INPUTS[name]
+    x = make()
+    check(lambda t: torch.full_like(view(t), 2.7, dtype=dtype), x)
+    check(lambda t: torch.zeros_like(view(t), dtype=dtype), x)
+    check(lambda t: torch.ones_like(view(t), dtype=dtype), x)
+
+
+@pytest.mark.parametrize("name", list(LIKE_INPUTS))
+def test_like_keeps_layout(name: str) -> None:
+    make, view = LIKE_INPUTS[name]
+    x = make()
+    for fn in (torch.empty_like, torch.zeros_like, lambda t: torch.full_like(t, 2)):
+        expected = fn(view(x))
+        actual = fn(view(x.to("pjrt")))
+        assert actual.device.type == "pjrt"
+        assert (actual.dtype, actual.shape, actual.stride()) == (expected.dtype, expected.shape, expected.stride())
+    actual.fill_(1)
+    assert_same(actual, torch.ones_like(view(x)))
+
+
+def test_like_requires_grad_and_dtype_override() -> None:
+    x = torch.randn(3, device="pjrt")
+    for y in (torch.zeros_like(x, requires_grad=True), torch.full_like(x, 2.0, requires_grad=True),
+              torch.empty_like(x, dtype=torch.float64, requires_grad=True)):
+        assert y.requires_grad and y.is_leaf and y.device.type == "pjrt"
+    (torch.ones_like(x, requires_grad=True) * x).sum().backward()
+
+
+@pytest.mark.parametrize("dtype", [None, torch.int8, torch.float64])
+def test_new_factories(dtype: torch.dtype | None) -> None:
+    x = torch.randn(3, 2)
+    check(lambda t: t.new_zeros((2, 3), dtype=dtype), x)
+    check(lambda t: t.new_ones((4,), dtype=dtype), x)
+    check(lambda t: t.new_full((2, 2), 3.5, dtype=dtype), x)
+    y = x.to("pjrt")
+    for made in (y.new_empty((2, 3), dtype=dtype), y.new_empty_strided((2, 3), (1, 2), dtype=dtype)):
+        assert made.device.type == "pjrt" and made.shape == (2, 3)
+        assert made.dtype == (dtype or torch.float32)
+    assert y.new_empty_strided((2, 3), (1, 2)).stride() == (1, 2)
+
+
+@pytest.mark.parametrize("dtype", [None, torch.int32, torch.bfloat16, torch.bool])
+def test_full_zeros_ones(dtype: torch.dtype | None) -> None:
+    same_on_both(lambda d: torch.full((2, 3), 7.5, dtype=dtype, device=d))
+    same_on_both(lambda d: torch.zeros(4, dtype=dtype, device=d))
+    same_on_both(lambda d: torch.ones(2, 1, dtype=dtype, device=d))
+    x = torch.zeros(2, 3, device="pjrt", requires_grad=dtype is None)
+    assert x.requires_grad == (dtype is None)
+
+
+def test_allocation_lowerings_serve_traced_graphs() -> None:
+    """empty / empty_strided have eager kernels of their own; decompositions and compile use these."""
+
+    def fn() -> torch.Tensor:
+        a = torch.empty((2, 3), dtype=torch.float64).fill_(1.0)
+        b = torch.empty_strided((2, 3), (1, 2)).fill_(2.0)
+        return a + b
+
+    result = graph.lower_callable(fn, (), {})
+    assert result.shape == (2, 3)
+    assert float(result.sum()) == 18.0
