@@ -75,6 +75,13 @@ def call_lowering(op: Any, args: tuple, kwargs: dict, rng: KeySource | None, met
 
 def run_graph(gm: torch.fx.GraphModule, inputs: list[Any], rng: KeySource | None = None) -> Any:
     """Evaluate an ATen graph on jax values (traced inside the caller's jax.jit)."""
+    return evaluate(gm, inputs, rng)[0]
+
+
+def evaluate(
+    gm: torch.fx.GraphModule, inputs: list[Any], rng: KeySource | None = None, extra: tuple = ()
+) -> tuple[Any, list[Any]]:
+    """The graph's output, and the values of the `extra` nodes (e.g. inputs' in-place updates)."""
     env: dict[torch.fx.Node, Any] = {}
     feed: Iterator[Any] = iter(inputs)
     jnp = client.jax_module().numpy
@@ -95,10 +102,10 @@ def run_graph(gm: torch.fx.GraphModule, inputs: list[Any], rng: KeySource | None
             else:
                 env[node] = node.target(*args, **kwargs)
         elif node.op == "output":
-            return load(node.args[0])
+            return load(node.args[0]), [env[n] for n in extra]
         else:
             raise RuntimeError(f"torch_pjrt cannot lower graph node {node.op} {node.target}.")
-    return None
+    return None, []
 
 
 _traced: dict[Any, torch.fx.GraphModule] = {}

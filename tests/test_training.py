@@ -1,0 +1,164 @@
+"""Training end to end on pjrt against the same training on CPU: autograd, optimizers, AMP."""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+
+from gpt import GPT, batches, corpus_bytes, train_step  # noqa: E402
+
+
+def train_both(model: nn.Module, make_optimizer, data: list, loss_fn, steps_check=None) -> None:  # noqa: ANN001
+    """Train copies of a model on CPU and on pjrt with the same batches; compare every step."""
+    results = {}
+    for device in ("cpu", "pjrt"):
+        local = copy.deepcopy(model).to(device)
+        optimizer = make_optimizer(local.parameters())
+        losses = []
+        for inputs, targets in data:
+            optimizer.zero_grad()
+            loss = loss_fn(local(inputs.to(device)), targets.to(device))
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+        results[device] = (losses, local)
+    cpu_losses, cpu_model = results["cpu"]
+    pjrt_losses, pjrt_model = results["pjrt"]
+    torch.testing.assert_close(torch.tensor(pjrt_losses), torch.tensor(cpu_losses), atol=1e-4, rtol=1e-4)
+    for (name, a), (_, b) in zip(cpu_model.state_dict().items(), pjrt_model.state_dict().items()):
+        assert b.device.type == "pjrt", name
+        torch.testing.assert_close(b.cpu(), a, atol=1e-4, rtol=1e-4, msg=name)
+
+
+def random_batches(shape: tuple[int, ...], classes: int, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(torch.randn(*shape), torch.randint(0, classes, (shape[0],))) for _ in range(steps)]
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_mlp_trains_like_cpu(optimizer: str, foreach: bool) -> None:
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(12, 32), nn.ReLU(), nn.Linear(32, 5))
+    if optimizer == "sgd":
+        def make(p):  # noqa: ANN001, ANN202
+            return torch.optim.SGD(p, lr=0.1, momentum=0.9, foreach=foreach)
+    else:
+        def make(p):  # noqa: ANN001, ANN202
+            return torch.optim.Adam(p, lr=1e-2, foreach=foreach)
+    train_both(model, make, random_batches((16, 12), 5, 4), F.cross_entropy)
+
+
+def test_cnn_with_batch_norm_trains_like_cpu() -> None:
+    torch.manual_seed(2)
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(8, 8, 3, stride=2, groups=2), nn.BatchNorm2d(8), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4),
+    )
+    train_both(model, lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9), random_batches((4, 3, 16, 16), 4, 3),
+               F.cross_entropy)
+
+
+def test_transformer_with_adamw_trains_like_cpu() -> None:
+    torch.manual_seed(3)
+    model = GPT(width=32, layers=2, heads=4, context=16)
+    data = batches(corpus_bytes(), 4, 16, 3)
+
+    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), label_smoothing=0.1)
+
+    train_both(model, lambda p: torch.optim.AdamW(p, lr=3e-3, weight_decay=0.01), data, loss)
+
+
+def test_gpt_train_step_with_clip_grad_norm() -> None:
+    torch.manual_seed(4)
+    model = GPT(width=32, layers=1, heads=2, context=16)
+    tokens, targets = batches(corpus_bytes(), 2, 16, 1)[0]
+    losses = {}
+    for device in ("cpu", "pjrt"):
+        local = copy.deepcopy(model).to(device)
+        optimizer = torch.optim.AdamW(local.parameters(), lr=1e-3)
+        losses[device] = [train_step(local, optimizer, tokens.to(device), targets.to(device)).item() for _ in range(2)]
+    torch.testing.assert_close(torch.tensor(losses["pjrt"]), torch.tensor(losses["cpu"]), atol=1e-4, rtol=1e-4)
+
+
+def test_readme_example() -> None:
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(4 * 30 * 30, 10)).to("pjrt")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(8, 3, 32, 32, device="pjrt")
+    loss = model(x).logsumexp(-1).mean()
+    loss.backward()
+    opt.step()
+    assert isinstance(loss.item(), float) and x.cpu().shape == (8, 3, 32, 32)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_autocast_casts_like_cuda(dtype: torch.dtype) -> None:
+    linear = nn.Linear(8, 4).to("pjrt")
+    x = torch.randn(2, 8, device="pjrt")
+    with torch.autocast("pjrt", dtype=dtype):
+        y = linear(x)
+        z = torch.softmax(y, -1)
+        w = torch.log(y.float().abs() + 1)
+        s = y.sum()
+    assert y.dtype == dtype
+    assert z.dtype == dtype
+    assert w.dtype == torch.float32
+    assert s.dtype == dtype
+    cpu = nn.Linear(8, 4)
+    cpu.load_state_dict({k: v.cpu() for k, v in linear.state_dict().items()})
+    torch.testing.assert_close(y.float().cpu(), cpu(x.cpu()), atol=5e-2, rtol=5e-2)
+
+
+def test_grad_scaler_steps_and_skips_overflow() -> None:
+    torch.manual_seed(5)
+    model = nn.Linear(4, 2).to("pjrt")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("pjrt", init_scale=1024.0, growth_interval=1)
+    x = torch.randn(3, 4, device="pjrt")
+    before = model.weight.detach().cpu().clone()
+    with torch.autocast("pjrt", dtype=torch.bfloat16):
+        loss = model(x).float().pow(2).mean()
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
+    assert not torch.equal(model.weight.detach().cpu(), before)
+    assert scaler.get_scale() == 2048.0
+    optimizer.zero_grad()
+    loss = model(x).sum() * float("inf")
+    scaler.scale(loss).backward()
+    after_step = model.weight.detach().cpu().clone()
+    scaler.step(optimizer)
+    scaler.update()
+    assert torch.equal(model.weight.detach().cpu(), after_step)
+    assert scaler.get_scale() == 1024.0
+
+
+def test_backward_on_second_device() -> None:
+    code = """
+        import torch
+        a = torch.randn(4, 3)
+        x = a.to("pjrt:1").requires_grad_()
+        (x * x).sum().backward()
+        assert x.grad.device == torch.device("pjrt", 1)
+        torch.testing.assert_close(x.grad.cpu(), 2 * a)
+        y = a.to("pjrt:0").requires_grad_()
+        (y.to("pjrt:1") * 3).sum().backward()
+        assert y.grad.device.index == 0
+        torch.testing.assert_close(y.grad.cpu(), torch.full((4, 3), 3.0))
+        print("ok")
+    """
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                            env={**os.environ, "TORCH_PJRT_CPU_DEVICES": "2"}, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == "ok"

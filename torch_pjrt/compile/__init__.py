@@ -1,0 +1,1 @@
+"""torch.compile(backend="pjrt"): Dynamo -> AOTAutograd -> one jitted StableHLO program per graph."""
