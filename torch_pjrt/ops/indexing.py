@@ -1,9 +1,283 @@
-"""gather/scatter/index_*/masked_*/index.Tensor/index_put, and friends."""
+"""Advanced indexing, gather/scatter and masked ops.
+
+Index tensors that are boolean masks need their true count (a shape) and are turned into
+integer indices by the eager kernels in torch_pjrt/eager/data_dependent.py before they
+reach these lowerings; the one mask case handled here is a mask write whose value does
+not depend on the count (`x[mask] = 0`), which needs no sync.
+"""
 
 from __future__ import annotations
 
-import torch
+from collections.abc import Sequence
+from typing import Any
 
-from torch_pjrt.ops.registry import register  # noqa: F401
+import jax.numpy as jnp
+import numpy as np
+import torch
+from jax import lax
+
+from torch_pjrt.ops.registry import register
 
 aten = torch.ops.aten
+
+
+# --- shared helpers ----------------------------------------------------------------------------
+
+
+def _dim(dim: int, ndim: int) -> int:
+    return dim % max(ndim, 1)
+
+
+def _is_mask(index: Any) -> bool:
+    return index is not None and index.dtype in (jnp.bool_, jnp.uint8)
+
+
+def _index_tuple(indices: Sequence[Any]) -> tuple:
+    """ATen's index list (None = whole dim) as a numpy-style index; the placement rule of the
+    result dims (in place when the indices are adjacent, else first) is numpy's too."""
+    if any(_is_mask(i) for i in indices):
+        raise NotImplementedError("torch_pjrt: boolean mask indices must be converted before lowering.")
+    return tuple(slice(None) if i is None else jnp.asarray(i) for i in indices)
+
+
+def mask_write_ok(self_shape: Sequence[int], position: int, mask_shape: Sequence[int],
+                  values_shape: Sequence[int]) -> bool:
+    """True when `self[(:,) * position + (mask,)] = values` can be a `where` (no sync): the mask
+    fits self there and the values do not vary along the selected elements."""
+    mask_shape = tuple(mask_shape)
+    if tuple(self_shape[position:position + len(mask_shape)]) != mask_shape:
+        return False
+    target = tuple(self_shape[:position]) + (1,) + tuple(self_shape[position + len(mask_shape):])
+    try:
+        return np.broadcast_shapes(tuple(values_shape), target) == target
+    except ValueError:
+        return False
+
+
+def _single_mask(indices: Sequence[Any]) -> int | None:
+    """Position of the only index when it is a boolean mask."""
+    given = [i for i, index in enumerate(indices) if index is not None]
+    return given[0] if len(given) == 1 and _is_mask(indices[given[0]]) else None
+
+
+def _masked_write(self: Any, indices: Sequence[Any], values: Any, accumulate: bool) -> Any:
+    position = next(i for i, index in enumerate(indices) if index is not None)
+    mask = indices[position].astype(jnp.bool_)
+    rest = self.ndim - position - mask.ndim
+    target = self.shape[:position] + (1,) + self.shape[position + mask.ndim:]
+    values = jnp.broadcast_to(values, target).reshape(self.shape[:position] + (1,) * mask.ndim
+                                                      + self.shape[position + mask.ndim:])
+    mask = mask.reshape(mask.shape + (1,) * rest)
+    if accumulate:
+        return jnp.where(mask, self + values.astype(self.dtype), self)
+    return jnp.where(mask, values.astype(self.dtype), self)
+
+
+def _along(dim: int, index: Any) -> tuple:
+    """Index selecting `index` entries along `dim`, all of every other dim."""
+    return (slice(None),) * dim + (index,)
+
+
+def _full_index(index: Any, dim: int) -> tuple:
+    """gather/scatter's index: `index` along dim, the element's own position elsewhere."""
+    positions = [lax.broadcasted_iota(index.dtype, index.shape, d) for d in range(index.ndim)]
+    positions[dim] = index
+    return tuple(positions)
+
+
+def _as_vector(a: Any) -> Any:
+    return a.reshape(1) if a.ndim == 0 else a
+
+
+def _fit(src: Any, shape: tuple[int, ...]) -> Any:
+    """The leading box of src matching index's shape (PyTorch lets src be larger)."""
+    return src[tuple(slice(0, n) for n in shape)]
+
+
+_REDUCE_NAMES = {"add": "sum", "multiply": "prod", "sum": "sum", "prod": "prod", "mean": "mean",
+                 "amax": "amax", "amin": "amin"}
+
+
+def _identity(reduce: str, dtype: Any) -> Any:
+    if reduce in ("sum", "mean"):
+        return jnp.zeros((), dtype)
+    if reduce == "prod":
+        return jnp.ones((), dtype)
+    if jnp.issubdtype(dtype, jnp.floating):
+        value = -jnp.inf if reduce == "amax" else jnp.inf
+        return jnp.asarray(value, dtype)
+    if dtype == jnp.bool_:
+        return jnp.asarray(reduce == "amin")
+    info = jnp.iinfo(dtype)
+    return jnp.asarray(info.min if reduce == "amax" else info.max, dtype)
+
+
+def _reduce_into(self: Any, where: tuple, src: Any, reduce: str, include_self: bool) -> Any:
+    """self with src reduced into the positions `where` names (duplicates combine)."""
+    reduce = _REDUCE_NAMES[reduce]
+    src = src.astype(self.dtype)
+    start = self if include_self else self.at[where].set(_identity(reduce, self.dtype))
+    slot = start.at[where]
+    if reduce == "sum":
+        return slot.add(src)
+    if reduce == "prod":
+        return slot.multiply(src)
+    if reduce == "amax":
+        return slot.max(src)
+    if reduce == "amin":
+        return slot.min(src)
+    total = slot.add(src)
+    ones = jnp.ones(self.shape, jnp.int64)
+    counts = (ones if include_self else ones.at[where].set(0)).at[where].add(jnp.ones(src.shape, jnp.int64))
+    counts = jnp.maximum(counts, 1)
+    if jnp.issubdtype(self.dtype, jnp.integer):
+        return jnp.floor_divide(total, counts.astype(self.dtype))
+    return (total / counts).astype(self.dtype)
+
+
+# --- advanced indexing -------------------------------------------------------------------------
+
+
+@register(aten.index.Tensor)
+def index(self: Any, indices: list[Any]) -> Any:
+    return self[_index_tuple(indices)]
+
+
+@register(aten.index_put.default, aten._index_put_impl.default)
+def index_put(self: Any, indices: list[Any], values: Any, accumulate: bool = False, unsafe: bool = False) -> Any:
+    """Duplicates: accumulate adds every one; otherwise one of them wins (as on CUDA)."""
+    values = jnp.asarray(values)
+    position = _single_mask(indices)
+    if position is not None and mask_write_ok(self.shape, position, indices[position].shape, values.shape):
+        return _masked_write(self, indices, values, accumulate)
+    slot = self.at[_index_tuple(indices)]
+    values = values.astype(self.dtype)
+    return slot.add(values) if accumulate else slot.set(values)
+
+
+@register(aten.index_select.default)
+def index_select(self: Any, dim: int, index: Any) -> Any:
+    return jnp.take(_as_vector(self), _as_vector(index), axis=_dim(dim, self.ndim))
+
+
+@register(aten.take.default)
+def take(self: Any, index: Any) -> Any:
+    return self.reshape(-1)[index]
+
+
+@register(aten.put.default)
+def put(self: Any, index: Any, source: Any, accumulate: bool = False) -> Any:
+    slot = self.reshape(-1).at[index.reshape(-1)]
+    source = source.reshape(-1).astype(self.dtype)
+    return (slot.add(source) if accumulate else slot.set(source)).reshape(self.shape)
+
+
+@register(aten.nonzero_static.default)
+def nonzero_static(self: Any, *, size: int, fill_value: int = -1) -> Any:
+    if self.ndim == 0:
+        return jnp.zeros((size, 0), jnp.int64)
+    return jnp.stack(jnp.nonzero(self, size=size, fill_value=fill_value), axis=1)
+
+
+# --- gather / scatter --------------------------------------------------------------------------
+
+
+@register(aten.gather.default)
+def gather(self: Any, dim: int, index: Any, *, sparse_grad: bool = False) -> Any:
+    data, index = _as_vector(self), _as_vector(index)
+    axis = _dim(dim, data.ndim)
+    data = data[tuple(slice(None) if d == axis else slice(0, n) for d, n in enumerate(index.shape))]
+    return jnp.take_along_axis(data, index, axis=axis)
+
+
+def _scatter(self: Any, dim: int, index: Any, src: Any, reduce: str | None) -> Any:
+    data, index = _as_vector(self), _as_vector(index)
+    where = _full_index(index, _dim(dim, data.ndim))
+    src = jnp.broadcast_to(src, ()) if jnp.ndim(src) == 0 else _fit(_as_vector(src), index.shape)
+    src = jnp.broadcast_to(src, index.shape)
+    if reduce is None:
+        result = data.at[where].set(src.astype(data.dtype))
+    else:
+        result = _reduce_into(data, where, src, reduce, True)
+    return result.reshape(self.shape)
+
+
+@register(aten.scatter.src, aten.scatter.value)
+def scatter(self: Any, dim: int, index: Any, src: Any) -> Any:
+    return _scatter(self, dim, index, src, None)
+
+
+@register(aten.scatter.reduce, aten.scatter.value_reduce)
+def scatter_reduce_legacy(self: Any, dim: int, index: Any, src: Any, *, reduce: str) -> Any:
+    return _scatter(self, dim, index, src, reduce)
+
+
+@register(aten.scatter_add.default)
+def scatter_add(self: Any, dim: int, index: Any, src: Any) -> Any:
+    return _scatter(self, dim, index, src, "add")
+
+
+@register(aten.scatter_reduce.two)
+def scatter_reduce(self: Any, dim: int, index: Any, src: Any, reduce: str, *, include_self: bool = True) -> Any:
+    data, index = _as_vector(self), _as_vector(index)
+    where = _full_index(index, _dim(dim, data.ndim))
+    src = _fit(_as_vector(src), index.shape)
+    return _reduce_into(data, where, src, reduce, include_self).reshape(self.shape)
+
+
+# --- index_* along one dim ---------------------------------------------------------------------
+
+
+def _index_update(self: Any, dim: int, index: Any, source: Any, how: str) -> Any:
+    data = _as_vector(self)
+    axis = _dim(dim, data.ndim)
+    source = jnp.asarray(source)
+    if source.ndim:
+        source = source.reshape(data.shape[:axis] + (-1,) + data.shape[axis + 1:])
+    slot = data.at[_along(axis, _as_vector(index))]
+    source = source.astype(data.dtype)
+    return (slot.add(source) if how == "add" else slot.set(source)).reshape(self.shape)
+
+
+@register(aten.index_add.default)
+def index_add(self: Any, dim: int, index: Any, source: Any, *, alpha: Any = 1) -> Any:
+    if self.dtype == jnp.bool_:
+        return _index_update(self.astype(jnp.int8), dim, index, source, "add") != 0
+    return _index_update(self, dim, index, jnp.asarray(source) * alpha, "add")
+
+
+@register(aten.index_copy.default)
+def index_copy(self: Any, dim: int, index: Any, source: Any) -> Any:
+    return _index_update(self, dim, index, source, "set")
+
+
+@register(aten.index_fill.int_Scalar, aten.index_fill.int_Tensor)
+def index_fill(self: Any, dim: int, index: Any, value: Any) -> Any:
+    return _index_update(self, dim, index, value, "set")
+
+
+@register(aten.index_reduce.default)
+def index_reduce(self: Any, dim: int, index: Any, source: Any, reduce: str, *, include_self: bool = True) -> Any:
+    data = _as_vector(self)
+    axis = _dim(dim, data.ndim)
+    source = _as_vector(source).reshape(data.shape[:axis] + (-1,) + data.shape[axis + 1:])
+    return _reduce_into(data, _along(axis, _as_vector(index)), source, reduce, include_self).reshape(self.shape)
+
+
+# --- masks -------------------------------------------------------------------------------------
+
+
+@register(aten.masked_fill.Scalar, aten.masked_fill.Tensor)
+def masked_fill(self: Any, mask: Any, value: Any) -> Any:
+    return jnp.where(mask, jnp.asarray(value).astype(self.dtype), self)
+
+
+@register(aten.masked_scatter.default)
+def masked_scatter(self: Any, mask: Any, source: Any) -> Any:
+    """The k-th selected position (row-major) takes source's k-th element."""
+    shape = jnp.broadcast_shapes(self.shape, mask.shape)
+    mask = jnp.broadcast_to(mask, shape)
+    position = jnp.cumsum(mask.reshape(-1).astype(jnp.int64)) - 1
+    flat = source.reshape(-1)
+    picked = flat[jnp.clip(position, 0, max(flat.shape[0] - 1, 0))] if flat.shape[0] else jnp.zeros_like(position)
+    return jnp.where(mask, picked.reshape(shape).astype(self.dtype), jnp.broadcast_to(self, shape))

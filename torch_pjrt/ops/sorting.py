@@ -1,9 +1,178 @@
-"""sort, argsort, topk, kthvalue, median, searchsorted, unique (static parts)."""
+"""Sorting and selection: sort, topk, kthvalue, median, mode, searchsorted.
+
+Every sort is one stable multi-key lax.sort carrying positions, so values and indices
+follow PyTorch's order: NaN above +inf (last ascending, first descending), -0.0 equal
+to 0.0, ties in original order.
+"""
 
 from __future__ import annotations
 
-import torch
+from typing import Any
 
-from torch_pjrt.ops.registry import register  # noqa: F401
+import jax
+import jax.numpy as jnp
+import torch
+from jax import lax
+
+from torch_pjrt.ops.registry import register
 
 aten = torch.ops.aten
+
+
+# --- shared helpers ----------------------------------------------------------------------------
+
+
+def _dim(dim: int, ndim: int) -> int:
+    return dim % max(ndim, 1)
+
+
+def _is_float(x: Any) -> bool:
+    return jnp.issubdtype(x.dtype, jnp.floating)
+
+
+def _keys(x: Any, descending: bool) -> list[Any]:
+    """Sort keys whose ascending order is PyTorch's order for x."""
+    if not _is_float(x):
+        return [jnp.invert(x) if descending else x]
+    nan = jnp.isnan(x)
+    value = jnp.where(nan | (x == 0), jnp.zeros((), x.dtype), x)
+    if descending:
+        return [jnp.logical_not(nan), -value]
+    return [nan, value]
+
+
+def _sort(x: Any, axis: int, descending: bool = False) -> tuple[Any, Any]:
+    """(values, int64 indices) sorted along axis, stably."""
+    keys = _keys(x, descending)
+    iota = lax.broadcasted_iota(jnp.int64, x.shape, axis)
+    *_, indices = lax.sort((*keys, iota), dimension=axis, num_keys=len(keys), is_stable=True)
+    return jnp.take_along_axis(x, indices, axis=axis), indices
+
+
+def _nan_count(x: Any, axis: int) -> Any:
+    if not _is_float(x):
+        return jnp.zeros(x.shape[:axis] + x.shape[axis + 1:], jnp.int64)
+    return jnp.sum(jnp.isnan(x), axis=axis)
+
+
+def _pick(values: Any, indices: Any, position: Any, axis: int, keepdim: bool) -> tuple[Any, Any]:
+    """values/indices at `position` (one per slice along axis)."""
+    where = jnp.expand_dims(position, axis)
+    picked = (jnp.take_along_axis(values, where, axis=axis), jnp.take_along_axis(indices, where, axis=axis))
+    return picked if keepdim else tuple(jnp.squeeze(p, axis) for p in picked)
+
+
+def _as_vector(x: Any) -> Any:
+    return x.reshape(1) if x.ndim == 0 else x
+
+
+# --- sort, topk, kthvalue ----------------------------------------------------------------------
+
+
+@register(aten.sort.default)
+def sort(self: Any, dim: int = -1, descending: bool = False) -> tuple[Any, Any]:
+    x = _as_vector(self)
+    return _sort(x, _dim(dim, x.ndim), descending)
+
+
+@register(aten.sort.stable)
+def sort_stable(self: Any, *, stable: bool | None = None, dim: int = -1, descending: bool = False) -> tuple[Any, Any]:
+    return sort(self, dim, descending)
+
+
+@register(aten.topk.default)
+def topk(self: Any, k: int, dim: int = -1, largest: bool = True, sorted: bool = True) -> tuple[Any, Any]:
+    """Always sorted, which PyTorch allows for sorted=False."""
+    x = _as_vector(self)
+    axis = _dim(dim, x.ndim)
+    values, indices = _sort(x, axis, descending=largest)
+    return lax.slice_in_dim(values, 0, k, axis=axis), lax.slice_in_dim(indices, 0, k, axis=axis)
+
+
+@register(aten.kthvalue.default)
+def kthvalue(self: Any, k: int, dim: int = -1, keepdim: bool = False) -> tuple[Any, Any]:
+    x = _as_vector(self)
+    axis = _dim(dim, x.ndim)
+    values, indices = _sort(x, axis)
+    position = jnp.full(x.shape[:axis] + x.shape[axis + 1:], k - 1)
+    return _pick(values, indices, position, axis, keepdim)
+
+
+# --- medians and mode --------------------------------------------------------------------------
+
+
+def _median(self: Any, dim: int, keepdim: bool, ignore_nan: bool) -> tuple[Any, Any]:
+    """The lower median. With NaNs: median gives the first NaN, nanmedian skips them."""
+    x = _as_vector(self)
+    axis = _dim(dim, x.ndim)
+    n = x.shape[axis]
+    values, indices = _sort(x, axis)
+    nans = _nan_count(x, axis)
+    if ignore_nan:
+        position = jnp.maximum((n - nans - 1) // 2, 0)
+    else:
+        position = jnp.where(nans > 0, n - nans, (n - 1) // 2)
+    return _pick(values, indices, position, axis, keepdim)
+
+
+@register(aten.median.default)
+def median(self: Any) -> Any:
+    return _median(self.reshape(-1), 0, False, False)[0]
+
+
+@register(aten.nanmedian.default)
+def nanmedian(self: Any) -> Any:
+    return _median(self.reshape(-1), 0, False, True)[0]
+
+
+@register(aten.median.dim)
+def median_dim(self: Any, dim: int, keepdim: bool = False) -> tuple[Any, Any]:
+    return _median(self, dim, keepdim, False)
+
+
+@register(aten.nanmedian.dim)
+def nanmedian_dim(self: Any, dim: int, keepdim: bool = False) -> tuple[Any, Any]:
+    return _median(self, dim, keepdim, True)
+
+
+@register(aten.mode.default)
+def mode(self: Any, dim: int = -1, keepdim: bool = False) -> tuple[Any, Any]:
+    """Most frequent value, the smallest on ties; its index is its last occurrence (as on CPU)."""
+    x = _as_vector(self)
+    axis = _dim(dim, x.ndim)
+    values, indices = _sort(x, axis)
+    position = lax.broadcasted_iota(jnp.int64, x.shape, axis)
+    starts = jnp.concatenate(
+        [jnp.ones_like(lax.slice_in_dim(values, 0, 1, axis=axis), jnp.bool_),
+         lax.slice_in_dim(values, 1, None, axis=axis) != lax.slice_in_dim(values, 0, -1, axis=axis)], axis=axis)
+    run_start = lax.cummax(jnp.where(starts, position, 0), axis=axis)
+    run_length = position - run_start
+    return _pick(values, indices, jnp.argmax(run_length, axis=axis), axis, keepdim)
+
+
+# --- searchsorted ------------------------------------------------------------------------------
+
+
+def _searchsorted(sorted_sequence: Any, values: Any, right: bool, sorter: Any) -> Any:
+    values = jnp.asarray(values)
+    if sorter is not None:
+        sorted_sequence = jnp.take_along_axis(sorted_sequence, sorter, axis=-1)
+    dtype = jnp.promote_types(sorted_sequence.dtype, values.dtype)
+    sorted_sequence, values = sorted_sequence.astype(dtype), values.astype(dtype)
+    side = "right" if right else "left"
+    if sorted_sequence.ndim == 1:
+        return jnp.searchsorted(sorted_sequence, values, side=side)
+    rows = sorted_sequence.reshape(-1, sorted_sequence.shape[-1])
+    found = jax.vmap(lambda row, v: jnp.searchsorted(row, v, side=side))(rows, values.reshape(rows.shape[0], -1))
+    return found.reshape(values.shape)
+
+
+@register(aten.searchsorted.Tensor, aten.searchsorted.Scalar)
+def searchsorted(sorted_sequence: Any, self: Any, *, out_int32: bool = False, right: bool = False,
+                 side: str | None = None, sorter: Any = None) -> Any:
+    return _searchsorted(sorted_sequence, self, right or side == "right", sorter)
+
+
+@register(aten.bucketize.Tensor, aten.bucketize.Scalar)
+def bucketize(self: Any, boundaries: Any, *, out_int32: bool = False, right: bool = False) -> Any:
+    return _searchsorted(boundaries, self, right, None)
