@@ -86,12 +86,7 @@ class CompiledGraph:
             self.programs[signature] = program
         return program
 
-    _boxed_call = True
-
-    def __call__(self, boxed_args: list[Any]) -> Any:
-        """AOTAutograd's boxed convention: the list is emptied so inputs can be freed early."""
-        args = list(boxed_args)
-        boxed_args.clear()
+    def __call__(self, *args: Any) -> Any:
         arrays: list[Any] = []
         signature: list[Any] = []
         device = None
@@ -138,7 +133,9 @@ def _as_tensor(value: Any, device: torch.device, shape: Any = None, strides: Any
 
 
 def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
-    return CompiledGraph(gm)
+    from functorch.compile import make_boxed_func
+
+    return make_boxed_func(CompiledGraph(gm))
 
 
 def pjrt_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable[..., Any]:
