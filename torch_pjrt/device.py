@@ -100,7 +100,10 @@ class device:  # noqa: N801 (mirrors torch.cuda.device)
 
 def synchronize(device: Any = None) -> None:
     """Wait until every queued op on the device has finished."""
+    from torch_pjrt.eager import fusion
+
     client = _client()
+    fusion.flush("synchronize")
     index = _index(device)
     target = client.device_for(index)
     client.synchronize([a for a in client.jax_module().live_arrays() if target in a.devices()])

@@ -102,6 +102,15 @@ class MemoryStats:
 memory = MemoryStats()
 
 
+class PendingArray:
+    """An array that a deferred (fused) program will produce; `resolve()` runs it."""
+
+    __slots__ = ()
+
+    def resolve(self) -> Any:
+        raise NotImplementedError
+
+
 class DeviceStorage:
     """The device side of one PyTorch storage: a flat jax array, or None while uninitialised."""
 
@@ -120,6 +129,8 @@ class DeviceStorage:
 
     def materialize(self) -> Any:
         """The flat array; an uninitialised storage (torch.empty) reads as zeros."""
+        if isinstance(self.array, PendingArray):
+            self.array = self.array.resolve()
         if self.array is None:
             jax = client.jax_module()
             zeros = np.zeros(self.numel, numpy_dtype(self.dtype))

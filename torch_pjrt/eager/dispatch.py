@@ -23,7 +23,7 @@ from torch._ops import OpOverload
 
 from torch_pjrt import device as device_module
 from torch_pjrt import storage
-from torch_pjrt.eager import modes
+from torch_pjrt.eager import fusion, modes
 from torch_pjrt.ops import graph, registry
 from torch_pjrt.runtime import client, metrics, programs, rng
 from torch_pjrt.storage import View
@@ -214,12 +214,14 @@ def _static(value: Any) -> Any:
 @dataclasses.dataclass
 class Entry:
     program: programs.Program
+    fn: Callable[..., Any]
     # per new output: (dtype, sizes, strides, storage numel) or None
     outputs: list[tuple[torch.dtype, tuple[int, ...], tuple[int, ...], int] | None]
     mutated_slots: list[int]
     resized: list[tuple[tuple[int, int], tuple[int, ...], tuple[int, ...]]]
     passed_slots: list[int]
     random: bool
+    output_count: int
 
 
 def _meta_tensor(view: View) -> torch.Tensor:
@@ -391,7 +393,9 @@ def _build(plan: OpPlan, scan: Scan, values: list[Any], described: list[Any]) ->
 
     device_index = scan.device.index if not passed_slots else None
     compiled = programs.Program(program, str(plan.op), donate=donate, device_index=device_index)
-    return Entry(compiled, fresh_specs, mutated_slots, resized, passed_slots, random)
+    output_count = sum(len(s) if isinstance(s, list) else int(s is not None) for s in fresh_specs)
+    output_count += len(resized) + len(mutated_slots)
+    return Entry(compiled, program, fresh_specs, mutated_slots, resized, passed_slots, random, output_count)
 
 
 def _leaves(described: Any) -> list[Leaf]:
@@ -437,10 +441,28 @@ def generator_key(generator: torch.Generator) -> np.ndarray:
 
 def _inputs(entry: Entry, scan: Scan, plan: OpPlan, values: list[Any]) -> list[Any]:
     inputs = [scan.storages[s].array for s in entry.passed_slots]
+    if not modes.state.fusing and any(isinstance(a, storage.PendingArray) for a in inputs):
+        inputs = [fusion.concrete(a) for a in inputs]
     if entry.random:
         inputs.append(_random_key(plan, values, scan.device))
     inputs.extend(scan.dynamic)
     return inputs
+
+
+def _trace_now(entry: Entry, scan: Scan, inputs: list[Any]) -> None:
+    """Trace a new op's function at once, so a lowering error surfaces at the op, not at the flush."""
+    jax = client.jax_module()
+    abstract = [
+        jax.ShapeDtypeStruct((scan.storages[slot].numel,), storage.numpy_dtype(scan.storages[slot].dtype))
+        for slot in entry.passed_slots
+    ]
+    jax.eval_shape(entry.fn, *abstract, *inputs[len(abstract):])
+
+
+def _run(entry: Entry, inputs: list[Any]) -> tuple[Any, ...]:
+    if modes.state.fusing:
+        return fusion.graph().record(entry, inputs, entry.output_count)
+    return entry.program.call(*inputs)
 
 
 def execute(plan: OpPlan, args: tuple, kwargs: dict) -> Any:
@@ -457,7 +479,10 @@ def execute(plan: OpPlan, args: tuple, kwargs: dict) -> Any:
     if entry is None:
         try:
             entry = _build(plan, scan, values, described)
-            outputs = entry.program.call(*_inputs(entry, scan, plan, values))
+            inputs = _inputs(entry, scan, plan, values)
+            if modes.state.fusing:
+                _trace_now(entry, scan, inputs)
+            outputs = _run(entry, inputs)
         except registry.MissingLowering as missing:
             from torch_pjrt.eager import fallback
 
@@ -467,7 +492,7 @@ def execute(plan: OpPlan, args: tuple, kwargs: dict) -> Any:
             raise NotImplementedError(fallback.missing_message(plan.op) + detail) from None
         _cache.put(key, entry)
     else:
-        outputs = entry.program.call(*_inputs(entry, scan, plan, values))
+        outputs = _run(entry, _inputs(entry, scan, plan, values))
     n_updated = len(entry.mutated_slots)
     n_resized = len(entry.resized)
     n_fresh = len(outputs) - n_updated - n_resized

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from torch_pjrt import _torch_private, storage
-from torch_pjrt.eager import dispatch
+from torch_pjrt.eager import dispatch, fusion
 from torch_pjrt.runtime import client
 
 aten = torch.ops.aten
@@ -47,7 +47,8 @@ def to_pjrt(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype | Non
 
 
 def to_cpu(tensor: torch.Tensor) -> torch.Tensor:
-    """A new CPU tensor with a pjrt tensor's contents (waits for it)."""
+    """A new CPU tensor with a pjrt tensor's contents (waits for it; a sync point in fused mode)."""
+    fusion.flush("transfer to host")
     return host_tensor(client.to_host(dispatch.read(tensor)))
 
 
@@ -154,7 +155,7 @@ def resize_(self: torch.Tensor, size: Any, memory_format: Any = None) -> torch.T
     if needed * self.dtype.itemsize <= st.nbytes:
         _torch_private.repoint(self, self.untyped_storage(), self.storage_offset(), sizes, strides)
         return self
-    old = None if st.array is None or st.numel == 0 else storage.reinterpret(st.array, st.dtype, self.dtype)
+    old = None if st.array is None or st.numel == 0 else storage.reinterpret(st.materialize(), st.dtype, self.dtype)
     fresh = storage.replace_storage(self, needed, sizes, strides)
     if old is not None:
         jnp = client.jax_module().numpy

@@ -10,15 +10,12 @@ import os
 class EagerMode(enum.Enum):
     """DEFER_NEVER: each op runs as its own cached program, asynchronously (the default).
     DEFER_NEVER_AND_LAUNCH_BLOCKING: the same, waiting for each op to finish (debugging).
-    DEFER_AND_FUSE: ops are recorded and run fused at sync points (its own issue; not yet here).
+    DEFER_AND_FUSE: ops are recorded and run as one fused program at sync points.
     """
 
     DEFER_NEVER = "defer_never"
     DEFER_NEVER_AND_LAUNCH_BLOCKING = "defer_never_and_launch_blocking"
     DEFER_AND_FUSE = "defer_and_fuse"
-
-
-AVAILABLE = (EagerMode.DEFER_NEVER, EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING)
 
 
 def _from_environment() -> EagerMode:
@@ -28,24 +25,19 @@ def _from_environment() -> EagerMode:
     if not name:
         return EagerMode.DEFER_NEVER
     try:
-        return _check(EagerMode(name))
+        return EagerMode(name)
     except ValueError:
         raise RuntimeError(
             f"TORCH_PJRT_EAGER_MODE={name!r} is not a mode; use one of "
-            + ", ".join(m.value for m in AVAILABLE)
+            + ", ".join(m.value for m in EagerMode)
             + "."
         ) from None
-
-
-def _check(mode: EagerMode) -> EagerMode:
-    if mode not in AVAILABLE:
-        raise NotImplementedError(f"{mode} is not implemented yet; use one of {[m.name for m in AVAILABLE]}.")
-    return mode
 
 
 class _State:
     mode: EagerMode = EagerMode.DEFER_NEVER
     blocking: bool = False
+    fusing: bool = False
 
 
 state = _State()
@@ -56,8 +48,14 @@ def current() -> EagerMode:
 
 
 def _apply(mode: EagerMode) -> None:
-    state.mode = _check(EagerMode(mode))
-    state.blocking = state.mode is EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING
+    mode = EagerMode(mode)
+    if state.fusing and mode is not EagerMode.DEFER_AND_FUSE:
+        from torch_pjrt.eager import fusion
+
+        fusion.flush("eager mode change")
+    state.mode = mode
+    state.blocking = mode is EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING
+    state.fusing = mode is EagerMode.DEFER_AND_FUSE
 
 
 class set_eager_mode(contextlib.AbstractContextManager):  # noqa: N801 (a function to users)

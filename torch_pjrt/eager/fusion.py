@@ -1,0 +1,189 @@
+"""DEFER_AND_FUSE: ops are recorded, and run as one jitted program at the next sync point.
+
+Recording reuses strict eager's per-op work entirely: the same cache entry (meta kernel
+run, argument checks, the traceable per-op function) is looked up for each op, so errors
+are raised at the op that caused them. Instead of calling the op's program, its
+function is appended to the pending graph and its results are `Deferred` placeholders.
+At a sync point (a value read to the host, `torch.pjrt.synchronize()`, an op that must
+run outside the graph, or the size cap) the pending graph runs as one program, cached by
+its structure (which entries, wired how), never by data: traced scalars and random keys
+are program inputs, so a training loop compiles once and then replays.
+Only values still referenced by live tensors are program outputs; everything else dies
+inside the program.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import traceback
+import weakref
+from collections import Counter
+from typing import Any
+
+from torch_pjrt import storage
+from torch_pjrt.runtime import metrics, programs
+
+MAX_NODES = int(os.environ.get("TORCH_PJRT_FUSE_MAX_NODES", "4000"))
+DEBUG_RECOMPILE = os.environ.get("TORCH_PJRT_DEBUG_RECOMPILE", "") not in ("", "0")
+
+flush_reasons: Counter = Counter()
+fused_sizes: list[int] = []
+
+
+class Deferred(storage.PendingArray):
+    """One output of a recorded op; holds its array once the graph has run."""
+
+    __slots__ = ("graph", "node", "index", "value", "__weakref__")
+
+    def __init__(self, graph: PendingGraph, node: int, index: int) -> None:
+        self.graph = graph
+        self.node = node
+        self.index = index
+        self.value: Any = None
+
+    def resolve(self) -> Any:
+        if self.value is None:
+            self.graph.flush("read")
+        return self.value
+
+
+class PendingGraph:
+    def __init__(self) -> None:
+        self.nodes: list[tuple[Any, tuple[Any, ...]]] = []
+        self.inputs: list[Any] = []
+        self.input_slots: dict[int, int] = {}
+        self.outputs: weakref.WeakSet[Deferred] = weakref.WeakSet()
+        self.where: list[str] = []
+        self.lock = threading.RLock()
+
+    def _ref(self, value: Any) -> Any:
+        if isinstance(value, Deferred):
+            if value.value is not None:
+                value = value.value
+            elif value.graph is self:
+                return ("n", value.node, value.index)
+            else:
+                value = value.resolve()
+        if isinstance(value, (bool, int, float, complex)):
+            self.inputs.append(value)
+            return ("s", len(self.inputs) - 1, type(value))
+        slot = self.input_slots.get(id(value))
+        if slot is None:
+            slot = self.input_slots[id(value)] = len(self.inputs)
+            self.inputs.append(value)
+        return ("c", slot)
+
+    def record(self, entry: Any, inputs: list[Any], outputs: int) -> tuple[Deferred, ...]:
+        with self.lock:
+            refs = tuple(self._ref(value) for value in inputs)
+            node = len(self.nodes)
+            self.nodes.append((entry, refs))
+            if DEBUG_RECOMPILE:
+                self.where.append(_user_line())
+            results = tuple(Deferred(self, node, i) for i in range(outputs))
+            for result in results:
+                self.outputs.add(result)
+        if len(self.nodes) >= MAX_NODES:
+            self.flush("size cap")
+        return results
+
+    def flush(self, reason: str) -> None:
+        """Run everything recorded so far as one program and fill in the live results."""
+        with self.lock:
+            if not self.nodes:
+                return
+            live = sorted(self.outputs, key=lambda d: (d.node, d.index))
+            nodes, inputs, where = self.nodes, self.inputs, self.where
+            self.nodes, self.inputs, self.input_slots, self.where = [], [], {}, []
+            self.outputs = weakref.WeakSet()
+            flush_reasons[reason] += 1
+            metrics.bump("fused_programs")
+            metrics.bump("fused_ops", len(nodes))
+            fused_sizes.append(len(nodes))
+            wanted = tuple((d.node, d.index) for d in live)
+            structure = (tuple((id(entry), refs) for entry, refs in nodes), wanted)
+            program = _programs.get(structure)
+            if program is None:
+                metrics.bump("fused_compiles")
+                if DEBUG_RECOMPILE:
+                    _explain_recompile(nodes, where)
+                program = _programs.put(structure, _fused_program(nodes, wanted))
+                _seen.append((nodes, where))
+            results = program.call(*inputs)
+            for deferred, value in zip(live, results):
+                deferred.value = value
+
+
+def _fused_program(nodes: list[tuple[Any, tuple[Any, ...]]], wanted: tuple[tuple[int, int], ...]) -> Any:
+    functions = [entry.fn for entry, _ in nodes]
+    wiring = [refs for _, refs in nodes]
+
+    def fused(*inputs: Any) -> tuple[Any, ...]:
+        values: list[Any] = []
+        for fn, refs in zip(functions, wiring):
+            args = [values[r[1]][r[2]] if r[0] == "n" else inputs[r[1]] for r in refs]
+            values.append(fn(*args))
+        return tuple(values[node][index] for node, index in wanted)
+
+    return programs.Program(fused, f"fused[{len(nodes)}]")
+
+
+_programs = programs.ProgramCache()
+_seen: list[tuple[list[Any], list[str]]] = []
+_local = threading.local()
+
+
+def graph() -> PendingGraph:
+    pending = getattr(_local, "graph", None)
+    if pending is None:
+        pending = _local.graph = PendingGraph()
+    return pending
+
+
+def flush(reason: str) -> None:
+    pending = getattr(_local, "graph", None)
+    if pending is not None:
+        pending.flush(reason)
+
+
+def concrete(value: Any) -> Any:
+    return value.resolve() if isinstance(value, Deferred) else value
+
+
+def _user_line() -> str:
+    for frame in reversed(traceback.extract_stack(limit=40)):
+        if "torch_pjrt" not in frame.filename and "/torch/" not in frame.filename:
+            return f"{frame.filename}:{frame.lineno}: {frame.line}"
+    return "<unknown>"
+
+
+def _explain_recompile(nodes: list[tuple[Any, tuple[Any, ...]]], where: list[str]) -> None:
+    """For a new program that looks like an earlier one, print the first op that differs and its user line."""
+    for old_nodes, _ in reversed(_seen[-20:]):
+        if abs(len(old_nodes) - len(nodes)) > max(4, len(nodes) // 10):
+            continue
+        for position, ((entry, refs), (old_entry, old_refs)) in enumerate(zip(nodes, old_nodes)):
+            if entry is not old_entry or refs != old_refs:
+                print(
+                    f"torch_pjrt: recompiling a fused program of {len(nodes)} ops (previous: {len(old_nodes)}); "
+                    f"op {position} differs: {entry.program.name} {_describe(entry)} vs {old_entry.program.name} "
+                    f"{_describe(old_entry)}; user line: {where[position] if position < len(where) else '?'}"
+                )
+                return
+        print(f"torch_pjrt: recompiling a fused program: {len(nodes)} ops vs {len(old_nodes)} before "
+              f"(the pending graph was cut at a different point)")
+        return
+
+
+def _describe(entry: Any) -> str:
+    return str(getattr(entry, "key_summary", ""))
+
+
+def report() -> dict[str, Any]:
+    return {
+        "fused_programs": len(fused_sizes),
+        "mean_ops_per_program": (sum(fused_sizes) / len(fused_sizes)) if fused_sizes else 0.0,
+        "flush_reasons": dict(flush_reasons),
+    }
+
