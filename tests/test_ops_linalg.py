@@ -1,0 +1,212 @@
+"""Matrix products, torch.linalg and torch.fft on pjrt against CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from support import check
+
+TOL = {"atol": 1e-4, "rtol": 1e-4}
+
+
+def _grads(fn, *inputs):
+    """fn's input gradients for a fixed random cotangent (backward through the op)."""
+    leaves = [t.detach().clone().requires_grad_() for t in inputs]
+    out = fn(*leaves)
+    weight = torch.linspace(-1, 1, out.numel(), dtype=out.real.dtype).reshape(out.shape).to(out.device)
+    (out.real * weight).sum().backward()
+    return [t.grad for t in leaves]
+
+
+def _spd(*batch: int, n: int = 4, dtype=torch.float32) -> torch.Tensor:
+    a = torch.randn(*batch, n, n, dtype=dtype)
+    return a @ a.mT + n * torch.eye(n, dtype=dtype)
+
+
+# --- products ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int64])
+def test_mm_dtypes(dtype):
+    a, b = torch.randn(4, 5) * 5, torch.randn(5, 3) * 5
+    check(torch.mm, a.to(dtype), b.to(dtype))
+
+
+def test_mm_bfloat16_accumulates_in_float32():
+    check(torch.mm, torch.randn(8, 64).bfloat16(), torch.randn(64, 8).bfloat16(), atol=1e-2, rtol=1e-2)
+
+
+def test_mm_non_contiguous():
+    a, b = torch.randn(5, 4), torch.randn(6, 5)
+    check(lambda a, b: torch.mm(a.t(), b[::2].t()), a, b, **TOL)
+
+
+@pytest.mark.xfail(reason="core: dispatch passes out= to the functional lowering (torch.add(a, a, out=o) fails too)")
+def test_mm_out():
+    a, b = torch.randn(5, 4), torch.randn(6, 5)
+
+    def with_out(a, b):
+        out = torch.empty(4, 6, device=a.device)
+        torch.mm(a.t(), b.t(), out=out)
+        return out
+
+    check(with_out, a, b)
+
+
+def test_addmm_beta_alpha_and_beta_zero_ignores_nan():
+    c, a, b = torch.randn(4, 3), torch.randn(4, 5), torch.randn(5, 3)
+    check(lambda c, a, b: torch.addmm(c, a, b, beta=0.5, alpha=-2), c, a, b, **TOL)
+    check(lambda c, a, b: torch.addmm(c, a, b, beta=0), torch.full((4, 3), float("nan")), a, b, **TOL)
+    check(lambda c, a, b: c.clone().addmm_(a, b, alpha=3), c, a, b, **TOL)
+
+
+def test_batched_products():
+    x, y = torch.randn(2, 3, 4), torch.randn(2, 4, 5)
+    check(torch.bmm, x, y, **TOL)
+    check(lambda c, x, y: torch.baddbmm(c, x, y, beta=0.3, alpha=2), torch.randn(2, 3, 5), x, y, **TOL)
+    check(lambda c, x, y: torch.addbmm(c, x, y, beta=0.3, alpha=2), torch.randn(3, 5), x, y, **TOL)
+
+
+def test_vector_products():
+    m, v, w = torch.randn(4, 5), torch.randn(5), torch.randn(4)
+    check(torch.mv, m, v, **TOL)
+    check(lambda c, m, v: torch.addmv(c, m, v, beta=2, alpha=0.5), w, m, v, **TOL)
+    check(lambda c, a, b: torch.addr(c, a, b, alpha=2), m, w, v, **TOL)
+    check(torch.dot, v, v.flip(0), **TOL)
+    z = torch.randn(5, dtype=torch.complex64)
+    check(torch.vdot, z, z.flip(0), **TOL)
+
+
+@pytest.mark.parametrize("shapes", [((3, 4), (4,)), ((4,), (4, 5)), ((2, 3, 4), (4, 5)), ((2, 1, 3, 4), (3, 4, 2))])
+def test_matmul_broadcasting(shapes):
+    check(torch.matmul, *(torch.randn(s) for s in shapes), **TOL)
+
+
+def test_matmul_and_einsum_backward():
+    a, b = torch.randn(2, 3, 4), torch.randn(4, 5)
+    check(lambda a, b: _grads(torch.matmul, a, b), a, b, **TOL)
+    check(lambda a, b: _grads(lambda x, y: torch.einsum("bij,jk->bik", x, y), a, b), a, b, **TOL)
+    check(lambda c, a, b: _grads(lambda c, a, b: torch.baddbmm(c, a, b, alpha=2), c, a, b),
+          torch.randn(2, 3, 5), a, b.expand(2, 4, 5).contiguous(), **TOL)
+
+
+def test_einsum_contractions():
+    check(lambda a, b: torch.einsum("ij,ij->i", a, b), torch.randn(3, 4), torch.randn(3, 4), **TOL)
+    check(lambda a, b: torch.einsum("bhqd,bhkd->bhqk", a, b), torch.randn(2, 2, 3, 4), torch.randn(2, 2, 5, 4), **TOL)
+
+
+# --- factorisations and solvers ----------------------------------------------------------------
+
+
+def test_inv_and_solve():
+    a = torch.randn(2, 4, 4) + 4 * torch.eye(4)
+    check(torch.linalg.inv, a, **TOL)
+    check(torch.linalg.inv_ex, a.double(), **TOL)
+    check(torch.linalg.solve, a, torch.randn(2, 4, 3), **TOL)
+    check(torch.linalg.solve, a, torch.randn(2, 4), **TOL)
+    check(lambda a, b: torch.linalg.solve(a, b, left=False), a, torch.randn(2, 3, 4), **TOL)
+
+
+def test_inv_singular_raises_like_cpu():
+    a = torch.ones(3, 3).to("pjrt")
+    with pytest.raises(torch.linalg.LinAlgError):
+        torch.linalg.inv(a)
+    info = torch.linalg.inv_ex(a).info
+    assert info.item() > 0
+
+
+def test_cholesky():
+    a = _spd(2)
+    check(torch.linalg.cholesky, a, **TOL)
+    check(lambda a: torch.linalg.cholesky(a, upper=True), a, **TOL)
+    check(lambda a: torch.linalg.cholesky_ex(a).info, -a)
+    check(lambda b, a: torch.cholesky_solve(b, torch.linalg.cholesky(a)), torch.randn(2, 4, 3), a, **TOL)
+    check(lambda a: torch.cholesky_inverse(torch.linalg.cholesky(a)), a[0], **TOL)
+
+
+@pytest.mark.parametrize("mode", ["reduced", "complete", "r"])
+def test_qr(mode):
+    check(lambda a: torch.linalg.qr(a, mode=mode), torch.randn(2, 5, 3), **TOL)
+
+
+def test_svd_and_eigh():
+    a = torch.randn(2, 5, 3)
+    check(torch.linalg.svdvals, a, **TOL)
+
+    def reconstruct(a):
+        u, s, vh = torch.linalg.svd(a, full_matrices=False)
+        return u @ torch.diag_embed(s) @ vh
+
+    check(reconstruct, a, **TOL)
+    s = _spd(2)
+    check(torch.linalg.eigvalsh, s, **TOL)
+    check(lambda s: torch.linalg.eigh(s, UPLO="U").eigenvalues, s, **TOL)
+    check(lambda s: torch.linalg.eigh(s).eigenvectors.abs(), s, atol=1e-3, rtol=1e-3)
+
+
+def test_det_slogdet_lu():
+    a = torch.randn(2, 4, 4)
+    check(torch.linalg.det, a, **TOL)
+    check(torch.linalg.det, torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0], [1.0, 0.0, 0.0]]) * 2)
+    check(torch.linalg.slogdet, a, **TOL)
+    check(torch.linalg.lu_factor, a, **TOL)
+    check(torch.linalg.lu, torch.randn(5, 3), **TOL)
+    b = torch.randn(2, 4, 2)
+    check(lambda a, b: torch.linalg.lu_solve(*torch.linalg.lu_factor(a), b), a, b, **TOL)
+    check(lambda a, b: torch.linalg.lu_solve(*torch.linalg.lu_factor(a), b, adjoint=True), a, b, **TOL)
+    check(lambda a, b: torch.linalg.lu_solve(*torch.linalg.lu_factor(a), b.mT, left=False), a, b, **TOL)
+
+
+@pytest.mark.filterwarnings("ignore:torch.triangular_solve is deprecated")
+def test_triangular_solves():
+    a = torch.randn(2, 4, 4).triu() + 3 * torch.eye(4)
+    b = torch.randn(2, 4, 3)
+    check(lambda a, b: torch.linalg.solve_triangular(a, b, upper=True), a, b, **TOL)
+    check(lambda a, b: torch.linalg.solve_triangular(a.mT, b.mT, upper=False, left=False, unitriangular=True),
+          a, b, **TOL)
+    check(lambda b, a: torch.triangular_solve(b, a, transpose=True), b, a, **TOL)
+
+
+def test_cross_pinv_matrix_exp():
+    check(torch.linalg.cross, torch.randn(4, 3), torch.randn(4, 3), **TOL)
+    check(torch.linalg.pinv, torch.randn(5, 3), **TOL)
+    check(lambda a: torch.linalg.pinv(a, hermitian=True), _spd(), **TOL)
+    check(torch.linalg.matrix_exp, torch.randn(2, 3, 3) / 3, **TOL)
+
+
+def test_linalg_backward():
+    a = torch.randn(2, 4, 4) + 4 * torch.eye(4)
+    b = torch.randn(2, 4, 3)
+    tol = {"atol": 1e-3, "rtol": 1e-3}
+    check(lambda a: _grads(torch.linalg.det, a), a, **tol)
+    check(lambda a: _grads(lambda x: torch.linalg.slogdet(x).logabsdet, a), a, **tol)
+    check(lambda a: _grads(torch.linalg.inv, a), a, **tol)
+    check(lambda a, b: _grads(torch.linalg.solve, a, b), a, b, **tol)
+    check(lambda a: _grads(lambda x: torch.linalg.cholesky(x @ x.mT), a), a, **tol)
+    check(lambda a: _grads(torch.linalg.eigvalsh, a + a.mT), a, **tol)
+    check(lambda a: _grads(torch.linalg.svdvals, a), a, **tol)
+
+
+# --- fft ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("norm", [None, "ortho", "forward"])
+def test_fft_normalizations(norm):
+    x, z = torch.randn(4, 6), torch.randn(4, 6, dtype=torch.complex64)
+    check(lambda x: torch.fft.fft(x, norm=norm), x, **TOL)
+    check(lambda z: torch.fft.ifft(z, norm=norm), z, **TOL)
+    check(lambda x: torch.fft.rfft(x, norm=norm), x, **TOL)
+    check(lambda z: torch.fft.irfft(z, norm=norm), z, **TOL)
+    check(lambda z: torch.fft.fft2(z, norm=norm), z, **TOL)
+    check(lambda x: torch.fft.rfftn(x, norm=norm), x, **TOL)
+    check(lambda z: torch.fft.irfftn(z, s=(4, 9), norm=norm), z, **TOL)
+
+
+def test_fft_float64_and_backward():
+    check(torch.fft.fft, torch.randn(8, dtype=torch.float64))
+    check(lambda x: _grads(lambda t: torch.fft.rfft(t).abs(), x), torch.randn(3, 8), **TOL)
+
+
+@pytest.mark.xfail(reason="core: copy_ ignores the conjugate bit of its source (resolve_conj on pjrt)")
+def test_hfft_conjugate_input():
+    check(torch.fft.hfft, torch.randn(4, 6, dtype=torch.complex64), **TOL)
