@@ -1,0 +1,1 @@
+"""The `torch-pjrt` command line: info, scan, run, bench (and ops)."""
