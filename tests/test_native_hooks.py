@@ -28,7 +28,7 @@ spec = importlib.util.find_spec("torch_pjrt")
 package = importlib.util.module_from_spec(spec)
 sys.modules["torch_pjrt"] = package
 from torch_pjrt import native
-result = {"install": native.install(INSTALL_COUNT)}
+result = {"install": native.install(INSTALL_COUNT, ENGINE_DEVICES)}
 spec.loader.exec_module(package)
 result["installed_after_register"] = native.installed()
 
@@ -81,8 +81,9 @@ a = torch.randn(2, requires_grad=True)
 """
 
 
-def run_script(body: str, install_count: int) -> dict:
-    script = PRELUDE.replace("INSTALL_COUNT", str(install_count)) + body + "\nprint(json.dumps(result))\n"
+def run_script(body: str, install_count: int, engine_devices: int = 0) -> dict:
+    prelude = PRELUDE.replace("INSTALL_COUNT", str(install_count)).replace("ENGINE_DEVICES", str(engine_devices))
+    script = prelude + body + "\nprint(json.dumps(result))\n"
     env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "TORCH_PJRT_CPU_DEVICES": "2"}
     done = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(script)], env=env, capture_output=True, text=True, timeout=240
@@ -142,12 +143,25 @@ def test_count_raised_before_first_backward() -> None:
     assert result["grad_1"] == ["pjrt:1", [2.0, 2.0, 2.0]]
 
 
+LATE_COUNT = (
+    f"BACKWARD = {BACKWARD!r}\n"
+    + "native.set_device_count(1)\n"
+    + CPU_BACKWARD
+    + "native.set_device_count(2)\n"
+    + "result['late'] = attempt(lambda: exec(BACKWARD))\n"
+)
+
+
 def test_engine_reads_count_at_first_backward() -> None:
-    """The documented limit: a CPU backward freezes the engine's device queues at the count of that moment."""
-    body = "native.set_device_count(1)\n" + CPU_BACKWARD + "native.set_device_count(2)\n"
-    body += "result['late'] = attempt(lambda: exec(BACKWARD))\n"
-    result = run_script(f"BACKWARD = {BACKWARD!r}\n" + body, install_count=1)
+    """Why engine_devices exists: a CPU backward freezes the engine's device queues at the count of that moment."""
+    result = run_script(LATE_COUNT, install_count=1)
     assert "device_ready_queues_" in result["late"]["message"]
+
+
+def test_engine_devices_covers_a_late_count() -> None:
+    result = run_script(LATE_COUNT, install_count=1, engine_devices=8)
+    assert result["late"] is None
+    assert result["grad_1"] == ["pjrt:1", [2.0, 2.0, 2.0]]
 
 
 def test_without_extension_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -5,10 +5,12 @@ queue, and its Python hooks have no generators. `install()` registers C++ versio
 the Python registration then finds them and skips its own. Without the compiled module
 (another torch version, a source checkout) everything falls back to the Python ones.
 
-Ordering: the autograd engine reads the guard's device count once, at the first backward
-of the process (any device, CPU included), and sizes its device queues with it; a later
-`set_device_count()` only changes what the guard and `torch.accelerator` report. So
-install before any backward, with a count at least as large as the real one.
+Ordering: install before the first backward of the process. The autograd engine reads the
+guard's device count once, at that first backward (a CPU-only one included), and keeps that
+many device queues for good: a backward on pjrt:k with k beyond it fails with an internal
+assert. The real count is only known once jax starts, so `install()` takes a separate
+`engine_devices`, an upper bound the engine sees whatever the count is, and
+`set_device_count()` updates the count `torch.accelerator` and the generators use.
 """
 
 from __future__ import annotations
@@ -31,12 +33,12 @@ def available() -> bool:
     return _module() is not None
 
 
-def install(device_count: int) -> bool:
+def install(device_count: int, engine_devices: int = 0) -> bool:
     """Register the native guard and hooks; False (never an error) when they cannot be used."""
     module = _module()
     if module is None:
         return False
-    return module.install(device_count)
+    return module.install(device_count, engine_devices)
 
 
 def installed() -> bool:

@@ -12,6 +12,7 @@
 #include <torch/csrc/Generator.h>
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <limits>
@@ -25,6 +26,9 @@ constexpr c10::DeviceType kPjrt = c10::DeviceType::PrivateUse1;
 constexpr int64_t kStateBytes = 2 * sizeof(uint64_t);
 
 std::atomic<c10::DeviceIndex> device_count{1};
+// The autograd engine reads the guard's count once, at the first backward of the process
+// (maybe a CPU one, before jax has counted the devices), and keeps that many device queues.
+std::atomic<c10::DeviceIndex> engine_devices{0};
 thread_local c10::DeviceIndex current_index = 0;
 
 c10::DeviceIndex count() {
@@ -98,7 +102,7 @@ struct Guard final : public c10::impl::DeviceGuardImplInterface {
   }
 
   c10::DeviceIndex deviceCount() const noexcept override {
-    return count();
+    return std::max(count(), engine_devices.load(std::memory_order_relaxed));
   }
 
   // Events: work on one device runs in order, so every event has already happened.
@@ -269,9 +273,13 @@ Hooks* hooks_instance() {
   return instance;
 }
 
-void set_device_count(int64_t n) {
+c10::DeviceIndex checked_count(int64_t n) {
   TORCH_CHECK(n >= 0 && n <= std::numeric_limits<c10::DeviceIndex>::max(), "invalid pjrt device count ", n);
-  device_count.store(static_cast<c10::DeviceIndex>(n), std::memory_order_relaxed);
+  return static_cast<c10::DeviceIndex>(n);
+}
+
+void set_device_count(int64_t n) {
+  device_count.store(checked_count(n), std::memory_order_relaxed);
 }
 
 bool installed() {
@@ -280,8 +288,9 @@ bool installed() {
 }
 
 // Registers the guard and hooks unless PrivateUse1 already has some; true when ours are in use.
-bool install(int64_t n) {
+bool install(int64_t n, int64_t engine_n) {
   set_device_count(n);
+  engine_devices.store(checked_count(engine_n), std::memory_order_relaxed);
   if (!c10::impl::hasDeviceGuardImpl(kPjrt)) {
     c10::impl::registerDeviceGuard(kPjrt, guard_instance());
   }
@@ -302,8 +311,9 @@ py::object default_generator(int64_t index) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Native PrivateUse1 guard, hooks and generator of the pjrt device.";
-  m.def("install", &torch_pjrt::install, py::arg("device_count"),
-        "Register the guard and hooks (before the Python registration); True when they are in use.");
+  m.def("install", &torch_pjrt::install, py::arg("device_count"), py::arg("engine_devices") = 0,
+        "Register the guard and hooks (before the Python registration); True when they are in use. "
+        "The autograd engine is shown at least engine_devices devices.");
   m.def("installed", &torch_pjrt::installed, "Whether this module's guard and hooks serve PrivateUse1.");
   m.def("set_device_count", &torch_pjrt::set_device_count, py::arg("n"), "Set the device count the guard reports.");
   m.def("device_count", []() { return static_cast<int64_t>(torch_pjrt::count()); });
