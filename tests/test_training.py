@@ -18,8 +18,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 from gpt import GPT, batches, corpus_bytes, train_step  # noqa: E402
 
 
-def train_both(model: nn.Module, make_optimizer, data: list, loss_fn, steps_check=None) -> None:  # noqa: ANN001
-    """Train copies of a model on CPU and on pjrt with the same batches; compare every step."""
+def train_both(model: nn.Module, make_optimizer, data: list, loss_fn, ignore=None) -> None:  # noqa: ANN001
+    """Train copies of a model on CPU and on pjrt with the same batches; compare every step.
+
+    `ignore(name, tensor)` may drop parts whose exact-arithmetic gradient is zero: Adam turns the
+    ~1e-9 rounding noise there into full-size steps of either sign on any device.
+    """
     results = {}
     for device in ("cpu", "pjrt"):
         local = copy.deepcopy(model).to(device)
@@ -37,7 +41,10 @@ def train_both(model: nn.Module, make_optimizer, data: list, loss_fn, steps_chec
     torch.testing.assert_close(torch.tensor(pjrt_losses), torch.tensor(cpu_losses), atol=1e-4, rtol=1e-4)
     for (name, a), (_, b) in zip(cpu_model.state_dict().items(), pjrt_model.state_dict().items()):
         assert b.device.type == "pjrt", name
-        torch.testing.assert_close(b.cpu(), a, atol=1e-4, rtol=1e-4, msg=name)
+        b = b.cpu()
+        if ignore is not None:
+            a, b = ignore(name, a), ignore(name, b)
+        torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4, msg=name)
 
 
 def random_batches(shape: tuple[int, ...], classes: int, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -77,7 +84,14 @@ def test_transformer_with_adamw_trains_like_cpu() -> None:
     def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), label_smoothing=0.1)
 
-    train_both(model, lambda p: torch.optim.AdamW(p, lr=3e-3, weight_decay=0.01), data, loss)
+    def without_key_bias(name: str, value: torch.Tensor) -> torch.Tensor:
+        """A bias on the keys shifts every score of a query equally: softmax ignores it."""
+        if name.endswith("qkv.bias"):
+            width = value.shape[0] // 3
+            return torch.cat([value[:width], value[2 * width:]])
+        return value
+
+    train_both(model, lambda p: torch.optim.AdamW(p, lr=3e-3, weight_decay=0.01), data, loss, without_key_bias)
 
 
 def test_gpt_train_step_with_clip_grad_norm() -> None:
@@ -111,10 +125,10 @@ def test_autocast_casts_like_cuda(dtype: torch.dtype) -> None:
         z = torch.softmax(y, -1)
         w = torch.log(y.float().abs() + 1)
         s = y.sum()
-    assert y.dtype == dtype
-    assert z.dtype == dtype
-    assert w.dtype == torch.float32
-    assert s.dtype == dtype
+    assert y.dtype == dtype  # linear: lower precision
+    assert z.dtype == torch.float32  # softmax: float32 unless a dtype is given, as on CUDA
+    assert w.dtype == torch.float32  # log: float32
+    assert s.dtype == torch.float32  # sum: float32 unless a dtype is given
     cpu = nn.Linear(8, 4)
     cpu.load_state_dict({k: v.cpu() for k, v in linear.state_dict().items()})
     torch.testing.assert_close(y.float().cpu(), cpu(x.cpu()), atol=5e-2, rtol=5e-2)

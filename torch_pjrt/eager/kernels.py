@@ -183,7 +183,22 @@ def equal(self: torch.Tensor, other: torch.Tensor) -> bool:
     return bool(torch.eq(self, other).all().item())
 
 
+def native_batch_norm(
+    input: torch.Tensor, weight: Any, bias: Any, running_mean: Any, running_var: Any, training: bool,
+    momentum: float, eps: float,
+) -> Any:
+    """Route to the _native_batch_norm_legit family, whose schemas declare the running-stat updates."""
+    if training and running_mean is not None:
+        return aten._native_batch_norm_legit.default(input, weight, bias, running_mean, running_var, True,
+                                                     momentum, eps)
+    if running_mean is None:
+        return aten._native_batch_norm_legit.no_stats(input, weight, bias, training, momentum, eps)
+    return aten._native_batch_norm_legit_no_training.default(input, weight, bias, running_mean, running_var,
+                                                             momentum, eps)
+
+
 SPECIAL: dict[Any, Any] = {
+    aten.native_batch_norm.default: native_batch_norm,
     aten.copy_.default: copy_,
     aten._copy_from.default: lambda self, dst, non_blocking=False: copy_(dst, self, non_blocking),
     aten._copy_from_and_resize.default: lambda self, dst: copy_(dst.resize_(self.shape), self),

@@ -1,6 +1,7 @@
 """The lowering table, one module per op family; importing this package fills it."""
 
 from torch_pjrt.ops import (
+    amp,  # noqa: F401
     conv,  # noqa: F401
     core,  # noqa: F401
     factories,  # noqa: F401
