@@ -138,12 +138,12 @@ def _reduce_into(self: Any, where: tuple, src: Any, reduce: str, include_self: b
 # --- advanced indexing -------------------------------------------------------------------------
 
 
-@register(aten.index.Tensor)
+@register(aten.index.Tensor, aten._unsafe_index.Tensor)
 def index(self: Any, indices: list[Any]) -> Any:
     return self[_index_tuple(indices)]
 
 
-@register(aten.index_put.default, aten._index_put_impl.default)
+@register(aten.index_put.default, aten._index_put_impl.default, aten._unsafe_index_put.default)
 def index_put(self: Any, indices: list[Any], values: Any, accumulate: bool = False, unsafe: bool = False) -> Any:
     """Duplicates: accumulate adds every one; otherwise one of them wins (as on CUDA)."""
     values = jnp.asarray(values)
@@ -153,6 +153,26 @@ def index_put(self: Any, indices: list[Any], values: Any, accumulate: bool = Fal
     slot = self.at[_index_tuple(indices)]
     values = values.astype(self.dtype)
     return slot.add(values) if accumulate else slot.set(values)
+
+
+@register(aten._unsafe_masked_index.default)
+def _unsafe_masked_index(self: Any, mask: Any, indices: list[Any], fill: Any) -> Any:
+    """Masked-off positions may hold out-of-range indices: they are clamped, then replaced."""
+    clamped = [None if i is None else jnp.clip(i, -n, n - 1) for i, n in zip(indices, self.shape)]
+    return jnp.where(mask, self[_index_tuple(clamped)], jnp.asarray(fill).astype(self.dtype))
+
+
+@register(aten._unsafe_masked_index_put_accumulate.default)
+def _unsafe_masked_index_put_accumulate(self: Any, mask: Any, indices: list[Any], values: Any) -> Any:
+    clamped = [None if i is None else jnp.clip(i, -n, n - 1) for i, n in zip(indices, self.shape)]
+    values = jnp.where(mask, values, jnp.zeros((), values.dtype)).astype(self.dtype)
+    return self.at[_index_tuple(clamped)].add(values)
+
+
+@register(aten.index_select_backward.default)
+def index_select_backward(grad: Any, self_sizes: list[int], dim: int, index: Any) -> Any:
+    zeros = jnp.zeros(tuple(self_sizes), grad.dtype)
+    return _index_update(zeros, dim, index, grad, "add")
 
 
 @register(aten.index_select.default)

@@ -49,6 +49,26 @@ def _sizes(size: Sequence[int], shape: tuple[int, ...]) -> tuple[int, ...]:
     return size
 
 
+def _strided_index(size: Sequence[int], stride: Sequence[int], offset: int | None) -> Any:
+    """Flat positions of an as_strided view, strides counting elements of the tensor laid out
+    contiguously (the functional base a graph's as_strided ops refer to)."""
+    shape = tuple(size)
+    index = jnp.full(shape, offset or 0, jnp.int64)
+    for axis, st in enumerate(stride):
+        index = index + lax.broadcasted_iota(jnp.int64, shape, axis) * st
+    return index
+
+
+def _slice_index(ndim: int, dim: int, start: int | None, end: int | None, step: int) -> tuple:
+    return (slice(None),) * _dim(dim, ndim) + (slice(start, end, step),)
+
+
+def _diagonal_positions(shape: tuple[int, ...], offset: int, axes: tuple[int, int]) -> tuple[Any, Any]:
+    n = max(0, min(shape[axes[0]] + min(offset, 0), shape[axes[1]] - max(offset, 0)))
+    index = jnp.arange(n)
+    return index + max(-offset, 0), index + max(offset, 0)
+
+
 # --- copies that build new layouts -------------------------------------------------------------
 
 
@@ -206,8 +226,7 @@ def select_copy(self: Any, dim: int, index: int) -> Any:
 @register(aten.slice_copy.Tensor)
 def slice_copy(self: Any, dim: int = 0, start: int | None = None, end: int | None = None, step: int = 1) -> Any:
     """Python's slice clamping is PyTorch's (out-of-range bounds clamp, negatives wrap)."""
-    axis = _dim(dim, self.ndim)
-    return self[(slice(None),) * axis + (slice(start, end, step),)]
+    return self[_slice_index(self.ndim, dim, start, end, step)]
 
 
 @register(aten.narrow_copy.default)
@@ -224,12 +243,7 @@ def diagonal_copy(self: Any, offset: int = 0, dim1: int = 0, dim2: int = 1) -> A
 
 @register(aten.as_strided_copy.default)
 def as_strided_copy(self: Any, size: list[int], stride: list[int], storage_offset: int | None = None) -> Any:
-    """Strides count elements of the tensor laid out contiguously (its functional base)."""
-    shape = tuple(size)
-    index = jnp.full(shape, storage_offset or 0, jnp.int64)
-    for axis, st in enumerate(stride):
-        index = index + lax.broadcasted_iota(jnp.int64, shape, axis) * st
-    return self.reshape(-1)[index]
+    return self.reshape(-1)[_strided_index(size, stride, storage_offset)]
 
 
 @register(aten.unfold_copy.default)
@@ -271,3 +285,63 @@ def view_as_real_copy(self: Any) -> Any:
 @register(aten.view_as_complex_copy.default)
 def view_as_complex_copy(self: Any) -> Any:
     return lax.complex(self[..., 0], self[..., 1])
+
+
+# --- scatters: the functional form of writes through views -------------------------------------
+
+
+@register(aten.slice_scatter.default)
+def slice_scatter(self: Any, src: Any, dim: int = 0, start: int | None = None, end: int | None = None,
+                  step: int = 1) -> Any:
+    return self.at[_slice_index(self.ndim, dim, start, end, step)].set(src.astype(self.dtype))
+
+
+@register(aten.select_scatter.default)
+def select_scatter(self: Any, src: Any, dim: int, index: int) -> Any:
+    axis = _dim(dim, self.ndim)
+    return self.at[(slice(None),) * axis + (index % self.shape[axis],)].set(src.astype(self.dtype))
+
+
+@register(aten.diagonal_scatter.default)
+def diagonal_scatter(self: Any, src: Any, offset: int = 0, dim1: int = 0, dim2: int = 1) -> Any:
+    axes = (_dim(dim1, self.ndim), _dim(dim2, self.ndim))
+    rows, cols = _diagonal_positions(self.shape, offset, axes)
+    moved = jnp.moveaxis(self, axes, (-2, -1))
+    moved = moved.at[..., rows, cols].set(src.astype(self.dtype))
+    return jnp.moveaxis(moved, (-2, -1), axes)
+
+
+@register(aten.as_strided_scatter.default)
+def as_strided_scatter(self: Any, src: Any, size: list[int], stride: list[int],
+                       storage_offset: int | None = None) -> Any:
+    flat = self.reshape(-1).at[_strided_index(size, stride, storage_offset)].set(src.astype(self.dtype))
+    return flat.reshape(self.shape)
+
+
+@register(aten.slice_backward.default)
+def slice_backward(grad_output: Any, input_sizes: list[int], dim: int, start: int, end: int, step: int) -> Any:
+    return slice_scatter(jnp.zeros(tuple(input_sizes), grad_output.dtype), grad_output, dim, start, end, step)
+
+
+@register(aten.select_backward.default)
+def select_backward(grad_output: Any, input_sizes: list[int], dim: int, index: int) -> Any:
+    return select_scatter(jnp.zeros(tuple(input_sizes), grad_output.dtype), grad_output, dim, index)
+
+
+@register(aten.diagonal_backward.default)
+def diagonal_backward(grad_output: Any, input_sizes: list[int], offset: int, dim1: int, dim2: int) -> Any:
+    return diagonal_scatter(jnp.zeros(tuple(input_sizes), grad_output.dtype), grad_output, offset, dim1, dim2)
+
+
+@register(aten.unfold_backward.default)
+def unfold_backward(grad_in: Any, input_sizes: list[int], dim: int, size: int, step: int) -> Any:
+    """Overlapping windows add up."""
+    if not input_sizes:
+        return grad_in.reshape(())
+    axis = _dim(dim, len(input_sizes))
+    windows = grad_in.shape[axis]
+    index = (jnp.arange(windows)[:, None] * step + jnp.arange(size)[None, :]).reshape(-1)
+    grad = jnp.moveaxis(grad_in, -1, axis + 1)
+    grad = grad.reshape(grad.shape[:axis] + (windows * size,) + grad.shape[axis + 2:])
+    zeros = jnp.zeros(tuple(input_sizes), grad_in.dtype)
+    return zeros.at[(slice(None),) * axis + (index,)].add(grad)
