@@ -1,9 +1,978 @@
-"""Neural-network ops: activations, norms, pooling, interpolation, embedding, losses, attention, padding."""
+"""Neural-network ops: activations, norms, pooling, interpolation, embedding, losses, attention, padding.
+
+Backward ops whose forward is a smooth composition (pads, interpolation, norms, average pooling,
+most losses) are the jax vjp of the forward lowering, so forward and backward cannot disagree.
+Index-producing ops (max pooling) gather windows explicitly, so the indices PyTorch returns
+(flat positions in each input plane) are reproduced exactly.
+"""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
 import torch
 
-from torch_pjrt.ops.registry import register  # noqa: F401
+from torch_pjrt import storage
+from torch_pjrt.ops.registry import register
 
 aten = torch.ops.aten
+
+MEAN, SUM = 1, 2
+
+
+# --- shared helpers ------------------------------------------------------------------------------
+
+
+def _compute_dtype(x: Any) -> Any:
+    """Half types compute in float32, as PyTorch's CPU kernels do."""
+    return jnp.float32 if x.dtype in (jnp.bfloat16, jnp.float16) else x.dtype
+
+
+def _up(x: Any) -> Any:
+    return x.astype(_compute_dtype(x))
+
+
+def _vjp(fn: Callable, grad: Any, *primals: Any) -> tuple:
+    """Gradients of fn at primals for the cotangent grad (cast to fn's output dtype)."""
+    out, pullback = jax.vjp(fn, *primals)
+    return pullback(jnp.broadcast_to(grad, out.shape).astype(out.dtype))
+
+
+def _reduce(loss: Any, reduction: int) -> Any:
+    if reduction == MEAN:
+        return jnp.mean(loss)
+    if reduction == SUM:
+        return jnp.sum(loss)
+    return loss
+
+
+def _channel_shape(x: Any) -> tuple[int, ...]:
+    """Shape that broadcasts a per-channel vector against (N, C, ...) input."""
+    return (1, -1) + (1,) * (x.ndim - 2)
+
+
+# --- activations -------------------------------------------------------------------------------
+
+
+@register(aten.relu.default)
+def relu(self: Any) -> Any:
+    return jnp.maximum(self, jnp.zeros((), self.dtype))
+
+
+@register(aten.hardtanh.default)
+def hardtanh(self: Any, min_val: Any = -1, max_val: Any = 1) -> Any:
+    return jnp.minimum(jnp.maximum(self, jnp.asarray(min_val, self.dtype)), jnp.asarray(max_val, self.dtype))
+
+
+@register(aten.hardtanh_backward.default)
+def hardtanh_backward(grad_output: Any, self: Any, min_val: Any, max_val: Any) -> Any:
+    inside = (self > min_val) & (self < max_val)
+    return jnp.where(inside, grad_output, jnp.zeros((), grad_output.dtype))
+
+
+@register(aten.threshold.default)
+def threshold(self: Any, threshold: Any, value: Any) -> Any:
+    return jnp.where(self <= threshold, jnp.asarray(value, self.dtype), self)
+
+
+@register(aten.threshold_backward.default)
+def threshold_backward(grad_output: Any, self: Any, threshold: Any) -> Any:
+    return jnp.where(self <= threshold, jnp.zeros((), grad_output.dtype), grad_output)
+
+
+@register(aten.leaky_relu.default)
+def leaky_relu(self: Any, negative_slope: Any = 0.01) -> Any:
+    return jnp.where(self > 0, self, self * negative_slope)
+
+
+@register(aten.leaky_relu_backward.default)
+def leaky_relu_backward(grad_output: Any, self: Any, negative_slope: Any, self_is_result: bool) -> Any:
+    return jnp.where(self > 0, grad_output, grad_output * negative_slope)
+
+
+@register(aten.elu.default)
+def elu(self: Any, alpha: Any = 1, scale: Any = 1, input_scale: Any = 1) -> Any:
+    x = _up(self)
+    negative = alpha * scale * jnp.expm1(x * input_scale)
+    return jnp.where(x > 0, x * scale, negative)
+
+
+@register(aten.elu_backward.default)
+def elu_backward(grad_output: Any, alpha: Any, scale: Any, input_scale: Any, is_result: bool,
+                 self_or_result: Any) -> Any:
+    g, v = _up(grad_output), _up(self_or_result)
+    if is_result:
+        negative = g * input_scale * (v + alpha * scale)
+    else:
+        negative = g * input_scale * alpha * scale * jnp.exp(v * input_scale)
+    return jnp.where(v <= 0, negative, g * scale)
+
+
+@register(aten.celu.default)
+def celu(self: Any, alpha: Any = 1.0) -> Any:
+    return elu(self, alpha, 1.0, 1.0 / alpha)
+
+
+@register(aten.selu.default)
+def selu(self: Any) -> Any:
+    return elu(self, 1.6732632423543772848170429916717, 1.0507009873554804934193349852946, 1.0)
+
+
+@register(aten.gelu.default)
+def gelu(self: Any, *, approximate: str = "none") -> Any:
+    return jax.nn.gelu(_up(self), approximate=approximate == "tanh")
+
+
+@register(aten.gelu_backward.default)
+def gelu_backward(grad_output: Any, self: Any, *, approximate: str = "none") -> Any:
+    return _vjp(lambda x: gelu(x, approximate=approximate), _up(grad_output), _up(self))[0]
+
+
+@register(aten.silu.default)
+def silu(self: Any) -> Any:
+    x = _up(self)
+    return x * jax.nn.sigmoid(x)
+
+
+@register(aten.silu_backward.default)
+def silu_backward(grad_output: Any, self: Any) -> Any:
+    x = _up(self)
+    s = jax.nn.sigmoid(x)
+    return _up(grad_output) * s * (1 + x * (1 - s))
+
+
+@register(aten.mish.default)
+def mish(self: Any) -> Any:
+    x = _up(self)
+    return x * jnp.tanh(jax.nn.softplus(x))
+
+
+@register(aten.mish_backward.default)
+def mish_backward(grad_output: Any, self: Any) -> Any:
+    return _vjp(mish, _up(grad_output), _up(self))[0]
+
+
+@register(aten.softplus.default)
+def softplus(self: Any, beta: Any = 1, threshold: Any = 20) -> Any:
+    x = _up(self)
+    return jnp.where(x * beta > threshold, x, jnp.log1p(jnp.exp(x * beta)) / beta)
+
+
+@register(aten.softplus_backward.default)
+def softplus_backward(grad_output: Any, self: Any, beta: Any, threshold: Any) -> Any:
+    x, g = _up(self), _up(grad_output)
+    z = jnp.exp(x * beta)
+    return jnp.where(x * beta > threshold, g, g * z / (z + 1))
+
+
+@register(aten.hardsigmoid.default)
+def hardsigmoid(self: Any) -> Any:
+    x = _up(self)
+    return jnp.clip(x + 3, 0, 6) / 6
+
+
+@register(aten.hardsigmoid_backward.default)
+def hardsigmoid_backward(grad_output: Any, self: Any) -> Any:
+    return jnp.where((self > -3) & (self < 3), _up(grad_output) / 6, 0)
+
+
+@register(aten.hardswish.default)
+def hardswish(self: Any) -> Any:
+    x = _up(self)
+    return x * jnp.clip(x + 3, 0, 6) / 6
+
+
+@register(aten.hardswish_backward.default)
+def hardswish_backward(grad_output: Any, self: Any) -> Any:
+    x, g = _up(self), _up(grad_output)
+    return jnp.where(x < -3, 0, jnp.where(x <= 3, g * (x / 3 + 0.5), g))
+
+
+@register(aten.glu.default)
+def glu(self: Any, dim: int = -1) -> Any:
+    a, b = jnp.split(_up(self), 2, axis=dim)
+    return a * jax.nn.sigmoid(b)
+
+
+@register(aten.glu_backward.default)
+def glu_backward(grad_output: Any, self: Any, dim: int) -> Any:
+    return _vjp(lambda x: glu(x, dim), _up(grad_output), _up(self))[0]
+
+
+@register(aten.log_sigmoid_forward.default)
+def log_sigmoid_forward(self: Any) -> tuple:
+    """The buffer PyTorch's CPU kernel fills is not needed here; it is returned as zeros."""
+    x = _up(self)
+    return jax.nn.log_sigmoid(x), jnp.zeros_like(x)
+
+
+@register(aten.log_sigmoid_backward.default)
+def log_sigmoid_backward(grad_output: Any, self: Any, buffer: Any) -> Any:
+    return _up(grad_output) * jax.nn.sigmoid(-_up(self))
+
+
+@register(aten._prelu_kernel.default)
+def _prelu_kernel(self: Any, weight: Any) -> Any:
+    return jnp.where(self > 0, self, weight * self)
+
+
+@register(aten._prelu_kernel_backward.default)
+def _prelu_kernel_backward(grad_output: Any, self: Any, weight: Any) -> tuple:
+    """The weight gradient is per element (autograd sums it down to the weight's shape)."""
+    positive = self > 0
+    return jnp.where(positive, grad_output, weight * grad_output), jnp.where(positive, 0, self * grad_output)
+
+
+# --- normalization -------------------------------------------------------------------------------
+
+
+def _moments(x: Any, axes: tuple[int, ...]) -> tuple[Any, Any]:
+    """Mean and biased variance over axes (keepdims), in the compute dtype."""
+    x = _up(x)
+    mean = jnp.mean(x, axis=axes, keepdims=True)
+    return mean, jnp.mean(jnp.square(x - mean), axis=axes, keepdims=True)
+
+
+def _normalize(x: Any, axes: tuple[int, ...], eps: float) -> tuple[Any, Any, Any]:
+    """(x - mean) * rstd over axes, with mean and rstd kept (keepdims)."""
+    mean, var = _moments(x, axes)
+    rstd = jax.lax.rsqrt(var + eps)
+    return (_up(x) - mean) * rstd, mean, rstd
+
+
+def _affine(y: Any, weight: Any, bias: Any, shape: tuple[int, ...]) -> Any:
+    if weight is not None:
+        y = y * _up(weight).reshape(shape)
+    if bias is not None:
+        y = y + _up(bias).reshape(shape)
+    return y
+
+
+def _masked(values: Sequence[Any], output_mask: Sequence[bool]) -> tuple:
+    return tuple(v if wanted else None for v, wanted in zip(values, output_mask))
+
+
+def _normalized_grad(g_hat: Any, x_hat: Any, rstd: Any, axes: tuple[int, ...]) -> Any:
+    """Input gradient of (x - mean(x)) * rstd(x) over axes, for the cotangent g_hat of x_hat."""
+    mean_g = jnp.mean(g_hat, axis=axes, keepdims=True)
+    mean_gx = jnp.mean(g_hat * x_hat, axis=axes, keepdims=True)
+    return rstd * (g_hat - mean_g - x_hat * mean_gx)
+
+
+@register(aten.native_layer_norm.default)
+def native_layer_norm(input: Any, normalized_shape: Sequence[int], weight: Any, bias: Any, eps: float) -> tuple:
+    axes = tuple(range(input.ndim - len(normalized_shape), input.ndim))
+    y, mean, rstd = _normalize(input, axes, eps)
+    return _affine(y, weight, bias, tuple(normalized_shape)), mean, rstd
+
+
+@register(aten.native_layer_norm_backward.default)
+def native_layer_norm_backward(grad_out: Any, input: Any, normalized_shape: Sequence[int], mean: Any, rstd: Any,
+                               weight: Any, bias: Any, output_mask: Sequence[bool]) -> tuple:
+    shape = tuple(normalized_shape)
+    axes = tuple(range(input.ndim - len(shape), input.ndim))
+    batch_axes = tuple(range(input.ndim - len(shape)))
+    g = _up(grad_out)
+    x_hat = (_up(input) - mean) * rstd
+    g_hat = g if weight is None else g * _up(weight)
+    grad_input = _normalized_grad(g_hat, x_hat, rstd, axes)
+    return _masked((grad_input, jnp.sum(g * x_hat, axis=batch_axes), jnp.sum(g, axis=batch_axes)), output_mask)
+
+
+@register(aten.native_group_norm.default)
+def native_group_norm(input: Any, weight: Any, bias: Any, n: int, c: int, hxw: int, group: int,
+                      eps: float) -> tuple:
+    y, mean, rstd = _normalize(input.reshape(n, group, -1), (2,), eps)
+    out = _affine(y.reshape(input.shape), weight, bias, _channel_shape(input))
+    return out, mean.reshape(n, group), rstd.reshape(n, group)
+
+
+@register(aten.native_group_norm_backward.default)
+def native_group_norm_backward(grad_out: Any, input: Any, mean: Any, rstd: Any, weight: Any, n: int, c: int,
+                               hxw: int, group: int, output_mask: Sequence[bool]) -> tuple:
+    g = _up(grad_out).reshape(n, c, -1)
+    x = _up(input).reshape(n, group, -1)
+    x_hat = (x - mean[..., None]) * rstd[..., None]
+    g_hat = g if weight is None else g * _up(weight).reshape(1, c, 1)
+    grad_input = _normalized_grad(g_hat.reshape(n, group, -1), x_hat, rstd[..., None], (2,))
+    grad_weight = jnp.sum(g * x_hat.reshape(n, c, -1), axis=(0, 2))
+    grad_bias = jnp.sum(g, axis=(0, 2))
+    return _masked((grad_input.reshape(input.shape), grad_weight, grad_bias), output_mask)
+
+
+def _batch_norm(input: Any, weight: Any, bias: Any, running_mean: Any, running_var: Any, training: bool,
+                momentum: Any, eps: float) -> tuple:
+    """(out, save_mean, save_invstd, new running_mean, new running_var); eval mode uses the running stats."""
+    axes = tuple(i for i in range(input.ndim) if i != 1)
+    shape = _channel_shape(input)
+    if training:
+        mean, var = _moments(input, axes)
+        invstd = jax.lax.rsqrt(var + eps)
+        y = (_up(input) - mean) * invstd
+        mean, var, invstd = mean.reshape(-1), var.reshape(-1), invstd.reshape(-1)
+        if running_mean is not None:
+            count = input.size // input.shape[1]
+            running_mean = (1 - momentum) * _up(running_mean) + momentum * mean
+            running_var = (1 - momentum) * _up(running_var) + momentum * var * (count / max(count - 1, 1))
+    else:
+        mean, invstd = _up(running_mean), jax.lax.rsqrt(_up(running_var) + eps)
+        y = (_up(input) - mean.reshape(shape)) * invstd.reshape(shape)
+    return _affine(y, weight, bias, shape), mean, invstd, running_mean, running_var
+
+
+@register(aten._native_batch_norm_legit_functional.default)
+def _native_batch_norm_legit_functional(input: Any, weight: Any, bias: Any, running_mean: Any, running_var: Any,
+                                        training: bool, momentum: float, eps: float) -> tuple:
+    return _batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps)
+
+
+@register(aten._native_batch_norm_legit.no_stats)
+def _native_batch_norm_legit_no_stats(input: Any, weight: Any, bias: Any, training: bool, momentum: float,
+                                      eps: float) -> tuple:
+    if not training:
+        raise NotImplementedError("_native_batch_norm_legit.no_stats in eval mode needs running statistics.")
+    return _batch_norm(input, weight, bias, None, None, True, momentum, eps)[:3]
+
+
+@register(aten._native_batch_norm_legit_no_training.default)
+def _native_batch_norm_legit_no_training(input: Any, weight: Any, bias: Any, running_mean: Any, running_var: Any,
+                                         momentum: float, eps: float) -> tuple:
+    return _batch_norm(input, weight, bias, running_mean, running_var, False, momentum, eps)[:3]
+
+
+@register(aten._batch_norm_with_update_functional.default)
+def _batch_norm_with_update_functional(input: Any, weight: Any, bias: Any, running_mean: Any, running_var: Any,
+                                       momentum: float, eps: float) -> tuple:
+    out, mean, invstd, new_mean, new_var = _batch_norm(input, weight, bias, running_mean, running_var, True,
+                                                       momentum, eps)
+    return out, mean, invstd, jnp.zeros((0,), jnp.uint8), new_mean, new_var
+
+
+@register(aten._batch_norm_no_update.default)
+def _batch_norm_no_update(input: Any, weight: Any, bias: Any, running_mean: Any, running_var: Any,
+                          momentum: float, eps: float) -> tuple:
+    training = running_mean is None
+    out, mean, invstd, _, _ = _batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps)
+    return out, mean, invstd, jnp.zeros((0,), jnp.uint8)
+
+
+@register(aten.native_batch_norm.default)
+def native_batch_norm(input: Any, weight: Any, bias: Any, running_mean: Any, running_var: Any, training: bool,
+                      momentum: float, eps: float) -> tuple:
+    """Eager pjrt routes this op to _native_batch_norm_legit (whose schema declares the running-stat update);
+    a graph reaching it in training mode with running statistics cannot express that update."""
+    if training and running_mean is not None:
+        raise NotImplementedError(
+            "torch_pjrt: native_batch_norm in training mode updates running_mean/running_var in place without "
+            "declaring it; use _native_batch_norm_legit (its functional form) in graphs."
+        )
+    return _batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps)[:3]
+
+
+def _batch_norm_grads(grad_out: Any, input: Any, weight: Any, running_mean: Any, running_var: Any,
+                      save_mean: Any, save_invstd: Any, train: bool, eps: float,
+                      output_mask: Sequence[bool]) -> tuple:
+    axes = tuple(i for i in range(input.ndim) if i != 1)
+    shape = _channel_shape(input)
+    if train:
+        mean, invstd = _up(save_mean), _up(save_invstd)
+    else:
+        mean, invstd = _up(running_mean), jax.lax.rsqrt(_up(running_var) + eps)
+    g = _up(grad_out)
+    x_hat = (_up(input) - mean.reshape(shape)) * invstd.reshape(shape)
+    g_hat = g if weight is None else g * _up(weight).reshape(shape)
+    if train:
+        grad_input = _normalized_grad(g_hat, x_hat, invstd.reshape(shape), axes)
+    else:
+        grad_input = g_hat * invstd.reshape(shape)
+    return _masked((grad_input, jnp.sum(g * x_hat, axis=axes), jnp.sum(g, axis=axes)), output_mask)
+
+
+@register(aten.native_batch_norm_backward.default)
+def native_batch_norm_backward(grad_out: Any, input: Any, weight: Any, running_mean: Any, running_var: Any,
+                               save_mean: Any, save_invstd: Any, train: bool, eps: float,
+                               output_mask: Sequence[bool]) -> tuple:
+    return _batch_norm_grads(grad_out, input, weight, running_mean, running_var, save_mean, save_invstd, train,
+                             eps, output_mask)
+
+
+@register(aten.batch_norm_backward.default)
+def batch_norm_backward(grad_out: Any, input: Any, weight: Any, running_mean: Any, running_var: Any,
+                        save_mean: Any, save_var: Any, update: bool, eps: float, output_mask: Sequence[bool],
+                        reserve: Any) -> tuple:
+    train = update or running_mean is None
+    return _batch_norm_grads(grad_out, input, weight, running_mean, running_var, save_mean, save_var, train, eps,
+                             output_mask)
+
+
+# --- pooling ---------------------------------------------------------------------------------------
+
+
+def _expand(values: Sequence[int], rank: int, default: Sequence[int] | None = None) -> tuple[int, ...]:
+    values = tuple(int(v) for v in values) if values else tuple(default or ())
+    return values * rank if len(values) == 1 else values
+
+
+def _pool_positions(size: int, kernel: int, stride: int, padding: int, dilation: int,
+                    ceil_mode: bool) -> np.ndarray:
+    """Input positions (out, kernel) each output window reads, PyTorch's output-size rule included."""
+    span = size + 2 * padding - dilation * (kernel - 1) - 1
+    out = (span + (stride - 1 if ceil_mode else 0)) // stride + 1
+    if ceil_mode and (out - 1) * stride >= size + padding:
+        out -= 1
+    return np.arange(out)[:, None] * stride + np.arange(kernel)[None, :] * dilation - padding
+
+
+def _adaptive_positions(size: int, out: int) -> tuple[np.ndarray, np.ndarray]:
+    """Positions (out, widest window) and validity of PyTorch's adaptive windows [floor(o*in/out), ceil(...))."""
+    starts = (np.arange(out) * size) // out
+    ends = -((-(np.arange(out) + 1) * size) // out)
+    widest = int((ends - starts).max())
+    positions = starts[:, None] + np.arange(widest)[None, :]
+    return positions, positions < ends[:, None]
+
+
+def _outer(masks: Sequence[np.ndarray]) -> np.ndarray:
+    """Combine per-dimension (out, k) arrays into one (o1, k1, o2, k2, ...) boolean array."""
+    combined = np.array(True)
+    for mask in masks:
+        combined = np.logical_and(combined[..., None, None], mask)
+    return combined
+
+
+def _window_layout(array: Any, lead: int, rank: int) -> Any:
+    """(..., o1, k1, ..., or, kr) -> (..., o1, ..., or, k1*...*kr)."""
+    perm = list(range(lead)) + [lead + 2 * d for d in range(rank)] + [lead + 2 * d + 1 for d in range(rank)]
+    array = array.transpose(perm)
+    return array.reshape(array.shape[: lead + rank] + (-1,))
+
+
+def _windows(x: Any, positions: Sequence[np.ndarray], valid: Sequence[np.ndarray], fill: Any) -> Any:
+    """Windows over x's trailing dims as (..., *out, K); positions outside valid read fill."""
+    rank = len(positions)
+    lead = x.ndim - rank
+    for d, pos in enumerate(positions):
+        axis = lead + 2 * d
+        gathered = jnp.take(x, np.clip(pos, 0, x.shape[axis] - 1).reshape(-1), axis=axis)
+        x = gathered.reshape(x.shape[:axis] + pos.shape + x.shape[axis + 1:])
+    x = jnp.where(_outer(valid), x, jnp.asarray(fill, x.dtype))
+    return _window_layout(x, lead, rank)
+
+
+def _in_bounds(positions: Sequence[np.ndarray], sizes: Sequence[int]) -> list[np.ndarray]:
+    return [(p >= 0) & (p < s) for p, s in zip(positions, sizes)]
+
+
+def _lowest(dtype: Any) -> Any:
+    return -jnp.inf if jnp.issubdtype(dtype, jnp.floating) else jnp.iinfo(dtype).min
+
+
+def _max_windows(x: Any, positions: Sequence[np.ndarray], valid: Sequence[np.ndarray]) -> tuple[Any, Any]:
+    """Max of each window and its flat index in the input plane (first maximum; NaN wins, as in PyTorch)."""
+    rank = len(positions)
+    sizes = x.shape[-rank:]
+    windows = _windows(x, positions, valid, _lowest(x.dtype))
+    plane = np.array(0)
+    for pos, stride in zip(positions, np.cumprod((1,) + sizes[::-1])[-2::-1]):
+        plane = plane[..., None, None] + pos * stride
+    flat = jnp.asarray(_window_layout(plane, 0, rank))
+    if jnp.issubdtype(x.dtype, jnp.floating):
+        choice = jnp.argmax(jnp.where(jnp.isnan(windows), jnp.inf, windows), axis=-1)
+        choice = jnp.where(jnp.any(jnp.isnan(windows), -1), jnp.argmax(jnp.isnan(windows), -1), choice)
+    else:
+        choice = jnp.argmax(windows, axis=-1)
+    values = jnp.take_along_axis(windows, choice[..., None], axis=-1)[..., 0]
+    indices = jnp.take_along_axis(jnp.broadcast_to(flat, windows.shape), choice[..., None], axis=-1)[..., 0]
+    return values, indices
+
+
+def _max_pool(self: Any, kernel_size: Sequence[int], stride: Sequence[int], padding: Sequence[int],
+              dilation: Sequence[int], ceil_mode: bool, rank: int) -> tuple:
+    kernel = _expand(kernel_size, rank)
+    strides = _expand(stride, rank, kernel)
+    pads, dilations = _expand(padding, rank), _expand(dilation, rank)
+    sizes = self.shape[-rank:]
+    positions = [_pool_positions(*args, ceil_mode) for args in zip(sizes, kernel, strides, pads, dilations)]
+    return _max_windows(self, positions, _in_bounds(positions, sizes))
+
+
+@register(aten.max_pool2d_with_indices.default)
+def max_pool2d_with_indices(self: Any, kernel_size: Sequence[int], stride: Sequence[int] = (),
+                            padding: Sequence[int] = (0,), dilation: Sequence[int] = (1,),
+                            ceil_mode: bool = False) -> tuple:
+    return _max_pool(self, kernel_size, stride, padding, dilation, ceil_mode, 2)
+
+
+@register(aten.max_pool3d_with_indices.default)
+def max_pool3d_with_indices(self: Any, kernel_size: Sequence[int], stride: Sequence[int] = (),
+                            padding: Sequence[int] = (0,), dilation: Sequence[int] = (1,),
+                            ceil_mode: bool = False) -> tuple:
+    return _max_pool(self, kernel_size, stride, padding, dilation, ceil_mode, 3)
+
+
+def _scatter_to_plane(grad_output: Any, self: Any, indices: Any, rank: int) -> Any:
+    """Add each output gradient into the input position its index names (the max-pool backward)."""
+    lead = self.shape[:-rank]
+    rows = math.prod(lead)
+    g = _up(grad_output).reshape(rows, -1)
+    idx = indices.reshape(rows, -1)
+    grad = jnp.zeros((rows, math.prod(self.shape[-rank:])), g.dtype)
+    grad = grad.at[jnp.arange(rows)[:, None], idx].add(g)
+    return grad.reshape(self.shape)
+
+
+@register(aten.max_pool2d_with_indices_backward.default)
+def max_pool2d_with_indices_backward(grad_output: Any, self: Any, kernel_size: Sequence[int],
+                                     stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int],
+                                     ceil_mode: bool, indices: Any) -> Any:
+    return _scatter_to_plane(grad_output, self, indices, 2)
+
+
+@register(aten.max_pool3d_with_indices_backward.default)
+def max_pool3d_with_indices_backward(grad_output: Any, self: Any, kernel_size: Sequence[int],
+                                     stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int],
+                                     ceil_mode: bool, indices: Any) -> Any:
+    return _scatter_to_plane(grad_output, self, indices, 3)
+
+
+def _avg_pool(self: Any, kernel_size: Sequence[int], stride: Sequence[int], padding: Sequence[int],
+              ceil_mode: bool, count_include_pad: bool, divisor_override: int | None, rank: int) -> Any:
+    kernel = _expand(kernel_size, rank)
+    strides = _expand(stride, rank, kernel)
+    pads = _expand(padding, rank)
+    sizes = self.shape[-rank:]
+    positions = [_pool_positions(s, k, st, p, 1, ceil_mode) for s, k, st, p in zip(sizes, kernel, strides, pads)]
+    valid = _in_bounds(positions, sizes)
+    total = jnp.sum(_windows(_up(self), positions, valid, 0), axis=-1)
+    if divisor_override:
+        return total / divisor_override
+    if count_include_pad:
+        counts = [np.minimum(pos[:, 0] + k, s + p) - pos[:, 0] for pos, k, s, p in zip(positions, kernel, sizes, pads)]
+    else:
+        counts = [v.sum(axis=1) for v in valid]
+    divisor = np.array(1)
+    for count in counts:
+        divisor = divisor[..., None] * count
+    return total / jnp.asarray(divisor, total.dtype)
+
+
+@register(aten.avg_pool2d.default)
+def avg_pool2d(self: Any, kernel_size: Sequence[int], stride: Sequence[int] = (), padding: Sequence[int] = (0,),
+               ceil_mode: bool = False, count_include_pad: bool = True, divisor_override: int | None = None) -> Any:
+    return _avg_pool(self, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override, 2)
+
+
+@register(aten.avg_pool3d.default)
+def avg_pool3d(self: Any, kernel_size: Sequence[int], stride: Sequence[int] = (), padding: Sequence[int] = (0,),
+               ceil_mode: bool = False, count_include_pad: bool = True, divisor_override: int | None = None) -> Any:
+    return _avg_pool(self, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override, 3)
+
+
+@register(aten.avg_pool2d_backward.default)
+def avg_pool2d_backward(grad_output: Any, self: Any, kernel_size: Sequence[int], stride: Sequence[int],
+                        padding: Sequence[int], ceil_mode: bool, count_include_pad: bool,
+                        divisor_override: int | None) -> Any:
+    return _vjp(lambda x: avg_pool2d(x, kernel_size, stride, padding, ceil_mode, count_include_pad,
+                                     divisor_override), grad_output, _up(self))[0]
+
+
+@register(aten.avg_pool3d_backward.default)
+def avg_pool3d_backward(grad_output: Any, self: Any, kernel_size: Sequence[int], stride: Sequence[int],
+                        padding: Sequence[int], ceil_mode: bool, count_include_pad: bool,
+                        divisor_override: int | None) -> Any:
+    return _vjp(lambda x: avg_pool3d(x, kernel_size, stride, padding, ceil_mode, count_include_pad,
+                                     divisor_override), grad_output, _up(self))[0]
+
+
+def _adaptive(self: Any, output_size: Sequence[int]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    rank = len(output_size)
+    pairs = [_adaptive_positions(s, int(o)) for s, o in zip(self.shape[-rank:], output_size)]
+    return [p for p, _ in pairs], [v for _, v in pairs]
+
+
+def _adaptive_avg_pool_nd(self: Any, output_size: Sequence[int]) -> Any:
+    positions, valid = _adaptive(self, output_size)
+    total = jnp.sum(_windows(_up(self), positions, valid, 0), axis=-1)
+    divisor = np.array(1)
+    for v in valid:
+        divisor = divisor[..., None] * v.sum(axis=1)
+    return total / jnp.asarray(divisor, total.dtype)
+
+
+@register(aten._adaptive_avg_pool2d.default, aten._adaptive_avg_pool3d.default)
+def _adaptive_avg_pool(self: Any, output_size: Sequence[int]) -> Any:
+    return _adaptive_avg_pool_nd(self, output_size)
+
+
+@register(aten._adaptive_avg_pool2d_backward.default)
+def _adaptive_avg_pool2d_backward(grad_output: Any, self: Any) -> Any:
+    return _vjp(lambda x: _adaptive_avg_pool_nd(x, grad_output.shape[-2:]), grad_output, _up(self))[0]
+
+
+@register(aten._adaptive_avg_pool3d_backward.default)
+def _adaptive_avg_pool3d_backward(grad_output: Any, self: Any) -> Any:
+    return _vjp(lambda x: _adaptive_avg_pool_nd(x, grad_output.shape[-3:]), grad_output, _up(self))[0]
+
+
+@register(aten.adaptive_max_pool2d.default, aten.adaptive_max_pool3d.default)
+def adaptive_max_pool(self: Any, output_size: Sequence[int]) -> tuple:
+    return _max_windows(self, *_adaptive(self, output_size))
+
+
+@register(aten.adaptive_max_pool2d_backward.default)
+def adaptive_max_pool2d_backward(grad_output: Any, self: Any, indices: Any) -> Any:
+    return _scatter_to_plane(grad_output, self, indices, 2)
+
+
+@register(aten.adaptive_max_pool3d_backward.default)
+def adaptive_max_pool3d_backward(grad_output: Any, self: Any, indices: Any) -> Any:
+    return _scatter_to_plane(grad_output, self, indices, 3)
+
+
+# --- interpolation --------------------------------------------------------------------------------
+# Source positions are computed at trace time in numpy with PyTorch's formulas and precision
+# (float32 scales unless the input is float64), then each spatial dim is interpolated in turn.
+
+CUBIC_A = -0.75
+
+
+def _index_dtype(x: Any) -> Any:
+    return np.float64 if x.dtype == jnp.float64 else np.float32
+
+
+def _scale(size: int, out: int, scale: float | None, align_corners: bool, dtype: Any) -> Any:
+    if align_corners:
+        return dtype((size - 1) / (out - 1)) if out > 1 else dtype(0)
+    if scale is not None and scale > 0:
+        return dtype(1.0 / scale)
+    return dtype(size / out)
+
+
+def _nearest_taps(size: int, out: int, scale: float | None, exact: bool) -> list[tuple[np.ndarray, None]]:
+    ratio = _scale(size, out, scale, False, np.float32)
+    offset = np.float32(0.5) if exact else np.float32(0)
+    source = np.floor((np.arange(out, dtype=np.float32) + offset) * ratio).astype(np.int64)
+    return [(np.minimum(source, size - 1), None)]
+
+
+def _source(size: int, out: int, scale: float | None, align_corners: bool, dtype: Any) -> np.ndarray:
+    ratio = _scale(size, out, scale, align_corners, dtype)
+    index = np.arange(out, dtype=dtype)
+    if align_corners:
+        return ratio * index
+    return ratio * (index + dtype(0.5)) - dtype(0.5)
+
+
+def _linear_taps(size: int, out: int, scale: float | None, align_corners: bool,
+                 dtype: Any) -> list[tuple[np.ndarray, np.ndarray]]:
+    source = np.maximum(_source(size, out, scale, align_corners, dtype), dtype(0))
+    low = source.astype(np.int64)
+    high = np.minimum(low + 1, size - 1)
+    frac = (source - low).astype(dtype)
+    return [(low, dtype(1) - frac), (high, frac)]
+
+
+def _cubic_taps(size: int, out: int, scale: float | None, align_corners: bool,
+                dtype: Any) -> list[tuple[np.ndarray, np.ndarray]]:
+    source = _source(size, out, scale, align_corners, dtype)
+    base = np.floor(source)
+    t = (source - base).astype(dtype)
+    a = dtype(CUBIC_A)
+
+    def near(v: np.ndarray) -> np.ndarray:
+        return ((a + 2) * v - (a + 3)) * v * v + 1
+
+    def far(v: np.ndarray) -> np.ndarray:
+        return ((a * v - 5 * a) * v + 8 * a) * v - 4 * a
+
+    weights = [far(t + 1), near(t), near(1 - t), far(2 - t)]
+    return [(np.clip(base.astype(np.int64) - 1 + j, 0, size - 1), w) for j, w in enumerate(weights)]
+
+
+def _interpolate(x: Any, taps_per_dim: Sequence[list[tuple[np.ndarray, np.ndarray | None]]]) -> Any:
+    """Apply per-dimension taps (indices, weights) to x's trailing dims, one dimension at a time."""
+    rank = len(taps_per_dim)
+    for d, taps in enumerate(taps_per_dim):
+        axis = x.ndim - rank + d
+        shape = (-1,) + (1,) * (x.ndim - axis - 1)
+        total = None
+        for index, weight in taps:
+            term = jnp.take(x, index, axis=axis)
+            if weight is not None:
+                term = term * jnp.asarray(weight, x.dtype).reshape(shape)
+            total = term if total is None else total + term
+        x = total
+    return x
+
+
+def _scales(rank: int, values: Sequence[float | None]) -> list[float | None]:
+    return list(values) + [None] * (rank - len(values))
+
+
+def _nearest(x: Any, output_size: Sequence[int], scales: Sequence[float | None], exact: bool) -> Any:
+    rank = len(output_size)
+    taps = [_nearest_taps(s, int(o), sc, exact)
+            for s, o, sc in zip(x.shape[-rank:], output_size, _scales(rank, scales))]
+    return _interpolate(x, taps)
+
+
+def _smooth(x: Any, output_size: Sequence[int], align_corners: bool, scales: Sequence[float | None],
+            taps_for: Callable) -> Any:
+    rank = len(output_size)
+    dtype = _index_dtype(x)
+    taps = [taps_for(s, int(o), sc, align_corners, dtype)
+            for s, o, sc in zip(x.shape[-rank:], output_size, _scales(rank, scales))]
+    return _interpolate(_up(x), taps)
+
+
+def _transpose_of(forward: Callable, grad_output: Any, input_size: Sequence[int]) -> Any:
+    """Backward of a linear resampling: the vjp of its forward, for an input of input_size."""
+    return _vjp(forward, grad_output, jnp.zeros(tuple(input_size), _compute_dtype(grad_output)))[0]
+
+
+@register(aten.upsample_nearest1d.default, aten.upsample_nearest2d.default, aten.upsample_nearest3d.default)
+def upsample_nearest(self: Any, output_size: Sequence[int], *scales: float | None) -> Any:
+    return _nearest(self, output_size, scales, exact=False)
+
+
+@register(aten._upsample_nearest_exact1d.default, aten._upsample_nearest_exact2d.default,
+          aten._upsample_nearest_exact3d.default)
+def _upsample_nearest_exact(self: Any, output_size: Sequence[int], *scales: float | None) -> Any:
+    return _nearest(self, output_size, scales, exact=True)
+
+
+@register(aten.upsample_nearest1d_backward.default, aten.upsample_nearest2d_backward.default,
+          aten.upsample_nearest3d_backward.default)
+def upsample_nearest_backward(grad_output: Any, output_size: Sequence[int], input_size: Sequence[int],
+                              *scales: float | None) -> Any:
+    return _transpose_of(lambda x: _nearest(x, output_size, scales, exact=False), grad_output, input_size)
+
+
+@register(aten._upsample_nearest_exact1d_backward.default, aten._upsample_nearest_exact2d_backward.default,
+          aten._upsample_nearest_exact3d_backward.default)
+def _upsample_nearest_exact_backward(grad_output: Any, output_size: Sequence[int], input_size: Sequence[int],
+                                     *scales: float | None) -> Any:
+    return _transpose_of(lambda x: _nearest(x, output_size, scales, exact=True), grad_output, input_size)
+
+
+@register(aten.upsample_linear1d.default, aten.upsample_bilinear2d.default, aten.upsample_trilinear3d.default)
+def upsample_linear(self: Any, output_size: Sequence[int], align_corners: bool, *scales: float | None) -> Any:
+    return _smooth(self, output_size, align_corners, scales, _linear_taps)
+
+
+@register(aten.upsample_linear1d_backward.default, aten.upsample_bilinear2d_backward.default,
+          aten.upsample_trilinear3d_backward.default)
+def upsample_linear_backward(grad_output: Any, output_size: Sequence[int], input_size: Sequence[int],
+                             align_corners: bool, *scales: float | None) -> Any:
+    return _transpose_of(lambda x: _smooth(x, output_size, align_corners, scales, _linear_taps), grad_output,
+                         input_size)
+
+
+@register(aten.upsample_bicubic2d.default)
+def upsample_bicubic2d(self: Any, output_size: Sequence[int], align_corners: bool, *scales: float | None) -> Any:
+    return _smooth(self, output_size, align_corners, scales, _cubic_taps)
+
+
+@register(aten.upsample_bicubic2d_backward.default)
+def upsample_bicubic2d_backward(grad_output: Any, output_size: Sequence[int], input_size: Sequence[int],
+                                align_corners: bool, *scales: float | None) -> Any:
+    return _transpose_of(lambda x: _smooth(x, output_size, align_corners, scales, _cubic_taps), grad_output,
+                         input_size)
+
+
+# --- padding --------------------------------------------------------------------------------------
+
+
+def _pad_widths(ndim: int, pad: Sequence[int]) -> list[tuple[int, int]]:
+    """PyTorch's pad list (last dim first, (before, after) pairs) as per-dim widths."""
+    pairs = [(int(pad[i]), int(pad[i + 1])) for i in range(0, len(pad), 2)]
+    return [(0, 0)] * (ndim - len(pairs)) + pairs[::-1]
+
+
+@register(aten.constant_pad_nd.default)
+def constant_pad_nd(self: Any, pad: Sequence[int], value: Any = 0) -> Any:
+    """Negative widths crop, as in PyTorch."""
+    widths = _pad_widths(self.ndim, pad)
+    return jax.lax.pad(self, jnp.asarray(value, self.dtype), [(lo, hi, 0) for lo, hi in widths])
+
+
+def _mode_pad(self: Any, padding: Sequence[int], mode: str) -> Any:
+    widths = _pad_widths(self.ndim, padding)
+    if any(lo < 0 or hi < 0 for lo, hi in widths):
+        cropped = jax.lax.pad(self, jnp.zeros((), self.dtype),
+                              [(min(lo, 0), min(hi, 0), 0) for lo, hi in widths])
+        return jnp.pad(cropped, [(max(lo, 0), max(hi, 0)) for lo, hi in widths], mode=mode)
+    return jnp.pad(self, widths, mode=mode)
+
+
+@register(aten.reflection_pad1d.default, aten.reflection_pad2d.default, aten.reflection_pad3d.default)
+def reflection_pad(self: Any, padding: Sequence[int]) -> Any:
+    return _mode_pad(self, padding, "reflect")
+
+
+@register(aten.replication_pad1d.default, aten.replication_pad2d.default, aten.replication_pad3d.default)
+def replication_pad(self: Any, padding: Sequence[int]) -> Any:
+    return _mode_pad(self, padding, "edge")
+
+
+@register(aten.reflection_pad1d_backward.default, aten.reflection_pad2d_backward.default,
+          aten.reflection_pad3d_backward.default)
+def reflection_pad_backward(grad_output: Any, self: Any, padding: Sequence[int]) -> Any:
+    return _vjp(lambda x: reflection_pad(x, padding), grad_output, _up(self))[0]
+
+
+@register(aten.replication_pad1d_backward.default, aten.replication_pad2d_backward.default,
+          aten.replication_pad3d_backward.default)
+def replication_pad_backward(grad_output: Any, self: Any, padding: Sequence[int]) -> Any:
+    return _vjp(lambda x: replication_pad(x, padding), grad_output, _up(self))[0]
+
+
+# --- embedding -------------------------------------------------------------------------------------
+
+
+@register(aten.embedding.default)
+def embedding(weight: Any, indices: Any, padding_idx: int = -1, scale_grad_by_freq: bool = False,
+              sparse: bool = False) -> Any:
+    return jnp.take(weight, indices, axis=0)
+
+
+@register(aten.embedding_dense_backward.default)
+def embedding_dense_backward(grad_output: Any, indices: Any, num_weights: int, padding_idx: int,
+                             scale_grad_by_freq: bool) -> Any:
+    """Rows of padding_idx get no gradient; with scale_grad_by_freq each row is divided by its count."""
+    index = indices.reshape(-1)
+    grad = _up(grad_output).reshape(index.shape[0], -1)
+    if padding_idx >= 0:
+        grad = jnp.where((index == padding_idx)[:, None], 0, grad)
+    if scale_grad_by_freq:
+        counts = jnp.zeros((num_weights,), grad.dtype).at[index].add(1)
+        grad = grad / counts[index][:, None]
+    return jnp.zeros((num_weights, grad.shape[1]), grad.dtype).at[index].add(grad)
+
+
+# --- losses ----------------------------------------------------------------------------------------
+
+
+def _nll(self: Any, target: Any, weight: Any, reduction: int, ignore_index: int) -> tuple[Any, Any]:
+    """Negative log-likelihood over the class dim (1, or 0 for an unbatched input) and the total weight."""
+    log_probs = jnp.moveaxis(_up(self), 0 if self.ndim == 1 else 1, -1)
+    keep = target != ignore_index
+    safe = jnp.where(keep, target, 0)
+    picked = jnp.take_along_axis(log_probs, safe[..., None], axis=-1)[..., 0]
+    w = jnp.ones_like(picked) if weight is None else _up(weight)[safe]
+    w = jnp.where(keep, w, 0)
+    losses = -picked * w
+    total = jnp.sum(w)
+    if reduction == MEAN:
+        return jnp.sum(losses) / total, total
+    return _reduce(losses, reduction), total
+
+
+@register(aten.nll_loss_forward.default, aten.nll_loss2d_forward.default)
+def nll_loss_forward(self: Any, target: Any, weight: Any, reduction: int, ignore_index: int) -> tuple:
+    return _nll(self, target, weight, reduction, ignore_index)
+
+
+@register(aten.nll_loss_backward.default, aten.nll_loss2d_backward.default)
+def nll_loss_backward(grad_output: Any, self: Any, target: Any, weight: Any, reduction: int, ignore_index: int,
+                      total_weight: Any) -> Any:
+    return _vjp(lambda x: _nll(x, target, weight, reduction, ignore_index)[0], grad_output, _up(self))[0]
+
+
+@register(aten.mse_loss.default)
+def mse_loss(self: Any, target: Any, reduction: int = MEAN) -> Any:
+    return _reduce(jnp.square(_up(self) - target), reduction)
+
+
+@register(aten.mse_loss_backward.default)
+def mse_loss_backward(grad_output: Any, self: Any, target: Any, reduction: int) -> Any:
+    return _vjp(lambda x: mse_loss(x, target, reduction), grad_output, _up(self))[0]
+
+
+@register(aten.binary_cross_entropy.default)
+def binary_cross_entropy(self: Any, target: Any, weight: Any = None, reduction: int = MEAN) -> Any:
+    """Logs are clamped at -100, as in PyTorch, so a saturated input gives a finite loss."""
+    x, t = _up(self), _up(target)
+    loss = -(t * jnp.maximum(jnp.log(x), -100) + (1 - t) * jnp.maximum(jnp.log(1 - x), -100))
+    if weight is not None:
+        loss = loss * _up(weight)
+    return _reduce(loss, reduction)
+
+
+@register(aten.binary_cross_entropy_backward.default)
+def binary_cross_entropy_backward(grad_output: Any, self: Any, target: Any, weight: Any = None,
+                                  reduction: int = MEAN) -> Any:
+    """PyTorch's formula (x - t) / max(x (1 - x), 1e-12), not the derivative of the clamped logs."""
+    x, t = _up(self), _up(target)
+    grad = _up(grad_output) * (x - t) / jnp.maximum((1 - x) * x, 1e-12)
+    if weight is not None:
+        grad = grad * _up(weight)
+    return grad / x.size if reduction == MEAN else grad
+
+
+@register(aten.binary_cross_entropy_with_logits.default)
+def binary_cross_entropy_with_logits(self: Any, target: Any, weight: Any = None, pos_weight: Any = None,
+                                     reduction: int = MEAN) -> Any:
+    x, t = _up(self), _up(target)
+    softplus_neg = jnp.log1p(jnp.exp(-jnp.abs(x))) + jnp.maximum(-x, 0)
+    if pos_weight is not None:
+        loss = (1 - t) * x + ((_up(pos_weight) - 1) * t + 1) * softplus_neg
+    else:
+        loss = (1 - t) * x + softplus_neg
+    if weight is not None:
+        loss = loss * _up(weight)
+    return _reduce(loss, reduction)
+
+
+@register(aten.smooth_l1_loss.default)
+def smooth_l1_loss(self: Any, target: Any, reduction: int = MEAN, beta: float = 1.0) -> Any:
+    z = jnp.abs(_up(self) - target)
+    if beta == 0:
+        return _reduce(z, reduction)
+    return _reduce(jnp.where(z < beta, 0.5 * z * z / beta, z - 0.5 * beta), reduction)
+
+
+@register(aten.smooth_l1_loss_backward.default)
+def smooth_l1_loss_backward(grad_output: Any, self: Any, target: Any, reduction: int, beta: float) -> Any:
+    return _vjp(lambda x: smooth_l1_loss(x, target, reduction, beta), grad_output, _up(self))[0]
+
+
+@register(aten.huber_loss.default)
+def huber_loss(self: Any, target: Any, reduction: int = MEAN, delta: float = 1.0) -> Any:
+    z = jnp.abs(_up(self) - target)
+    return _reduce(jnp.where(z < delta, 0.5 * z * z, delta * (z - 0.5 * delta)), reduction)
+
+
+@register(aten.huber_loss_backward.default)
+def huber_loss_backward(grad_output: Any, self: Any, target: Any, reduction: int, delta: float) -> Any:
+    return _vjp(lambda x: huber_loss(x, target, reduction, delta), grad_output, _up(self))[0]
+
+
+# --- dropout and attention -------------------------------------------------------------------------
+
+
+@register(aten.native_dropout.default, random=True)
+def native_dropout(input: Any, p: float, train: bool | None, *, rng: Any) -> tuple:
+    if train is False:
+        return input, jnp.ones(input.shape, jnp.bool_)
+    keep = jax.random.bernoulli(rng, 1.0 - p, input.shape)
+    scale = 0.0 if p == 1 else 1.0 / (1.0 - p)
+    return jnp.where(keep, _up(input) * scale, 0), keep
+
+
+@register(aten.native_dropout_backward.default)
+def native_dropout_backward(grad_output: Any, mask: Any, scale: float) -> Any:
+    return jnp.where(mask, _up(grad_output) * scale, 0)
+
+
+@register(aten._safe_softmax.default)
+def _safe_softmax(self: Any, dim: int, dtype: Any = None) -> Any:
+    """Softmax whose fully masked rows (all -inf, as attention masks make) are zeros, not NaN."""
+    x = _up(self if dtype is None else self.astype(storage.numpy_dtype(dtype)))
+    out = jax.nn.softmax(x, axis=dim)
+    return jnp.where(jnp.all(x == -jnp.inf, axis=dim, keepdims=True), 0, out)

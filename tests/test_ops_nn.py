@@ -1,0 +1,336 @@
+"""Neural-network ops on pjrt against CPU: activations, norms, pooling, interpolation, embedding,
+padding, losses, dropout and attention, forward and backward."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from support import assert_same, check
+from torch.nn import functional as F  # noqa: N812
+from torch.utils import _pytree as pytree
+
+TOL = {"atol": 1e-4, "rtol": 1e-4}
+aten = torch.ops.aten
+
+
+def check_grad(fn: Any, *inputs: Any, grads: tuple[int, ...] | None = None, **tolerances: Any) -> None:
+    """Forward and gradients (for a random cotangent) of fn on pjrt match CPU.
+
+    grads: positions of the inputs to differentiate (default: every floating-point tensor).
+    """
+    tolerances = tolerances or TOL
+    if grads is None:
+        grads = tuple(i for i, x in enumerate(inputs) if isinstance(x, torch.Tensor) and x.is_floating_point())
+    cpu = [x.detach().clone().requires_grad_(i in grads) if isinstance(x, torch.Tensor) else x
+           for i, x in enumerate(inputs)]
+    dev = [x.detach().to("pjrt").requires_grad_(i in grads) if isinstance(x, torch.Tensor) else x
+           for i, x in enumerate(inputs)]
+    expected, actual = fn(*cpu), fn(*dev)
+    assert_same(actual, expected, **tolerances)
+    outputs = [o for o in pytree.tree_leaves(expected) if isinstance(o, torch.Tensor) and o.requires_grad]
+    actual_outputs = [o for o in pytree.tree_leaves(actual) if isinstance(o, torch.Tensor) and o.requires_grad]
+    cotangents = [torch.randn_like(o) for o in outputs]
+    torch.autograd.backward(outputs, cotangents)
+    torch.autograd.backward(actual_outputs, [c.to("pjrt") for c in cotangents])
+    assert_same([dev[i].grad for i in grads], [cpu[i].grad for i in grads], **tolerances)
+
+
+# --- activations -------------------------------------------------------------------------------
+
+ACTIVATIONS = [
+    F.relu, F.relu6, lambda x: F.hardtanh(x, -0.5, 0.7), lambda x: F.threshold(x, 0.1, -2.0),
+    lambda x: F.leaky_relu(x, 0.2), lambda x: F.elu(x, 1.3), F.celu, F.selu, F.gelu,
+    lambda x: F.gelu(x, approximate="tanh"), F.silu, F.mish, lambda x: F.softplus(x, 2.0, 1.5), F.hardsigmoid,
+    F.hardswish, lambda x: F.glu(x, 1), F.logsigmoid, torch.sigmoid,
+]
+
+
+@pytest.mark.parametrize("fn", ACTIVATIONS, ids=lambda f: getattr(f, "__name__", "fn"))
+def test_activation_forward_backward(fn: Any) -> None:
+    x = torch.randn(6, 8) * 4
+    check_grad(fn, x)
+
+
+def test_prelu_forward_backward() -> None:
+    check_grad(F.prelu, torch.randn(3, 4, 5), torch.rand(4))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+def test_activation_dtypes(dtype: torch.dtype) -> None:
+    tol = {"atol": 2e-2, "rtol": 2e-2} if dtype == torch.bfloat16 else {"atol": 1e-10, "rtol": 1e-10}
+    x = torch.randn(5, 6, dtype=dtype) * 3
+    check(lambda t: (F.gelu(t), F.silu(t), F.elu(t), F.relu(t)), x, **tol)
+
+
+def test_activation_in_place_and_non_contiguous() -> None:
+    x = torch.randn(6, 8).t()[::2]
+    check(lambda t: F.relu(t.clone(), inplace=True), x, **TOL)
+    check(lambda t: F.leaky_relu_(t.clone(), 0.3), x, **TOL)
+    check(lambda t: F.hardtanh(t, -0.2, 0.2), x, **TOL)
+    check(lambda t: F.elu(t.clone().t(), inplace=True), torch.randn(8, 6), **TOL)
+
+
+@pytest.mark.xfail(reason="core: dispatch passes the out= keyword of an out variant to the functional lowering",
+                   raises=TypeError)
+def test_activation_out_variant() -> None:
+    check(lambda t: aten.gelu.out(t, approximate="tanh", out=torch.empty_like(t)), torch.randn(4, 5), **TOL)
+
+
+def test_relu_integer_input() -> None:
+    check(torch.relu, torch.randint(-5, 5, (4, 5)))
+
+
+# --- normalization -------------------------------------------------------------------------------
+
+
+def test_layer_norm() -> None:
+    check_grad(lambda x, w, b: F.layer_norm(x, (5, 6), w, b, eps=1e-3), torch.randn(3, 4, 5, 6) * 2 + 1,
+               torch.randn(5, 6), torch.randn(5, 6))
+    check_grad(lambda x: F.layer_norm(x, (6,)), torch.randn(4, 6))
+
+
+def test_group_norm() -> None:
+    check_grad(lambda x, w, b: F.group_norm(x, 3, w, b), torch.randn(2, 6, 4, 5) * 3, torch.randn(6),
+               torch.randn(6))
+    check_grad(lambda x: F.group_norm(x, 2), torch.randn(3, 4, 7))
+
+
+def test_layer_norm_bfloat16() -> None:
+    check(lambda x, w: F.layer_norm(x, (8,), w), torch.randn(4, 8, dtype=torch.bfloat16),
+          torch.randn(8, dtype=torch.bfloat16), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("shape", [(4, 3), (4, 3, 5), (2, 3, 4, 5)])
+def test_batch_norm_eval(shape: tuple) -> None:
+    mean, var = torch.randn(3), torch.rand(3) + 0.5
+    check_grad(lambda x, w, b: F.batch_norm(x, mean.to(x.device), var.to(x.device), w, b, training=False),
+               torch.randn(shape), torch.randn(3), torch.randn(3))
+
+
+def test_batch_norm_train_without_running_stats() -> None:
+    check_grad(lambda x, w, b: F.batch_norm(x, None, None, w, b, training=True), torch.randn(4, 3, 5) * 2 + 1,
+               torch.randn(3), torch.randn(3))
+
+
+def test_batch_norm_train_updates_running_stats() -> None:
+    module = torch.nn.BatchNorm2d(3, momentum=0.3)
+    device_module = torch.nn.BatchNorm2d(3, momentum=0.3).to("pjrt")
+    x = torch.randn(4, 3, 5, 5) * 2 + 1
+    for _ in range(2):
+        expected, actual = module(x), device_module(x.to("pjrt"))
+        assert_same(actual, expected, **TOL)
+    assert_same([device_module.running_mean, device_module.running_var],
+                [module.running_mean, module.running_var], **TOL)
+
+
+def test_native_batch_norm_legit_functional_updates() -> None:
+    """The functional op returns the new running statistics (unbiased variance, like PyTorch)."""
+    x, mean, var = torch.randn(6, 3, 4) * 2, torch.randn(3), torch.rand(3) + 0.5
+    check(lambda x_, m, v: aten._native_batch_norm_legit_functional(x_, None, None, m, v, True, 0.2, 1e-5),
+          x, mean, var, **TOL)
+
+
+def test_native_batch_norm_legit_in_place() -> None:
+    x, mean, var = torch.randn(6, 3, 4) * 2, torch.randn(3), torch.rand(3) + 0.5
+
+    def run(x_: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> Any:
+        m, v = m.clone(), v.clone()
+        out = aten._native_batch_norm_legit(x_, None, None, m, v, True, 0.2, 1e-5)
+        return out, m, v
+
+    check(run, x, mean, var, **TOL)
+
+
+# --- pooling --------------------------------------------------------------------------------------
+
+POOLS = [
+    lambda x: F.max_pool2d(x, 3, 2, 1),
+    lambda x: F.max_pool2d(x, (2, 3), (2, 1), (1, 1), dilation=(2, 1), ceil_mode=True),
+    lambda x: F.max_pool1d(x.flatten(2), 3, 2, ceil_mode=True),
+    lambda x: F.max_pool3d(x.unsqueeze(1), 2, (1, 2, 2), 1),
+    lambda x: F.avg_pool2d(x, 3, 2, 1),
+    lambda x: F.avg_pool2d(x, 3, 2, 1, ceil_mode=True, count_include_pad=False),
+    lambda x: F.avg_pool2d(x, 2, 3, ceil_mode=True, divisor_override=3),
+    lambda x: F.avg_pool1d(x.flatten(2), 4, 3, 2),
+    lambda x: F.avg_pool3d(x.unsqueeze(1), 2, 2, 1, ceil_mode=True),
+    lambda x: F.adaptive_avg_pool2d(x, (3, 4)),
+    lambda x: F.adaptive_avg_pool1d(x.flatten(2), 5),
+    lambda x: F.adaptive_avg_pool3d(x.unsqueeze(1), (2, 3, 2)),
+    lambda x: F.adaptive_max_pool2d(x, (3, 2)),
+    lambda x: F.adaptive_max_pool1d(x.flatten(2), 4),
+]
+
+
+@pytest.mark.parametrize("index", range(len(POOLS)))
+def test_pooling_forward_backward(index: int) -> None:
+    check_grad(POOLS[index], torch.randn(2, 3, 7, 9))
+
+
+def test_max_pool_indices_and_unbatched() -> None:
+    x = torch.randn(3, 8, 8)
+    check(lambda t: F.max_pool2d(t, 3, 2, 1, return_indices=True), x)
+    check(lambda t: F.adaptive_max_pool2d(t, 3, return_indices=True), x)
+    check(lambda t: F.max_pool2d(t, 2), torch.randint(-50, 50, (2, 6, 6)))
+
+
+# --- interpolation ----------------------------------------------------------------------------------
+
+INTERPOLATIONS = [
+    ((2, 3, 7), {"size": 12}),
+    ((2, 3, 7), {"scale_factor": 1.7, "mode": "nearest-exact"}),
+    ((2, 3, 5, 7), {"scale_factor": 2}),
+    ((2, 3, 5, 7), {"size": (3, 4)}),
+    ((2, 3, 4, 3, 5), {"scale_factor": (2, 1.5, 0.6)}),
+    ((2, 3, 7), {"size": 10, "mode": "linear"}),
+    ((2, 3, 7), {"scale_factor": 0.7, "mode": "linear", "align_corners": True}),
+    ((2, 3, 5, 7), {"scale_factor": 1.5, "mode": "bilinear"}),
+    ((2, 3, 5, 7), {"size": (9, 4), "mode": "bilinear", "align_corners": True}),
+    ((2, 3, 5, 7), {"size": (8, 11), "mode": "bicubic"}),
+    ((2, 3, 5, 7), {"scale_factor": 0.6, "mode": "bicubic", "align_corners": True}),
+    ((1, 2, 3, 4, 5), {"scale_factor": 1.5, "mode": "trilinear"}),
+    ((1, 2, 3, 4, 5), {"size": (5, 2, 6), "mode": "trilinear", "align_corners": True}),
+]
+
+
+@pytest.mark.parametrize("shape,kwargs", INTERPOLATIONS, ids=lambda v: str(v))
+def test_interpolate_forward_backward(shape: tuple, kwargs: dict) -> None:
+    check_grad(lambda x: F.interpolate(x, **kwargs), torch.randn(shape))
+
+
+# --- embedding and padding --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("padding_idx,scale", [(None, False), (2, False), (1, True)])
+def test_embedding_forward_backward(padding_idx: int | None, scale: bool) -> None:
+    indices = torch.randint(0, 6, (3, 5))
+    check_grad(lambda w, i: F.embedding(i, w, padding_idx=padding_idx, scale_grad_by_freq=scale),
+               torch.randn(6, 4), indices)
+
+
+PADS = [
+    ((2, 3, 6), (2, 1), "constant"),
+    ((2, 3, 6, 5), (-1, 2, 1, -2), "constant"),
+    ((2, 3, 6), (2, 3), "reflect"),
+    ((3, 6, 5), (1, 2, 3, 0), "reflect"),
+    ((1, 2, 4, 4, 4), (1, 1, 2, 0, 0, 3), "reflect"),
+    ((2, 3, 6), (3, 1), "replicate"),
+    ((2, 3, 6, 5), (1, 2, 3, 4), "replicate"),
+    ((1, 2, 4, 4, 4), (1, 1, 2, 0, 0, 3), "replicate"),
+]
+
+
+@pytest.mark.parametrize("shape,pad,mode", PADS, ids=lambda v: str(v))
+def test_pad_forward_backward(shape: tuple, pad: tuple, mode: str) -> None:
+    kwargs = {"value": 1.5} if mode == "constant" else {}
+    check_grad(lambda x: F.pad(x, pad, mode=mode, **kwargs), torch.randn(shape))
+
+
+def test_constant_pad_integer_and_bool() -> None:
+    check(lambda x: F.pad(x, (1, 2), value=7), torch.randint(0, 9, (2, 3)))
+    check(lambda x: F.pad(x, (1, 1, 0, 1)), torch.rand(2, 3) > 0.5)
+
+
+# --- losses ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_cross_entropy_ignore_index_label_smoothing(reduction: str) -> None:
+    target = torch.randint(0, 5, (6,))
+    target[1] = -100
+    weight = torch.rand(5) + 0.5
+    check_grad(lambda x, t, w: F.cross_entropy(x, t, w, reduction=reduction, label_smoothing=0.1),
+               torch.randn(6, 5) * 2, target, weight, grads=(0,))
+    target[1:3] = 3
+    check_grad(lambda x, t: F.cross_entropy(x, t, ignore_index=3, reduction=reduction), torch.randn(6, 5), target)
+
+
+def test_cross_entropy_spatial_and_nll() -> None:
+    target = torch.randint(0, 4, (2, 3, 5))
+    target[0, 1, 2] = 2
+    check_grad(lambda x, t: F.cross_entropy(x, t, ignore_index=2, label_smoothing=0.2), torch.randn(2, 4, 3, 5),
+               target)
+    check_grad(lambda x, t, w: F.nll_loss(x, t, w), torch.randn(2, 4, 3, 5), target, torch.rand(4), grads=(0,))
+    check_grad(lambda x, t: F.nll_loss(x, t, reduction="sum"), torch.randn(4), torch.tensor(2))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_regression_losses(reduction: str) -> None:
+    x, y = torch.randn(4, 5) * 2, torch.randn(4, 5)
+    check_grad(lambda a, b: F.mse_loss(a, b, reduction=reduction), x, y, grads=(0,))
+    check_grad(lambda a, b: F.l1_loss(a, b, reduction=reduction), x, y, grads=(0,))
+    check_grad(lambda a, b: F.smooth_l1_loss(a, b, reduction=reduction, beta=0.5), x, y, grads=(0,))
+    check_grad(lambda a, b: F.huber_loss(a, b, reduction=reduction, delta=0.7), x, y, grads=(0,))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_binary_cross_entropy(reduction: str) -> None:
+    p, t, w = torch.rand(4, 5) * 0.98 + 0.01, torch.rand(4, 5), torch.rand(4, 5)
+    check_grad(lambda a, b, c: F.binary_cross_entropy(a, b, c, reduction=reduction), p, t, w, grads=(0,))
+    logits, pos = torch.randn(4, 5) * 3, torch.rand(5) + 0.5
+    check_grad(lambda a, b, c: F.binary_cross_entropy_with_logits(a, b, reduction=reduction, pos_weight=c),
+               logits, t, pos, grads=(0,))
+    check_grad(lambda a, b: F.binary_cross_entropy_with_logits(a, b, reduction=reduction), logits, t, grads=(0,))
+
+
+# --- dropout and attention ------------------------------------------------------------------------------
+
+
+def test_dropout_statistics_and_backward() -> None:
+    x = (torch.rand(200, 100) + 1).to("pjrt").requires_grad_()
+    y = F.dropout(x, 0.3)
+    kept = (y != 0).float().mean().item()
+    assert abs(kept - 0.7) < 0.02
+    nonzero = y.detach().cpu()[y.detach().cpu() != 0]
+    torch.testing.assert_close(nonzero, (x.detach().cpu() / 0.7)[y.detach().cpu() != 0])
+    y.backward(torch.ones_like(y))
+    torch.testing.assert_close(x.grad.cpu(), (y.detach().cpu() != 0).float() / 0.7)
+    again = F.dropout(x, 0.3)
+    assert not torch.equal(again.detach().cpu() != 0, y.detach().cpu() != 0), "a fixed key"
+    check(lambda t: F.dropout(t, 0.3, training=False), torch.randn(4, 5))
+
+
+def test_native_dropout_backward() -> None:
+    mask = torch.rand(4, 5) > 0.4
+    check(lambda g, m: aten.native_dropout_backward(g, m, 1.7), torch.randn(4, 5), mask, **TOL)
+
+
+def _causal_mask(q: int, k: int) -> torch.Tensor:
+    return torch.ones(q, k, dtype=torch.bool).tril()
+
+
+SDPA_CASES = [
+    {},
+    {"is_causal": True},
+    {"scale": 0.3},
+    {"mask": "bool"},
+    {"mask": "float"},
+]
+
+
+@pytest.mark.parametrize("case", SDPA_CASES, ids=str)
+def test_scaled_dot_product_attention(case: dict) -> None:
+    q, k, v = torch.randn(2, 3, 5, 8), torch.randn(2, 3, 6, 8), torch.randn(2, 3, 6, 4)
+    mask = None
+    if case.get("mask") == "bool":
+        mask = torch.rand(5, 6) > 0.3
+        mask[:, 0] = True
+    elif case.get("mask") == "float":
+        mask = torch.randn(2, 1, 5, 6)
+    if case.get("is_causal"):
+        k, v = k[:, :, :5], v[:, :, :5]
+
+    def attention(q_: torch.Tensor, k_: torch.Tensor, v_: torch.Tensor) -> torch.Tensor:
+        m = None if mask is None else mask.to(q_.device)
+        return F.scaled_dot_product_attention(q_, k_, v_, attn_mask=m, is_causal=case.get("is_causal", False),
+                                              scale=case.get("scale"))
+
+    check_grad(attention, q, k, v)
+
+
+def test_scaled_dot_product_attention_dropout() -> None:
+    q = torch.randn(1, 2, 16, 8).to("pjrt").requires_grad_()
+    out = F.scaled_dot_product_attention(q, q, q, dropout_p=0.5)
+    out.sum().backward()
+    assert out.shape == (1, 2, 16, 8) and torch.isfinite(q.grad.cpu()).all()
