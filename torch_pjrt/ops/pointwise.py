@@ -277,7 +277,9 @@ def _reciprocal(x: Any) -> Any:
 
 
 def _entr(x: Any) -> Any:
-    return jnp.where(x > 0, -x * jnp.log(jnp.where(x > 0, x, 1)), jnp.where(x == 0, 0.0, -jnp.inf * (x == x)))
+    """-x log x, with 0 at 0, -inf below 0 and NaN kept."""
+    positive = -x * jnp.log(jnp.where(x > 0, x, 1))
+    return jnp.where(jnp.isnan(x), x, jnp.where(x > 0, positive, jnp.where(x == 0, 0.0, -jnp.inf)))
 
 
 def _angle(x: Any) -> Any:
