@@ -271,7 +271,7 @@ def run_script(script: str, argv: list[str], device: str, progress: Progress) ->
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
     from torch_pjrt.cli.cuda_shim import CudaShim
-    from torch_pjrt.cli.run import run_path
+    from torch_pjrt.cli.run import UserCode, print_script_error, run_path
 
     last_loss: list[torch.Tensor] = []
     marks: list[float] = []
@@ -296,6 +296,9 @@ def run_script(script: str, argv: list[str], device: str, progress: Progress) ->
         except SystemExit as exit_:
             if exit_.code not in (None, 0):
                 raise BenchError(f"{script} exited with status {exit_.code} on {device}") from None
+        except Exception as error:  # noqa: BLE001 (the user's script failed: show where, then stop)
+            print_script_error(error, UserCode(script))
+            raise BenchError(f"{script} raised {type(error).__name__} on {device}") from None
         finally:
             handle.remove()
     if not marks:

@@ -220,7 +220,8 @@ def prepare(args: argparse.Namespace) -> str | None:
         import torch_pjrt
 
         try:
-            torch_pjrt.set_eager_mode(args.eager_mode)
+            with torch_pjrt.set_eager_mode(args.eager_mode):
+                pass
         except NotImplementedError as error:
             return f"--eager-mode {args.eager_mode}: {error}"
     if args.compile and not compile_backend_ready():
@@ -244,6 +245,8 @@ def command(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     with contextlib.ExitStack() as stack:
         stack.enter_context(recorder.installed())
+        if args.eager_mode:
+            stack.enter_context(torch_pjrt.set_eager_mode(args.eager_mode))
         if args.cpu_fallback:
             stack.enter_context(torch_pjrt.cpu_fallback())
         if args.compile:
@@ -259,7 +262,8 @@ def command(args: argparse.Namespace) -> int:
                 recorder.note_error(error)
             print(f"torch-pjrt run: {args.script} raised {type(error).__name__}", file=sys.stderr)
             status = 1
-    print(report(args.script, status, time.perf_counter() - start, recorder, args.cpu_fallback), file=sys.stderr)
+        summary = report(args.script, status, time.perf_counter() - start, recorder, args.cpu_fallback)
+    print(summary, file=sys.stderr)
     return status
 
 
