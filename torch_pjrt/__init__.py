@@ -18,6 +18,7 @@ _LAZY = {
     "cpu_fallback": ("torch_pjrt.eager.fallback", "cpu_fallback"),
     "EagerMode": ("torch_pjrt.eager.modes", "EagerMode"),
     "set_eager_mode": ("torch_pjrt.eager.modes", "set_eager_mode"),
+    "export_stablehlo": ("torch_pjrt.compile.export", "export_stablehlo"),
 }
 
 
@@ -31,4 +32,4 @@ def __getattr__(name: str) -> Any:
     return module if attribute is None else getattr(module, attribute)
 
 
-__all__ = ["EagerMode", "cpu_fallback", "metrics", "register", "set_eager_mode"]
+__all__ = ["EagerMode", "cpu_fallback", "export_stablehlo", "metrics", "register", "set_eager_mode"]

@@ -139,6 +139,8 @@ def lookup(op: OpOverload) -> Lowering | None:
                 LOWERINGS[op] = entry
                 return entry
     decomposition = _decompositions().get(op)
+    if decomposition is None and torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd"):
+        decomposition = op.decompose
     if decomposition is not None and not mutated_arguments(op):
         entry = Lowering(decomposed(op, decomposition), random=is_random(op), static_scalars=True)
         LOWERINGS[op] = entry
