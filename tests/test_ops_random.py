@@ -246,6 +246,17 @@ def test_random_checks_like_pytorch(dtype: torch.dtype, args: tuple) -> None:
         torch.empty(3, device=DEVICE, dtype=dtype).random_(*args)
 
 
+@pytest.mark.parametrize(
+    ("dtype", "low", "high"),
+    [(torch.float16, -5000, -4990), (torch.float32, 2**30 - 5, 2**30 + 3), (torch.bfloat16, 0, 2**20)],
+)
+def test_random_float_beyond_exact_integers(dtype: torch.dtype, low: int, high: int) -> None:
+    """PyTorch only warns here; the draws must still stay within [from, to)."""
+    with pytest.warns(UserWarning, match="out of bounds"):
+        x = on_device(torch.empty(1000, device=DEVICE, dtype=dtype).random_(low, high), dtype, (1000,))
+    assert x.min() >= low and x.max() < high
+
+
 def test_randint() -> None:
     x = on_device(torch.randint(-3, 4, (N,), device=DEVICE), torch.int64, (N,))
     assert set(torch.unique(x).tolist()) == set(range(-3, 4))
@@ -257,6 +268,8 @@ def test_randint() -> None:
     like = torch.zeros(50, 20, device=DEVICE, dtype=torch.int32)
     x = on_device(torch.randint_like(like, 4, 9), torch.int32, (50, 20))
     assert set(torch.unique(x).tolist()) == set(range(4, 9))
+    x = on_device(torch.randint_like(like, torch.tensor(3, device=DEVICE)), torch.int32, (50, 20))
+    assert set(torch.unique(x).tolist()) == {0.0, 1.0, 2.0}
     out = torch.empty(0, dtype=torch.int32, device=DEVICE)
     assert torch.randint(3, (100,), out=out) is out
     x = on_device(out, torch.int32, (100,))

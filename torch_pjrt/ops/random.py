@@ -11,6 +11,7 @@ traced program and are documented where they apply.
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import jax
@@ -83,29 +84,55 @@ def _dtype_bounds(dtype: torch.dtype) -> tuple[int, int]:
 
 
 def _check_range(dtype: torch.dtype, low: int, high: int) -> None:
-    """PyTorch's checks of random_(from, to): from < to, both within what the dtype holds."""
+    """PyTorch's checks of random_(from, to): from < to, both within what the dtype holds exactly
+    (for floating types PyTorch only warns, and so do we)."""
     if low >= high:
         raise RuntimeError(f"random_ expects 'from' to be less than 'to', but got from={low} >= to={high}")
     smallest, largest = _dtype_bounds(dtype)
-    if not smallest <= low <= largest:
-        raise RuntimeError(f"from is out of bounds for {dtype}")
-    if not smallest <= high - 1 <= largest:
-        raise RuntimeError(f"to - 1 is out of bounds for {dtype}")
+    for name, value in (("from", low), ("to - 1", high - 1)):
+        if smallest <= value <= largest:
+            continue
+        if not dtype.is_floating_point:
+            raise RuntimeError(f"{name} is out of bounds for {dtype}")
+        warnings.warn(
+            f"{name} is out of bounds [-(2^{_digits(dtype)}), 2^{_digits(dtype)}]: {dtype} cannot hold every "
+            "integer of this range, so the draws are rounded (and kept within [from, to)).",
+            stacklevel=2,
+        )
 
 
-def _integers(key: Any, shape: tuple[int, ...], low: Any, span: Any, dtype: Any) -> Any:
-    """low + (64 random bits mod span), in wrapping 64-bit arithmetic; span 0 means all 2^64 values."""
+def _representable(n: int, digits: int, up: bool) -> int:
+    """The nearest integer above (up) or below n that a float with `digits` significant bits holds."""
+    magnitude = abs(n)
+    shift = max(magnitude.bit_length() - digits, 0)
+    if up == (n >= 0):
+        magnitude += (1 << shift) - 1
+    magnitude = magnitude >> shift << shift
+    return magnitude if n >= 0 else -magnitude
+
+
+def _integers(key: Any, shape: tuple[int, ...], low: Any, span: Any) -> Any:
+    """int64 low + (64 random bits mod span), in wrapping arithmetic; span 0 means all 2^64 values."""
     bits = jax.random.bits(key, shape, jnp.uint64)
     span = jnp.uint64(span) if isinstance(span, int) else jnp.asarray(span).astype(jnp.uint64)
     offset = jnp.where(span == 0, bits, bits % jnp.maximum(span, 1))
-    value = jax.lax.bitcast_convert_type(jnp.asarray(low).astype(jnp.int64).astype(jnp.uint64) + offset, jnp.int64)
-    return value.astype(dtype)
+    return jax.lax.bitcast_convert_type(jnp.asarray(low).astype(jnp.int64).astype(jnp.uint64) + offset, jnp.int64)
 
 
 def _random_ints(key: Any, shape: tuple[int, ...], dtype: torch.dtype, low: int, high: int) -> Any:
-    """Uniform integers in [low, high) (static bounds, checked like PyTorch)."""
+    """Uniform integers in [low, high) (static bounds, checked like PyTorch).
+
+    A floating type that cannot hold every integer of the range gets draws clipped, before
+    rounding, to the representable integers inside it, so no value rounds out of [low, high).
+    """
     _check_range(dtype, low, high)
-    return _integers(key, shape, low, (high - low) % 2**64, storage.numpy_dtype(dtype))
+    values = _integers(key, shape, low, (high - low) % 2**64)
+    if dtype.is_floating_point:
+        digits = _digits(dtype)
+        inside = _representable(low, digits, up=True), _representable(high - 1, digits, up=False)
+        if inside != (low, high - 1):
+            values = jnp.clip(values, *inside)
+    return values.astype(storage.numpy_dtype(dtype))
 
 
 # --- uniform, normal and their relatives --------------------------------------------------------
@@ -264,7 +291,8 @@ def randint_like_low(self: Any, low: int, high: int, *, generator: Any = None, d
 def randint_like_tensor(self: Any, high: Any, *, generator: Any = None, dtype: Any = None, rng: Any,
                         **_: Any) -> Any:
     """A traced bound: high <= 0 is not reported (a traced program cannot raise)."""
-    return _integers(rng, self.shape, 0, jnp.maximum(high, 1), jax_dtype(dtype, storage.torch_dtype(self.dtype)))
+    values = _integers(rng, self.shape, 0, jnp.maximum(high, 1))
+    return values.astype(jax_dtype(dtype, storage.torch_dtype(self.dtype)))
 
 
 def _randperm(key: Any, n: int, dtype: torch.dtype) -> Any:
