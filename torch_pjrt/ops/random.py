@@ -60,10 +60,12 @@ def _uniform(key: Any, shape: tuple[int, ...], dtype: Any, low: Any, high: Any) 
 
 
 def _normal(key: Any, shape: tuple[int, ...], dtype: Any, mean: Any, std: Any) -> Any:
+    """Complex: std splits between the parts; a number mean shifts both parts (normal_ on view_as_real),
+    a tensor mean is added as a complex value (normal(mean, ...) adds it after drawing)."""
     draw = _draw_dtype(dtype)
     if jnp.issubdtype(dtype, jnp.complexfloating):
-        sample = jax.random.normal(key, (*shape, 2), draw) * (std / math.sqrt(2)) + mean
-        return _as_complex(sample, dtype)
+        noise = _as_complex(jax.random.normal(key, (*shape, 2), draw), dtype) * (std / math.sqrt(2))
+        return (noise + (mean * (1 + 1j) if isinstance(mean, (int, float)) else mean)).astype(dtype)
     return (jax.random.normal(key, shape, draw) * std + mean).astype(dtype)
 
 
