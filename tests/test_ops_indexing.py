@@ -1,0 +1,223 @@
+"""Advanced indexing, gather/scatter, masks and the data-dependent kernels on pjrt against CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from support import check
+
+
+def _grads(fn, *inputs):
+    """Gradients of the float inputs for a fixed cotangent; integer inputs are passed through."""
+    leaves = [t.detach().clone().requires_grad_() if t.is_floating_point() else t for t in inputs]
+    out = fn(*leaves)
+    weight = torch.linspace(-1, 1, out.numel()).reshape(out.shape).to(out.device)
+    (out * weight).sum().backward()
+    return [t.grad for t in leaves if t.is_floating_point()]
+
+
+def _distinct(*shape: int) -> torch.Tensor:
+    """Random floats without ties or zeros."""
+    n = torch.Size(shape).numel()
+    signs = torch.where(torch.rand(n) > 0.5, 1.0, -1.0)
+    return ((torch.randperm(n) + 1).float() / n * signs).reshape(shape)
+
+
+# --- advanced indexing -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.bool])
+def test_integer_index_dtypes(dtype):
+    x = (torch.randn(5, 4, 3) * 10).to(dtype)
+    i = torch.tensor([0, 2, -1, 2])
+    check(lambda x, i: x[i], x, i)
+    check(lambda x, i: x[:, i[:3]], x, i)
+
+
+def test_index_placement_rules():
+    x, i = torch.randn(5, 4, 3), torch.tensor([0, 2, -1])
+    check(lambda x, i: x[i, :, i], x, i)
+    check(lambda x, i: x[:, i, i], x, i)
+    check(lambda x, i: x[None, i, None, ..., 1], x, i)
+    check(lambda x, i: x[i.view(3, 1), i[:2]], x, i)
+    check(lambda x, i: x.transpose(0, 2)[i.clamp(0, 2)], x, i)
+    check(lambda x: x[torch.tensor([1, 0])], x)
+
+
+def test_boolean_masks():
+    x = torch.randn(5, 4, 3)
+    m = x > 0
+    check(lambda x, m: x[m], x, m)
+    check(lambda x, m: x[m[..., 0]], x, m)
+    check(lambda x, m: x[:, m[0, :, 0]], x, m)
+    check(lambda x, m: x[m[:, 0, 0], 1:], x, m)
+    check(lambda x: x[torch.tensor([True, False, True, False, True])], x)
+    with pytest.raises(IndexError):
+        x.to("pjrt")[m[0].to("pjrt")]
+
+
+def test_mask_write_without_sync_and_with_values():
+    x = torch.randn(5, 4, 3)
+    m = x > 0
+
+    def fill(x, m):
+        y = x.clone()
+        y[m] = 0.5
+        y[m[:, 0, 0]] = torch.arange(3.0).to(x.device)
+        return y
+
+    check(fill, x, m)
+
+    def values(x, m):
+        y = x.clone()
+        y[m] = y[m] * 2
+        return y
+
+    check(values, x, m)
+
+
+def test_index_put_and_accumulate_duplicates():
+    x = torch.randn(5, 4, 3)
+
+    def assign(x, i):
+        y = x.clone()
+        y[i] = torch.full((4, 3), 7.0, device=x.device)
+        y[:, i[:2], 0] = -1.0
+        return y
+
+    check(assign, x, torch.tensor([0, 3]))
+
+    def accumulate(x, i, v):
+        return x.clone().index_put_((i,), v, accumulate=True)
+
+    check(accumulate, x, torch.tensor([0, 3, 0, 0]), torch.randn(4, 4, 3))
+    check(lambda x, i, v: torch.index_put(x, (i, i), v, accumulate=True), x, torch.tensor([1, 1, 2]),
+          torch.randn(3, 3))
+
+    def iadd(x, i):
+        y = x.clone()
+        y[i] += 1.0
+        return y
+
+    check(iadd, x, torch.tensor([4, 1]))
+
+
+def test_index_backward():
+    x = torch.randn(5, 4, 3)
+    check(lambda x, i: _grads(lambda x, i: x[i], x, i), x, torch.tensor([0, 0, 3]))
+    check(lambda x, m: _grads(lambda x, m: x[m], x, m), x, x > 0)
+    check(lambda x, i, v: _grads(lambda x, i, v: x.index_put((i,), v, accumulate=True), x, i, v),
+          x, torch.tensor([1, 1]), torch.randn(2, 4, 3))
+
+
+# --- gather / scatter --------------------------------------------------------------------------
+
+
+@pytest.mark.filterwarnings("ignore:The reduce argument of torch.scatter")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int64])
+def test_gather_scatter_dtypes(dtype):
+    x = (torch.randn(5, 4, 3) * 10).to(dtype)
+    index = torch.randint(0, 4, (5, 2, 3))
+    src = (torch.randn(5, 2, 3) * 10).to(dtype)
+    check(lambda x, i: torch.gather(x, 1, i), x, index)
+    check(lambda x, i: torch.gather(x, 2, i[:2, :, :2] % 3), x, index)
+    check(lambda x, i, s: torch.scatter(x, 1, i, s), x, index, src)
+    check(lambda x, i: torch.scatter(x, 1, i, 3), x, index)
+    check(lambda x, i, s: torch.scatter_add(x, 1, i, s), x, index, src)
+    check(lambda x, i, s: x.clone().scatter_add_(1, i, s), x, index, src)
+    check(lambda x, i, s: torch.scatter(x, 1, i, s, reduce="multiply"), x, index, src)
+
+
+@pytest.mark.parametrize("reduce", ["sum", "prod", "mean", "amax", "amin"])
+@pytest.mark.parametrize("include_self", [True, False])
+def test_scatter_reduce(reduce, include_self):
+    x, index, src = torch.randn(5, 3), torch.randint(0, 5, (7, 3)), torch.randn(7, 3)
+    check(lambda x, i, s: torch.scatter_reduce(x, 0, i, s, reduce, include_self=include_self), x, index, src)
+    ints = torch.randint(-9, 9, (5, 3)), index, torch.randint(-9, 9, (7, 3))
+    check(lambda x, i, s: torch.scatter_reduce(x, 0, i, s, reduce, include_self=include_self), *ints)
+
+
+def test_gather_scatter_backward():
+    x, index, src = torch.randn(5, 4, 3), torch.randint(0, 4, (5, 2, 3)), torch.randn(5, 2, 3)
+    check(lambda x, i: _grads(lambda x, i: torch.gather(x, 1, i), x, i), x, index)
+    check(lambda x, i, s: _grads(lambda x, i, s: torch.scatter_add(x, 1, i, s), x, i, s), x, index, src)
+    check(lambda x, i, s: _grads(lambda x, i, s: torch.scatter(x, 1, i, s), x, i, s), x, index, src)
+    check(lambda x, i: _grads(lambda x, i: torch.take_along_dim(x, i, 1), x, i), x, index)
+
+
+# --- index_* along a dim, take, masks ----------------------------------------------------------
+
+
+@pytest.mark.filterwarnings("ignore:index_reduce")
+def test_index_along_dim():
+    x = torch.randn(5, 4, 3)
+    check(lambda x, i: torch.index_select(x, 1, i), x, torch.tensor([3, 0, 0]))
+    check(lambda x, i: torch.index_select(x.t(), 0, i), x[0], torch.tensor([2, 0]))
+    check(lambda x, i, s: x.index_add(1, i, s, alpha=2), x, torch.tensor([3, 0, 0]), torch.randn(5, 3, 3))
+    check(lambda x, i, s: x.clone().index_add_(0, i, s), x, torch.tensor([4, 4]), torch.randn(2, 4, 3))
+    check(lambda x, i, s: x.index_copy(1, i, s), x, torch.tensor([3, 0]), torch.randn(5, 2, 3))
+    check(lambda x, i: x.index_fill(2, i, -1.0), x, torch.tensor([2, 0]))
+    check(lambda x, i, s: x.index_reduce(0, i, s, "amax", include_self=False), x, torch.tensor([3, 0, 3]),
+          torch.randn(3, 4, 3))
+    check(lambda x, i: _grads(lambda x, i: torch.index_select(x, 1, i), x, i), x, torch.tensor([3, 0, 0]))
+
+
+def test_take_put_masked():
+    x = torch.randn(5, 4, 3)
+    m = x > 0
+    check(lambda x, i: torch.take(x, i), x, torch.tensor([[0, 59], [-1, 7]]))
+    check(lambda x, i, s: x.put(i, s, accumulate=True), x, torch.tensor([1, 1, 5]), torch.randn(3))
+    check(lambda x, m: x.masked_fill(m, 3.0), x, m)
+    check(lambda x, m: x.masked_fill(m[0], -2), x, m)
+    check(lambda x, m: x.clone().masked_fill_(m, 1.5), x, m)
+    check(lambda x, m, s: x.masked_scatter(m, s), x, m, torch.randn(60))
+    check(lambda c, x, y: torch.where(c, x, y), m, x, torch.randn(4, 3))
+    check(lambda x, m: _grads(lambda x, m: x.masked_fill(m, 0.0), x, m), x, m)
+
+
+# --- data-dependent kernels --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64, torch.bool])
+def test_nonzero(dtype):
+    x = (torch.randn(4, 5) > 0).to(dtype) * (torch.randint(1, 9, (4, 5)).to(dtype))
+    check(torch.nonzero, x)
+    check(lambda x: torch.nonzero(x, as_tuple=True), x)
+    check(lambda x: torch.where(x), x)
+    check(torch.argwhere, x)
+    check(torch.nonzero, torch.tensor(2.0))
+
+
+def test_masked_select_and_nonzero_static():
+    x = torch.randn(4, 5)
+    check(torch.masked_select, x, x > 0)
+    check(lambda x, m: torch.masked_select(x, m), x, x[0] > 0)
+    check(lambda x: torch.nonzero_static(x > 0, size=25), x)
+    check(lambda x: _grads(lambda x: torch.masked_select(x, x > 0), x), x)
+
+
+def test_unique_family():
+    x = torch.randint(0, 5, (4, 6))
+    check(lambda x: torch.unique(x), x)
+    check(lambda x: torch.unique(x, return_inverse=True, return_counts=True), x)
+    check(lambda x: torch.unique(x.float(), return_inverse=True), x)
+    check(lambda x: torch.unique(x % 2, dim=1, return_inverse=True, return_counts=True), x)
+    check(lambda x: torch.unique(x % 2, dim=0), x)
+    y = torch.randint(0, 2, (12,))
+    check(lambda y: torch.unique_consecutive(y, return_inverse=True, return_counts=True), y)
+    check(lambda x: torch.unique_consecutive(x % 2, dim=0), x.repeat_interleave(2, 0))
+
+
+def test_repeat_interleave_and_bincount():
+    r = torch.tensor([2, 0, 3, 1, 1])
+    check(torch.repeat_interleave, r)
+    check(lambda x, r: torch.repeat_interleave(x, r, dim=0), torch.randn(5, 2), r)
+    check(lambda x: torch.repeat_interleave(x, 2, dim=1), torch.randn(5, 2))
+    v = torch.randint(0, 7, (20,))
+    check(torch.bincount, v)
+    check(lambda v, w: torch.bincount(v, w, minlength=10), v, torch.randn(20), atol=1e-5, rtol=1e-5)
+
+
+def test_data_dependent_results_feed_later_ops():
+    x = _distinct(6, 3)
+    check(lambda x: x[torch.nonzero(x > 0, as_tuple=True)].sum(), x, atol=1e-5, rtol=1e-5)
