@@ -1,0 +1,536 @@
+"""The OpInfo battery: every entry of PyTorch's op database run on pjrt and compared with CPU.
+
+Usage: python -m battery.run_opinfo [--ops NAME...] [--dtypes DTYPE...] [--jobs 2] [--out PATH]
+
+Each entry runs in a worker subprocess (a pool of `--jobs` workers pulling entries from one
+queue) so that a segfault or a hang costs one entry, not the run: a worker silent for
+IDLE_TIMEOUT seconds, or dead, has its entry recorded as "crash" and is replaced.
+Workers print one JSON line per (entry, dtype, direction); the parent writes them to --out
+(JSON lines; rows of entries run again replace the old ones) and, for a full run, calls
+battery.report to write docs/op-coverage.md and torch_pjrt/data/op_coverage.json.
+
+Per sample the entry's function runs on CPU and on pjrt copies of the same inputs, both outputs
+pass through the sample's output_process_fn_grad (as PyTorch's test_compare_cpu does: it makes
+sign-ambiguous decompositions comparable) and are compared with torch.testing.assert_close at
+its per-dtype defaults, relaxed for float16/bfloat16 only (RELAXED). Gradients: sum of every
+differentiable output (real view of complex ones), torch.autograd.grad w.r.t. every input that
+requires grad, float32 and float64. Random entries are checked for shape, dtype and device only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import random
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from battery.skips import skip_reason
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float64": torch.float64,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "bool": torch.bool,
+    "complex64": torch.complex64,
+}
+GRAD_DTYPES = ("float32", "float64")
+# assert_close's defaults are 1e-5 atol for both half types: too tight near zero for a backend that may
+# round intermediates differently (XLA fuses and keeps float32 between fused half-precision ops).
+RELAXED: dict[torch.dtype, dict[str, float]] = {
+    torch.bfloat16: {"rtol": 1.6e-2, "atol": 1e-2},
+    torch.float16: {"rtol": 2e-3, "atol": 1e-3},
+}
+# test_compare_cpu's cross-device tolerance, recorded (not used to pass) to tell rounding from wrong values.
+LOOSE = {"rtol": 1e-3, "atol": 1e-3}
+# Entries whose values are random or undefined: only shape, dtype and device are compared.
+RANDOM_MARKERS = ("dropout", "rand", "normal", "bernoulli", "multinomial", "uniform", "exponential", "geometric",
+                  "cauchy", "log_normal", "rrelu", "fractional_max_pool", "empty", "lowrank")
+STATUS_ORDER = ("crash", "fail-wrong", "fail-error", "unsupported", "pass", "skip")
+IDLE_TIMEOUT = 60.0
+START_TIMEOUT = 240.0
+RESTART_EVERY = 60
+DEFAULT_OUT = "build/opinfo/results.jsonl"
+
+
+def entry_key(op: Any) -> str:
+    return op.name + ("." + op.variant_test_name if op.variant_test_name else "")
+
+
+def load_entries() -> dict[str, Any]:
+    """OpInfo entries by key (importing op_db needs expecttest and hypothesis)."""
+    from torch.testing._internal.common_methods_invocations import op_db
+
+    return {entry_key(op): op for op in op_db}
+
+
+def is_random(key: str) -> bool:
+    return any(marker in key for marker in RANDOM_MARKERS)
+
+
+def cells(op: Any, dtypes: Iterable[str]) -> list[tuple[str, str]]:
+    """The (dtype, direction) pairs an entry is tested in."""
+    supported = op.supported_dtypes("cpu")
+    backward = op.supported_backward_dtypes("cpu") if op.supports_autograd else set()
+    found = []
+    for name in dtypes:
+        if DTYPES[name] in supported:
+            found.append((name, "forward"))
+            if name in GRAD_DTYPES and DTYPES[name] in backward:
+                found.append((name, "backward"))
+    return found
+
+
+# --- comparing one sample --------------------------------------------------------------------
+
+
+class Wrong(AssertionError):
+    """pjrt returned a value that differs from CPU's; `near` when within test_compare_cpu's 1e-3 (rounding)."""
+
+    def __init__(self, message: str, near: bool = False) -> None:
+        super().__init__(message)
+        self.near = near
+
+
+def _to_pjrt(value: Any) -> Any:
+    """A pjrt copy of a sample tensor; factories' CPU device becomes pjrt (transform also hands over dtypes)."""
+    if isinstance(value, torch.device) and value.type == "cpu":
+        return torch.device("pjrt")
+    if not isinstance(value, torch.Tensor):
+        return value
+    return value.detach().to("pjrt").requires_grad_(value.requires_grad)
+
+
+def on_pjrt(sample: Any) -> Any:
+    """The sample with pjrt copies of its tensors and a `device=` keyword naming pjrt."""
+    moved = sample.transform(_to_pjrt)
+    if moved.kwargs.get("device") in ("cpu", torch.device("cpu")):
+        moved.kwargs = {**moved.kwargs, "device": torch.device("pjrt")}
+    return moved
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"[:300]
+
+
+def compare(actual: Any, expected: Any, values: bool = True) -> None:
+    """Raise Wrong unless pjrt's result matches CPU's (leaf by leaf)."""
+    actual_leaves, expected_leaves = pytree.tree_leaves(actual), pytree.tree_leaves(expected)
+    if len(actual_leaves) != len(expected_leaves):
+        raise Wrong(f"{len(actual_leaves)} results, expected {len(expected_leaves)}")
+    for a, e in zip(actual_leaves, expected_leaves):
+        if not isinstance(e, torch.Tensor):
+            if a != e and not (a != a and e != e):
+                raise Wrong(f"{a!r} != {e!r}")
+            continue
+        if not isinstance(a, torch.Tensor):
+            raise Wrong(f"a {type(a).__name__}, expected a tensor")
+        if e.device.type == "cpu" and a.device.type != "pjrt":
+            raise Wrong(f"result on {a.device}, expected pjrt")
+        if a.shape != e.shape or a.dtype != e.dtype:
+            raise Wrong(f"{a.dtype}{list(a.shape)}, expected {e.dtype}{list(e.shape)}")
+        if values:
+            _compare_values(a.detach().cpu(), e.detach())
+
+
+def _compare_values(a: torch.Tensor, e: torch.Tensor) -> None:
+    try:
+        torch.testing.assert_close(a, e, equal_nan=True, check_stride=False, **RELAXED.get(e.dtype, {}))
+    except AssertionError as error:
+        try:
+            torch.testing.assert_close(a, e, equal_nan=True, check_stride=False, check_dtype=False, **LOOSE)
+            near = True
+        except AssertionError:
+            near = False
+        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+        raise Wrong("; ".join(lines[1:4])[:280], near) from None
+
+
+def _differentiable(value: Any) -> list[torch.Tensor]:
+    return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
+def _loss(outputs: list[torch.Tensor]) -> torch.Tensor:
+    return sum(torch.view_as_real(o).sum() if o.is_complex() else o.sum() for o in outputs)
+
+
+def run_forward(op: Any, sample: Any, random: bool, record: Callable[[Any], Any] | None = None) -> None:
+    """One forward sample; the CPU run may go through `record` (collects the aten ops it calls)."""
+    moved = on_pjrt(sample)
+    call = lambda s: s.output_process_fn_grad(op(s.input, *s.args, **s.kwargs))
+    try:
+        expected = record(lambda: call(sample)) if record else call(sample)
+    except Exception as error:
+        raise CpuError(error) from error
+    compare(call(moved), expected, values=not random)
+
+
+def run_backward(op: Any, sample: Any, random: bool) -> None:
+    """One gradient sample: d(sum of outputs)/d(inputs) on pjrt against CPU (shapes only for random entries)."""
+    moved = on_pjrt(sample)
+
+    def grads(s: Any) -> tuple[Any, ...] | None:
+        inputs = _differentiable((s.input, s.args, s.kwargs))
+        outputs = _differentiable(s.output_process_fn_grad(op(s.input, *s.args, **s.kwargs)))
+        if not inputs or not outputs:
+            return None
+        return torch.autograd.grad(_loss(outputs), inputs, allow_unused=True)
+
+    try:
+        expected = grads(sample)
+    except Exception as error:
+        raise CpuError(error) from error
+    if expected is not None:
+        compare(grads(moved), expected, values=not random)
+
+
+class CpuError(Exception):
+    """The CPU reference itself failed on a sample: the sample says nothing about pjrt."""
+
+
+# --- one entry -------------------------------------------------------------------------------
+
+
+class AtenRecorder(torch.utils._python_dispatch.TorchDispatchMode):
+    """Collects the aten ops a CPU reference run dispatches (maps OpInfo entries to aten names)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: set[str] = set()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.names.add(func._schema.name)
+        return func(*args, **(kwargs or {}))
+
+    def run(self, fn: Callable[[], Any]) -> Any:
+        with self:
+            return fn()
+
+
+def run_cell(op: Any, key: str, dtype: str, direction: str, max_samples: int | None,
+             recorder: AtenRecorder | None = None, tick: Callable[[], None] | None = None) -> dict[str, Any]:
+    """Every sample of one (entry, dtype, direction); the worst sample decides the status."""
+    started = time.perf_counter()
+    row: dict[str, Any] = {"key": key, "dtype": dtype, "direction": direction}
+    reason = skip_reason(key, dtype)
+    if reason:
+        return {**row, "status": "skip", "detail": reason, "passed": 0, "total": 0, "seconds": 0.0}
+    random = is_random(key)
+    backward = direction == "backward"
+    outcomes: dict[str, list[str]] = {s: [] for s in STATUS_ORDER}
+    cpu_errors = 0
+    far = 0
+    try:
+        samples = op.sample_inputs("cpu", DTYPES[dtype], requires_grad=backward)
+        for index, sample in enumerate(samples):
+            if max_samples is not None and index >= max_samples:
+                break
+            outcome, detail, near = _one_sample(op, sample, random, backward, recorder)
+            far += outcome == "fail-wrong" and not near
+            if tick:
+                tick()
+            if outcome == "cpu-error":
+                cpu_errors += 1
+            else:
+                outcomes[outcome].append(detail)
+    except Exception as error:
+        outcomes["fail-error"].append("sample_inputs: " + _first_line(error))
+    total = sum(len(v) for v in outcomes.values())
+    status = next((s for s in STATUS_ORDER if outcomes[s]), "skip")
+    detail = outcomes[status][0] if status not in ("pass", "skip") else ""
+    if status == "skip":
+        detail = f"no sample runs on CPU ({cpu_errors} raised)" if cpu_errors else "no samples"
+    if status == "fail-wrong":
+        row["near"] = far == 0
+    return {**row, "status": status, "detail": detail, "passed": len(outcomes["pass"]), "total": total,
+            "random": random, "seconds": round(time.perf_counter() - started, 2)}
+
+
+def _one_sample(op: Any, sample: Any, random: bool, backward: bool,
+                recorder: AtenRecorder | None) -> tuple[str, str, bool]:
+    try:
+        if backward:
+            run_backward(op, sample, random)
+        else:
+            run_forward(op, sample, random, recorder.run if recorder else None)
+    except CpuError:
+        return "cpu-error", "", False
+    except Wrong as error:
+        return "fail-wrong", str(error), error.near
+    except NotImplementedError as error:
+        return "unsupported", _first_line(error), False
+    except Exception as error:
+        return "fail-error", _first_line(error), False
+    return "pass", "", False
+
+
+def run_entry(op: Any, key: str, dtypes: Iterable[str], max_samples: int | None = None,
+              tick: Callable[[], None] | None = None) -> Iterator[dict[str, Any]]:
+    """Rows for every cell of one entry; the first row is the plan, the first result carries the aten names."""
+    planned = cells(op, dtypes)
+    yield {"key": key, "event": "plan", "cells": planned, "aten_name": op.aten_name}
+    for dtype, direction in planned:
+        recorder = AtenRecorder() if direction == "forward" else None
+        row = run_cell(op, key, dtype, direction, max_samples, recorder, tick)
+        if recorder is not None:
+            row["aten"] = sorted(recorder.names)
+        yield row
+
+
+# --- the worker process ----------------------------------------------------------------------
+
+
+def worker_main(dtypes: list[str], max_samples: int | None) -> None:
+    """Read entry keys on stdin, write JSON rows on the original stdout (ops' own prints go to stderr)."""
+    results = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    torch.set_num_threads(1)
+    import torch_pjrt  # noqa: F401  (registers the device even when autoload is off)
+
+    entries = load_entries()
+    emit = lambda row: results.write(json.dumps(row) + "\n")
+    emit({"event": "ready"})
+    for line in sys.stdin:
+        key = line.strip()
+        try:
+            for row in run_entry(entries[key], key, dtypes, max_samples, lambda: emit({"event": "tick"})):
+                emit(row)
+        except Exception:
+            traceback.print_exc()
+            emit({"key": key, "dtype": "*", "direction": "*", "status": "fail-error", "passed": 0, "total": 0,
+                  "detail": "battery: " + traceback.format_exc().strip().splitlines()[-1][:280]})
+        emit({"key": key, "event": "done"})
+
+
+# --- the pool --------------------------------------------------------------------------------
+
+
+class Worker:
+    """One worker subprocess and a thread turning its output into a queue of lines (None at EOF)."""
+
+    def __init__(self, dtypes: list[str], max_samples: int | None, log: Any) -> None:
+        command = [sys.executable, "-m", "battery.run_opinfo", "--worker", "--dtypes", *dtypes]
+        if max_samples is not None:
+            command += ["--max-samples", str(max_samples)]
+        env = {k: v for k, v in os.environ.items() if k != "TORCH_PJRT_CPU_FALLBACK"}
+        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
+                                        text=True, env=env, cwd=os.path.dirname(os.path.dirname(__file__)))
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
+        self.handled = 0
+
+    def _pump(self) -> None:
+        for line in self.process.stdout:
+            self.lines.put(line)
+        self.lines.put(None)
+
+    def read(self, timeout: float) -> dict[str, Any] | None:
+        """The next row, or None when the worker died or said nothing for `timeout` seconds."""
+        try:
+            line = self.lines.get(timeout=timeout)
+        except queue.Empty:
+            return None
+        return None if line is None else json.loads(line)
+
+    def send(self, key: str) -> None:
+        self.process.stdin.write(key + "\n")
+        self.process.stdin.flush()
+        self.handled += 1
+
+    def why_dead(self) -> str:
+        code = self.process.poll()
+        if code is None:
+            return f"timeout: no progress for {IDLE_TIMEOUT:.0f} s"
+        return f"worker died (signal {-code})" if code < 0 else f"worker exited with status {code}"
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait()
+
+
+class Pool:
+    """Runs entry keys over `jobs` workers; calls `sink` with every result row."""
+
+    def __init__(self, jobs: int, dtypes: list[str], max_samples: int | None, log_path: str,
+                 sink: Callable[[dict[str, Any]], None]) -> None:
+        self.jobs, self.dtypes, self.max_samples = jobs, dtypes, max_samples
+        self.log = open(log_path, "a")
+        self.sink = sink
+        self.lock = threading.Lock()
+        self.todo: queue.Queue[str] = queue.Queue()
+
+    def run(self, keys: list[str]) -> None:
+        for key in keys:
+            self.todo.put(key)
+        threads = [threading.Thread(target=self._drive) for _ in range(self.jobs)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        self.log.close()
+
+    def _start(self) -> Worker | None:
+        worker = Worker(self.dtypes, self.max_samples, self.log)
+        ready = worker.read(START_TIMEOUT)
+        if ready is None or ready.get("event") != "ready":
+            worker.stop()
+            return None
+        return worker
+
+    def _drive(self) -> None:
+        worker: Worker | None = None
+        while True:
+            try:
+                key = self.todo.get_nowait()
+            except queue.Empty:
+                break
+            if worker is not None and worker.handled >= RESTART_EVERY:
+                worker.stop()
+                worker = None
+            worker = worker or self._start()
+            if worker is None:
+                self._emit({"key": key, "dtype": "*", "direction": "*", "status": "crash", "passed": 0,
+                            "total": 0, "detail": "worker failed to start"})
+                continue
+            worker.send(key)
+            if not self._collect(worker, key):
+                worker.stop()
+                worker = None
+        if worker is not None:
+            worker.process.stdin.close()
+            worker.stop()
+
+    def _collect(self, worker: Worker, key: str) -> bool:
+        """Forward one entry's rows; False (after recording crashes) if the worker died or hung."""
+        planned: list[tuple[str, str]] = []
+        done: set[tuple[str, str]] = set()
+        while True:
+            row = worker.read(IDLE_TIMEOUT)
+            if row is None:
+                why = worker.why_dead()
+                for dtype, direction in [c for c in planned if c not in done] or [("*", "*")]:
+                    self._emit({"key": key, "dtype": dtype, "direction": direction, "status": "crash",
+                                "passed": 0, "total": 0, "detail": why})
+                return False
+            event = row.get("event")
+            if event == "done":
+                return True
+            if event == "tick":
+                continue
+            if event == "plan":
+                planned = [tuple(c) for c in row["cells"]]
+                self._emit(row)
+                continue
+            done.add((row["dtype"], row["direction"]))
+            self._emit(row)
+
+    def _emit(self, row: dict[str, Any]) -> None:
+        with self.lock:
+            self.sink(row)
+
+
+# --- the command line ------------------------------------------------------------------------
+
+
+def _select(entries: dict[str, Any], names: list[str] | None) -> list[str]:
+    """Keys matching --ops: an exact key, else every key of that OpInfo name, else substrings."""
+    if not names:
+        return sorted(entries)
+    chosen: list[str] = []
+    for name in names:
+        matches = ([name] if name in entries else [k for k in entries if entries[k].name == name]
+                   or [k for k in entries if name in k])
+        if not matches:
+            raise SystemExit(f"no OpInfo entry matches {name!r}")
+        chosen += [k for k in matches if k not in chosen]
+    return sorted(chosen)
+
+
+def _replaced(row: dict[str, Any], keys: set[str], dtypes: set[str]) -> bool:
+    """Whether this run replaces an old row: same entry, and a dtype it runs (or the entry's plan)."""
+    return row.get("key") in keys and (row.get("event") == "plan" or row.get("dtype") in dtypes | {"*"})
+
+
+def read_rows(path: str) -> list[dict[str, Any]]:
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m battery.run_opinfo", description=__doc__.splitlines()[0])
+    parser.add_argument("--ops", nargs="+", help="OpInfo names, keys (name.variant) or substrings; default all")
+    parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=list(DTYPES))
+    parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--out", default=DEFAULT_OUT, help="JSON lines of results (rows of rerun entries replaced)")
+    parser.add_argument("--max-samples", type=int, help="at most this many samples per cell (quick looks)")
+    parser.add_argument("--report", action=argparse.BooleanOptionalAction, default=None,
+                        help="rewrite docs/op-coverage.md and the shipped JSON from --out (default: on full runs)")
+    parser.add_argument("--shuffle", action="store_true", help="random entry order (a run cut short is a fair sample)")
+    parser.add_argument("--fresh", action="store_true", help="start --out empty instead of merging into it")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker_main(args.dtypes, args.max_samples)
+        return
+    keys = _select(load_entries(), args.ops)
+    if args.shuffle:
+        random.shuffle(keys)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    kept = [] if args.fresh else [r for r in read_rows(args.out) if not _replaced(r, set(keys), set(args.dtypes))]
+    started = time.time()
+    with open(args.out, "w") as out:
+        for row in kept:
+            out.write(json.dumps(row) + "\n")
+        progress = Progress(len(keys), out)
+        Pool(args.jobs, args.dtypes, args.max_samples, args.out + ".log", progress.sink).run(keys)
+    run = {"entries": len(keys), "seconds": round(time.time() - started, 1), "jobs": args.jobs,
+           "dtypes": args.dtypes, "max_samples": args.max_samples, "all_entries": not args.ops,
+           "finished": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    meta = {} if args.fresh or not os.path.exists(args.out + ".meta.json") else json.load(open(args.out + ".meta.json"))
+    meta = {"torch": torch.__version__, "runs": meta.get("runs", []) + [run]}
+    with open(args.out + ".meta.json", "w") as f:
+        json.dump(meta, f, indent=1)
+    print(f"{len(keys)} entries in {run['seconds']:.0f} s -> {args.out}", file=sys.stderr)
+    if args.report or (args.report is None and not args.ops and args.max_samples is None):
+        from battery import report
+
+        report.main([args.out])
+
+
+class Progress:
+    """Writes rows to the results file and tells the terminal about entries done and cells not passing."""
+
+    def __init__(self, total: int, out: Any) -> None:
+        self.total, self.out, self.done = total, out, 0
+
+    def sink(self, row: dict[str, Any]) -> None:
+        self.out.write(json.dumps(row) + "\n")
+        self.out.flush()
+        if row.get("event") == "plan":
+            self.done += 1
+            print(f"[{self.done}/{self.total}] {row['key']}", file=sys.stderr)
+        elif row["status"] != "pass":
+            text = f"    {row['key']} {row['dtype']} {row['direction']}: {row['status']} {row.get('detail', '')}"
+            print(text[:160], file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
