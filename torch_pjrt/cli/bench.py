@@ -267,7 +267,9 @@ def run_workload(workload: Workload, device: str, steps: int, progress: Progress
 
 
 def run_script(script: str, argv: list[str], device: str, progress: Progress) -> Run:
-    """A CUDA script on `device` through the run shim; a step ends at each optimizer.step()."""
+    """A CUDA script on `device` through the run shim; a step ends at each optimizer.step().
+
+    The script's own output goes to stderr: stdout carries the bench's table or JSON."""
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
     from torch_pjrt.cli.cuda_shim import CudaShim
@@ -291,7 +293,7 @@ def run_script(script: str, argv: list[str], device: str, progress: Progress) ->
         handle = register_optimizer_step_post_hook(on_step)
         start = time.perf_counter()
         try:
-            with CudaShim(device, on_backward=on_backward):
+            with CudaShim(device, on_backward=on_backward), contextlib.redirect_stdout(sys.stderr):
                 run_path(script, argv)
         except SystemExit as exit_:
             if exit_.code not in (None, 0):

@@ -188,9 +188,14 @@ def report(script: str, status: int, seconds: float, recorder: Recorder, cpu_fal
 
 
 def compile_backend_ready() -> bool:
-    import torch._dynamo
+    from torch._dynamo.backends.registry import lookup_backend
+    from torch._dynamo.exc import InvalidBackend
 
-    return "pjrt" in torch._dynamo.list_backends(exclude_tags=())
+    try:
+        lookup_backend("pjrt")
+    except InvalidBackend:
+        return False
+    return True
 
 
 @contextlib.contextmanager
