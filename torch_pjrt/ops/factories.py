@@ -47,17 +47,8 @@ def is_integral(dtype: torch.dtype) -> bool:
     return not dtype.is_floating_point and not dtype.is_complex
 
 
-def accumulate_dtype(dtype: torch.dtype) -> Any:
-    """The type PyTorch's CPU kernels accumulate in: int64, float32 for half types, else double."""
-    if is_integral(dtype):
-        return jnp.int64
-    if dtype.is_complex:
-        return jnp.complex128
-    return jnp.float32 if dtype in (torch.float16, torch.bfloat16) else jnp.float64
-
-
-def _out_dtype(out: Any) -> torch.dtype:
-    return storage.torch_dtype(out.dtype)
+def dtype_of(array: Any) -> torch.dtype:
+    return storage.torch_dtype(array.dtype)
 
 
 def _to(value: Any, dtype: torch.dtype) -> Any:
@@ -92,7 +83,8 @@ def _arange_values(start: Any, end: Any, step: Any, dtype: torch.dtype | None) -
     index = jnp.arange(length, dtype=jnp.int64)
     if is_integral(dtype):
         return (int(start) + int(step) * index).astype(storage.numpy_dtype(dtype))
-    compute = jnp.int64 if integer_args else accumulate_dtype(dtype)
+    # PyTorch's CPU kernel accumulates half types in float32, the others in double
+    compute = jnp.int64 if integer_args else jnp.float32 if dtype in (torch.float16, torch.bfloat16) else jnp.float64
     return (start + step * index.astype(compute)).astype(storage.numpy_dtype(dtype))
 
 
@@ -106,7 +98,7 @@ def arange(start: Any, end: Any = None, step: Any = 1, *, dtype: Any = None, **_
 
 @register(aten.arange.start_out, static_scalars=True)
 def arange_out(start: Any, end: Any, step: Any = 1, *, out: Any) -> Any:
-    return _arange_values(start, end, step, _out_dtype(out))
+    return _arange_values(start, end, step, dtype_of(out))
 
 
 # --- linspace / logspace ------------------------------------------------------------------------
@@ -131,7 +123,7 @@ def linspace(start: Any, end: Any, steps: int, *, dtype: Any = None, **_: Any) -
 
 @register(aten.linspace.out)
 def linspace_out(start: Any, end: Any, steps: int, *, out: Any) -> Any:
-    return _linspace_values(start, end, steps, _out_dtype(out))
+    return _linspace_values(start, end, steps, dtype_of(out))
 
 
 def _logspace_values(start: Any, end: Any, steps: int, base: float, dtype: torch.dtype) -> Any:
@@ -157,7 +149,7 @@ def logspace(start: Any, end: Any, steps: int, base: float = 10.0, *, dtype: Any
 
 @register(aten.logspace.out)
 def logspace_out(start: Any, end: Any, steps: int, base: float = 10.0, *, out: Any) -> Any:
-    return _logspace_values(start, end, steps, base, _out_dtype(out))
+    return _logspace_values(start, end, steps, base, dtype_of(out))
 
 
 # --- eye, tril/triu indices ---------------------------------------------------------------------
@@ -199,28 +191,28 @@ def scalar_tensor(s: Any, *, dtype: Any = None, **_: Any) -> Any:
 
 @register(aten.full_like.default)
 def full_like(self: Any, fill_value: Any, *, dtype: Any = None, **_: Any) -> Any:
-    return jnp.full(self.shape, _to(fill_value, torch_dtype(dtype, _out_dtype(self))))
+    return jnp.full(self.shape, _to(fill_value, torch_dtype(dtype, dtype_of(self))))
 
 
 @register(aten.zeros_like.default, aten.empty_like.default)
 def zeros_like(self: Any, *, dtype: Any = None, **_: Any) -> Any:
     """empty_like too: a program cannot leave memory uninitialised."""
-    return jnp.zeros(self.shape, jax_dtype(dtype, _out_dtype(self)))
+    return jnp.zeros(self.shape, jax_dtype(dtype, dtype_of(self)))
 
 
 @register(aten.ones_like.default)
 def ones_like(self: Any, *, dtype: Any = None, **_: Any) -> Any:
-    return jnp.ones(self.shape, jax_dtype(dtype, _out_dtype(self)))
+    return jnp.ones(self.shape, jax_dtype(dtype, dtype_of(self)))
 
 
 @register(aten.new_empty.default)
 def new_empty(self: Any, size: Any, *, dtype: Any = None, **_: Any) -> Any:
-    return jnp.zeros(tuple(size), jax_dtype(dtype, _out_dtype(self)))
+    return jnp.zeros(tuple(size), jax_dtype(dtype, dtype_of(self)))
 
 
 @register(aten.new_empty_strided.default)
 def new_empty_strided(self: Any, size: Any, stride: Any, *, dtype: Any = None, **_: Any) -> Any:
-    return jnp.zeros(tuple(size), jax_dtype(dtype, _out_dtype(self)))
+    return jnp.zeros(tuple(size), jax_dtype(dtype, dtype_of(self)))
 
 
 @register(aten.empty.memory_format, aten._efficientzerotensor.default)

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from torch_pjrt import storage
-from torch_pjrt.ops.factories import is_integral, jax_dtype, torch_dtype
+from torch_pjrt.ops.factories import dtype_of, is_integral, jax_dtype, torch_dtype
 from torch_pjrt.ops.registry import register
 
 aten = torch.ops.aten
@@ -37,7 +37,7 @@ def _draw_dtype(dtype: Any) -> Any:
 
 def _floating(self: Any, name: str) -> Any:
     """The jax dtype of a tensor that must hold floating values (PyTorch's continuous distributions)."""
-    dtype = storage.torch_dtype(self.dtype)
+    dtype = dtype_of(self)
     if not dtype.is_floating_point:
         raise RuntimeError(f'"{name}" not implemented for {dtype}: it needs a floating point tensor.')
     return self.dtype
@@ -142,7 +142,7 @@ def _random_ints(key: Any, shape: tuple[int, ...], dtype: torch.dtype, low: int,
 
 @register(aten.uniform.default, random=True)
 def uniform(self: Any, low: float = 0.0, high: float = 1.0, *, generator: Any = None, rng: Any) -> Any:
-    dtype = storage.torch_dtype(self.dtype)
+    dtype = dtype_of(self)
     if not (dtype.is_floating_point or dtype.is_complex):
         raise RuntimeError(f'"check_uniform_bounds" not implemented for {dtype}')
     if low > high:
@@ -157,7 +157,7 @@ def rand(size: Any, *, generator: Any = None, dtype: Any = None, rng: Any, **_: 
 
 @register(aten.rand_like.default, aten.rand_like.generator, random=True)
 def rand_like(self: Any, *, generator: Any = None, dtype: Any = None, rng: Any, **_: Any) -> Any:
-    return _uniform(rng, self.shape, jax_dtype(dtype, storage.torch_dtype(self.dtype)), 0.0, 1.0)
+    return _uniform(rng, self.shape, jax_dtype(dtype, dtype_of(self)), 0.0, 1.0)
 
 
 def _check_std(std: float) -> None:
@@ -203,7 +203,7 @@ def randn(size: Any, *, generator: Any = None, dtype: Any = None, rng: Any, **_:
 
 @register(aten.randn_like.default, aten.randn_like.generator, random=True)
 def randn_like(self: Any, *, generator: Any = None, dtype: Any = None, rng: Any, **_: Any) -> Any:
-    return _normal(rng, self.shape, jax_dtype(dtype, storage.torch_dtype(self.dtype)), 0.0, 1.0)
+    return _normal(rng, self.shape, jax_dtype(dtype, dtype_of(self)), 0.0, 1.0)
 
 
 @register(aten.log_normal.default, random=True)
@@ -251,20 +251,20 @@ def _default_range(dtype: torch.dtype, low: int) -> tuple[int, int]:
 
 @register(aten.random.default, random=True)
 def random(self: Any, *, generator: Any = None, rng: Any) -> Any:
-    dtype = storage.torch_dtype(self.dtype)
+    dtype = dtype_of(self)
     return _random_ints(rng, self.shape, dtype, *_default_range(dtype, 0))
 
 
 @register(getattr(aten.random, "from"), random=True)
 def random_from(self: Any, low: int, high: int | None, *, generator: Any = None, rng: Any) -> Any:
-    dtype = storage.torch_dtype(self.dtype)
+    dtype = dtype_of(self)
     low, high = _default_range(dtype, low) if high is None else (low, high)
     return _random_ints(rng, self.shape, dtype, low, high)
 
 
 @register(aten.random.to, random=True)
 def random_to(self: Any, high: int, *, generator: Any = None, rng: Any) -> Any:
-    return _random_ints(rng, self.shape, storage.torch_dtype(self.dtype), 0, high)
+    return _random_ints(rng, self.shape, dtype_of(self), 0, high)
 
 
 @register(aten.randint.default, aten.randint.generator, random=True)
@@ -280,13 +280,13 @@ def randint_low(low: int, high: int, size: Any, *, generator: Any = None, dtype:
 
 @register(aten.randint_like.default, aten.randint_like.generator, random=True)
 def randint_like(self: Any, high: int, *, generator: Any = None, dtype: Any = None, rng: Any, **_: Any) -> Any:
-    return _random_ints(rng, self.shape, torch_dtype(dtype, storage.torch_dtype(self.dtype)), 0, high)
+    return _random_ints(rng, self.shape, torch_dtype(dtype, dtype_of(self)), 0, high)
 
 
 @register(aten.randint_like.low_dtype, aten.randint_like.low_generator_dtype, random=True)
 def randint_like_low(self: Any, low: int, high: int, *, generator: Any = None, dtype: Any = None, rng: Any,
                      **_: Any) -> Any:
-    return _random_ints(rng, self.shape, torch_dtype(dtype, storage.torch_dtype(self.dtype)), low, high)
+    return _random_ints(rng, self.shape, torch_dtype(dtype, dtype_of(self)), low, high)
 
 
 @register(aten.randint_like.Tensor, aten.randint_like.Tensor_generator, random=True)
@@ -294,7 +294,7 @@ def randint_like_tensor(self: Any, high: Any, *, generator: Any = None, dtype: A
                         **_: Any) -> Any:
     """A traced bound: high <= 0 is not reported (a traced program cannot raise)."""
     values = _integers(rng, self.shape, 0, jnp.maximum(high, 1))
-    return values.astype(jax_dtype(dtype, storage.torch_dtype(self.dtype)))
+    return values.astype(jax_dtype(dtype, dtype_of(self)))
 
 
 def _randperm(key: Any, n: int, dtype: torch.dtype) -> Any:
@@ -313,7 +313,7 @@ def randperm(n: int, *, generator: Any = None, dtype: Any = None, rng: Any, **_:
 
 @register(aten.randperm.generator_out, random=True)
 def randperm_out(n: int, *, generator: Any = None, out: Any, rng: Any) -> Any:
-    return _randperm(rng, n, storage.torch_dtype(out.dtype))
+    return _randperm(rng, n, dtype_of(out))
 
 
 # --- bernoulli, multinomial ----------------------------------------------------------------------
