@@ -50,15 +50,7 @@ def test_conv_forward_backward(fn: Any, input_shape: tuple, weight_shape: tuple,
     check_grad(lambda x_, w_, b_: fn(x_, w_, b_, **kwargs), x, w, b, **TOL)
 
 
-CIRCULAR_BACKWARD = pytest.mark.xfail(
-    reason="core: graph.evaluate passes fx immutable_list args to the _unsafe_masked_index decomposition, "
-    "which mutates them (reached by the circular-pad backward)",
-    raises=TypeError,
-)
-
-
-@pytest.mark.parametrize("padding_mode", ["reflect", pytest.param("circular", marks=CIRCULAR_BACKWARD), "replicate",
-                                          "zeros"])
+@pytest.mark.parametrize("padding_mode", ["reflect", "circular", "replicate", "zeros"])
 @pytest.mark.parametrize("rank", [1, 2, 3])
 def test_conv_module_padding_modes(padding_mode: str, rank: int) -> None:
     conv_cls = {1: torch.nn.Conv1d, 2: torch.nn.Conv2d, 3: torch.nn.Conv3d}[rank]
@@ -104,7 +96,7 @@ def test_convolution_backward_output_mask() -> None:
     assert result[0] is None and result[2] is None
 
 
-def test_conv_circular_padding_forward() -> None:
-    conv = torch.nn.Conv2d(2, 3, 3, padding=1, padding_mode="circular")
-    check(lambda x, w, b: torch.func.functional_call(conv, {"weight": w, "bias": b}, (x,)),
-          torch.randn(2, 2, 5, 6), conv.weight.detach(), conv.bias.detach(), **TOL)
+def test_slow_conv_transpose2d() -> None:
+    """The backend-specific transposed conv (it has a meta kernel, so it can be called directly)."""
+    check(lambda x, w, b: torch.ops.aten.slow_conv_transpose2d(x, w, [3, 2], b, [2, 1], [1, 0], [1, 0], [1, 2]),
+          torch.randn(2, 4, 5, 6), torch.randn(4, 3, 3, 2), torch.randn(3), **TOL)

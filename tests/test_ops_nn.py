@@ -334,3 +334,49 @@ def test_scaled_dot_product_attention_dropout() -> None:
     out = F.scaled_dot_product_attention(q, q, q, dropout_p=0.5)
     out.sum().backward()
     assert out.shape == (1, 2, 16, 8) and torch.isfinite(q.grad.cpu()).all()
+
+
+def test_scaled_dot_product_attention_grouped_query() -> None:
+    check_grad(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
+               torch.randn(1, 4, 5, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8))
+
+
+def test_safe_softmax_fully_masked_rows() -> None:
+    x = torch.randn(3, 4)
+    x[1] = float("-inf")
+    x[2, :2] = float("-inf")
+    check(lambda t: aten._safe_softmax(t, -1), x, **TOL)
+    check(lambda t: aten._safe_softmax(t, 0, torch.float64), x, **TOL)
+
+
+# --- dtypes and layouts ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+def test_nn_dtypes(dtype: torch.dtype) -> None:
+    tol = {"atol": 3e-2, "rtol": 2e-2} if dtype == torch.bfloat16 else {"atol": 1e-10, "rtol": 1e-10}
+    x = torch.randn(2, 3, 6, 7, dtype=dtype)
+
+    def ops(t: torch.Tensor) -> tuple:
+        return (F.max_pool2d(t, 2), F.avg_pool2d(t, 3, 2, 1), F.adaptive_avg_pool2d(t, 3),
+                F.interpolate(t, scale_factor=1.5, mode="bilinear"), F.interpolate(t, size=(4, 9)),
+                F.group_norm(t, 3), F.pad(t, (1, 2, 2, 1), mode="reflect"), F.softplus(t), F.hardswish(t))
+
+    check(ops, x, **tol)
+
+
+def test_nn_non_contiguous_inputs() -> None:
+    x = torch.randn(2, 7, 9, 3).permute(0, 3, 1, 2)[..., ::2]
+
+    def ops(t: torch.Tensor) -> tuple:
+        return (F.max_pool2d(t, 2, 1), F.avg_pool2d(t, 2), F.layer_norm(t, (5,)),
+                F.interpolate(t, scale_factor=2, mode="bicubic"), F.pad(t, (1, 1, 0, 2), mode="replicate"))
+
+    check(ops, x, **TOL)
+
+
+def test_losses_bfloat16() -> None:
+    x, y = torch.randn(4, 5, dtype=torch.bfloat16), torch.randn(4, 5, dtype=torch.bfloat16)
+    target = torch.randint(0, 5, (4,))
+    check(lambda a, b, t: (F.mse_loss(a, b), F.cross_entropy(a, t), F.smooth_l1_loss(a, b)), x, y, target,
+          atol=2e-2, rtol=2e-2)

@@ -126,28 +126,8 @@ def convolution_backward_overrideable(grad_output: Any, input: Any, weight: Any,
                                 output_padding, groups, output_mask)
 
 
-def _no_dilation(weight: Any) -> list[int]:
-    return [1] * (weight.ndim - 2)
-
-
-@register(aten._slow_conv2d_forward.default, aten.slow_conv3d_forward.default, aten.slow_conv3d.default,
-          aten.thnn_conv2d.default)
-def _slow_conv_forward(input: Any, weight: Any, kernel_size: Sequence[int], bias: Any = None,
-                       stride: Sequence[int] = (1,), padding: Sequence[int] = (0,)) -> Any:
-    return convolution(input, weight, bias, stride, padding, _no_dilation(weight), False, [0], 1)
-
-
-@register(aten._conv_depthwise2d.default, aten.slow_conv_dilated2d.default, aten.slow_conv_dilated3d.default)
-def _conv_depthwise2d(input: Any, weight: Any, kernel_size: Sequence[int], bias: Any = None,
-                      stride: Sequence[int] = (1,), padding: Sequence[int] = (0,),
-                      dilation: Sequence[int] = (1,)) -> Any:
-    """Depthwise when the weight has one input channel per group; plain dilated conv otherwise."""
-    groups = input.shape[-weight.ndim + 1] // weight.shape[1]
-    return convolution(input, weight, bias, stride, padding, dilation, False, [0], groups)
-
-
-@register(aten.slow_conv_transpose2d.default, aten.slow_conv_transpose3d.default)
-def slow_conv_transpose(input: Any, weight: Any, kernel_size: Sequence[int], bias: Any = None,
-                        stride: Sequence[int] = (1,), padding: Sequence[int] = (0,),
-                        output_padding: Sequence[int] = (0,), dilation: Sequence[int] = (1,)) -> Any:
+@register(aten.slow_conv_transpose2d.default)
+def slow_conv_transpose2d(input: Any, weight: Any, kernel_size: Sequence[int], bias: Any = None,
+                          stride: Sequence[int] = (1,), padding: Sequence[int] = (0,),
+                          output_padding: Sequence[int] = (0,), dilation: Sequence[int] = (1,)) -> Any:
     return convolution(input, weight, bias, stride, padding, dilation, True, output_padding, 1)
