@@ -82,8 +82,8 @@ a = torch.randn(2, requires_grad=True)
 
 
 def run_script(body: str, install_count: int, engine_devices: int = 0) -> dict:
-    prelude = PRELUDE.replace("INSTALL_COUNT", str(install_count)).replace("ENGINE_DEVICES", str(engine_devices))
-    script = prelude + body + "\nprint(json.dumps(result))\n"
+    script = (PRELUDE + body).replace("INSTALL_COUNT", str(install_count))
+    script = script.replace("ENGINE_DEVICES", str(engine_devices)) + "\nprint(json.dumps(result))\n"
     env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "TORCH_PJRT_CPU_DEVICES": "2"}
     done = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(script)], env=env, capture_output=True, text=True, timeout=240
@@ -139,13 +139,14 @@ def test_backward_on_every_device(two_devices: dict) -> None:
 
 def test_count_raised_before_first_backward() -> None:
     """register() installs with an estimate; the real count may arrive later, before any backward."""
-    result = run_script("native.set_device_count(1)\nnative.set_device_count(2)\n" + BACKWARD, install_count=1)
+    result = run_script("native.install(1)\nnative.set_device_count(2)\n" + BACKWARD, install_count=1)
     assert result["grad_1"] == ["pjrt:1", [2.0, 2.0, 2.0]]
 
 
+# install() again after the registration only updates the counts (whatever register() passed).
 LATE_COUNT = (
     f"BACKWARD = {BACKWARD!r}\n"
-    + "native.set_device_count(1)\n"
+    + "native.install(1, ENGINE_DEVICES)\n"
     + CPU_BACKWARD
     + "native.set_device_count(2)\n"
     + "result['late'] = attempt(lambda: exec(BACKWARD))\n"

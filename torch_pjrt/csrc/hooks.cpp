@@ -181,10 +181,6 @@ struct PjrtGenerator final : public c10::GeneratorImpl {
     offset_ = values[1];
   }
 
-  static c10::DeviceType device_type() {
-    return kPjrt;
-  }
-
  private:
   PjrtGenerator* clone_impl() const override {
     auto* copy = new PjrtGenerator(device().index());
