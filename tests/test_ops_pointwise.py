@@ -331,3 +331,21 @@ def test_refs_decompositions_reach_prims() -> None:
                      refs.special.zeta(a + 1, a), refs.special.log_ndtr(a)), x, atol=1e-5, rtol=1e-5)
     check(lambda a: (refs.special.spherical_bessel_j0(a), refs.exp2(a), refs.frexp(a)), x, atol=1e-5, rtol=1e-5)
     check(lambda a: refs.fmod(a, 0.3) + refs.remainder(a, -0.3), x, atol=1e-5, rtol=1e-5)
+
+
+POLYNOMIALS = ["chebyshev_polynomial_t", "chebyshev_polynomial_u", "chebyshev_polynomial_v",
+               "chebyshev_polynomial_w", "shifted_chebyshev_polynomial_t", "shifted_chebyshev_polynomial_u",
+               "shifted_chebyshev_polynomial_v", "shifted_chebyshev_polynomial_w", "hermite_polynomial_h",
+               "hermite_polynomial_he", "laguerre_polynomial_l", "legendre_polynomial_p"]
+
+
+@pytest.mark.parametrize("name", POLYNOMIALS)
+def test_orthogonal_polynomials(name: str) -> None:
+    """Degrees vary per element (negative, small, past the trig shortcuts); x includes +-1 and 0."""
+    fn = getattr(torch.special, name)
+    x = torch.cat([torch.tensor([-1.0, 1.0, 0.0, 0.5]), uniform((20,), -1.2, 1.2)])
+    n = torch.cat([torch.tensor([3.0, 4.0, 9.0, 12.0]), integers((20,), -1, 14).float()])
+    check(fn, x, n, atol=1e-4, rtol=1e-4)
+    check(fn, x.double(), n.double(), atol=1e-9, rtol=1e-9)
+    check(lambda a: fn(a, 5), x, atol=1e-4, rtol=1e-4)
+    check(lambda m: fn(0.3, m), n.abs(), atol=1e-4, rtol=1e-4)

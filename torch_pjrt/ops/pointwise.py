@@ -311,7 +311,7 @@ for _op, _fn in FLOAT_UNARY.items():
     register(_op)(_unary(_fn, KIND.INT_TO_FLOAT))
 
 
-@register(aten.conj_physical.default)
+@register(aten.conj_physical.default, aten._conj_physical.default)
 def conj_physical(self: Any) -> Any:
     return jnp.conj(self) if is_complex(self) else self
 
@@ -388,6 +388,109 @@ def gcd(self: Any, other: Any) -> Any:
 @register(aten.lcm.default)
 def lcm(self: Any, other: Any) -> Any:
     return jnp.lcm(*promote(self, other))
+
+
+# --- orthogonal polynomials (degree n given per element) ----------------------------------------
+
+
+def _three_term(x: Any, n: Any, first: Any, second: Any, step: Callable) -> Any:
+    """P_n(x) from P_0, P_1 and P_{j+1} = step(j, P_j, P_{j-1}), run up to the largest n present."""
+
+    def body(state: tuple) -> tuple:
+        j, previous, current, result = state
+        following = step(j, current, previous)
+        return j + 1, current, following, jnp.where(n == j + 1, following, result)
+
+    start = (jnp.asarray(1, n.dtype), first, second, jnp.where(n == 0, first, second))
+    last = jnp.max(n, initial=0)
+    result = jax.lax.while_loop(lambda state: state[0] < last, body, start)[3]
+    return jnp.where(n < 0, 0, result)
+
+
+def _polynomial_operands(x: Any, n: Any) -> tuple[Any, Any, Any]:
+    """x in the computation dtype, n truncated to int64, both broadcast; plus arccos(x) for the trig forms."""
+    x, n = promote(x, n, kind=KIND.INT_TO_FLOAT)
+    x, n = jnp.broadcast_arrays(x, jnp.trunc(n).astype(np.int64))
+    return x, n, jnp.arccos(jnp.clip(x, -1, 1))
+
+
+def _alternating(n: Any, value: Any) -> Any:
+    return jnp.where(n % 2 == 0, value, -value)
+
+
+def chebyshev_t(x: Any, n: Any) -> Any:
+    x, n, theta = _polynomial_operands(x, n)
+    result = _three_term(x, n, jnp.ones_like(x), x, lambda j, q, p: (x + x) * q - p)
+    result = jnp.where((n > 6) & (jnp.abs(x) < 1), jnp.cos(n * theta), result)
+    return jnp.where((jnp.abs(x) == 1) & (n >= 0), jnp.where(x > 0, 1, _alternating(n, 1)), result)
+
+
+def chebyshev_u(x: Any, n: Any) -> Any:
+    x, n, theta = _polynomial_operands(x, n)
+    result = _three_term(x, n, jnp.ones_like(x), x + x, lambda j, q, p: (x + x) * q - p)
+    sine = jnp.sin(theta)
+    trig = jnp.where(sine != 0, jnp.sin((n + 1) * theta) / jnp.where(sine != 0, sine, 1),
+                     (n + 1) * jnp.cos((n + 1) * theta) / x)
+    result = jnp.where((n > 8) & (jnp.abs(x) < 1), trig, result)
+    return jnp.where((jnp.abs(x) == 1) & (n >= 0), jnp.where(x > 0, n + 1, _alternating(n, n + 1)), result)
+
+
+def chebyshev_v(x: Any, n: Any) -> Any:
+    x, n, theta = _polynomial_operands(x, n)
+    result = _three_term(x, n, jnp.ones_like(x), x + x - 1, lambda j, q, p: (x + x) * q - p)
+    trig = jnp.cos((n + 0.5) * theta) / jnp.cos(theta / 2)
+    result = jnp.where((n > 8) & (jnp.abs(x) < 1), trig, result)
+    return jnp.where((jnp.abs(x) == 1) & (n >= 0), jnp.where(x > 0, 1, _alternating(n, n + n + 1)), result)
+
+
+def chebyshev_w(x: Any, n: Any) -> Any:
+    x, n, theta = _polynomial_operands(x, n)
+    result = _three_term(x, n, jnp.ones_like(x), x + x + 1, lambda j, q, p: (x + x) * q - p)
+    half = jnp.sin(theta / 2)
+    trig = jnp.sin((n + 0.5) * theta) / jnp.where(half != 0, half, 1)
+    result = jnp.where((n > 8) & (jnp.abs(x) < 1) & (half != 0), trig, result)
+    return jnp.where((jnp.abs(x) == 1) & (n >= 0), jnp.where(x > 0, n + n + 1, _alternating(n, 1)), result)
+
+
+def _shifted(polynomial: Callable) -> Callable:
+    def shifted(x: Any, n: Any) -> Any:
+        x, n = promote(x, n, kind=KIND.INT_TO_FLOAT)
+        return polynomial(x + x - 1, n)
+
+    shifted.__name__ = f"shifted_{polynomial.__name__}"
+    return shifted
+
+
+def hermite_h(x: Any, n: Any) -> Any:
+    x, n, _ = _polynomial_operands(x, n)
+    return _three_term(x, n, jnp.ones_like(x), x + x, lambda j, q, p: (x + x) * q - (j + j) * p)
+
+
+def hermite_he(x: Any, n: Any) -> Any:
+    x, n, _ = _polynomial_operands(x, n)
+    return _three_term(x, n, jnp.ones_like(x), x, lambda j, q, p: x * q - j * p)
+
+
+def laguerre_l(x: Any, n: Any) -> Any:
+    x, n, _ = _polynomial_operands(x, n)
+    return _three_term(x, n, jnp.ones_like(x), 1 - x, lambda j, q, p: ((j + j + 1 - x) * q - j * p) / (j + 1))
+
+
+def legendre_p(x: Any, n: Any) -> Any:
+    x, n, _ = _polynomial_operands(x, n)
+    return _three_term(x, n, jnp.ones_like(x), x, lambda j, q, p: ((j + j + 1) * x * q - j * p) / (j + 1))
+
+
+for _name, _fn in {
+    "chebyshev_polynomial_t": chebyshev_t, "chebyshev_polynomial_u": chebyshev_u,
+    "chebyshev_polynomial_v": chebyshev_v, "chebyshev_polynomial_w": chebyshev_w,
+    "shifted_chebyshev_polynomial_t": _shifted(chebyshev_t), "shifted_chebyshev_polynomial_u": _shifted(chebyshev_u),
+    "shifted_chebyshev_polynomial_v": _shifted(chebyshev_v), "shifted_chebyshev_polynomial_w": _shifted(chebyshev_w),
+    "hermite_polynomial_h": hermite_h, "hermite_polynomial_he": hermite_he, "laguerre_polynomial_l": laguerre_l,
+    "legendre_polynomial_p": legendre_p,
+}.items():
+    _packet = getattr(aten, f"special_{_name}")
+    register(_packet.default, _packet.x_scalar, _packet.n_scalar)(_fn)
 
 
 # --- comparisons, predicates, logic and bits --------------------------------------------------
