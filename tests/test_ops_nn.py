@@ -43,7 +43,8 @@ ACTIVATIONS = [
     F.relu, F.relu6, lambda x: F.hardtanh(x, -0.5, 0.7), lambda x: F.threshold(x, 0.1, -2.0),
     lambda x: F.leaky_relu(x, 0.2), lambda x: F.elu(x, 1.3), F.celu, F.selu, F.gelu,
     lambda x: F.gelu(x, approximate="tanh"), F.silu, F.mish, lambda x: F.softplus(x, 2.0, 1.5), F.hardsigmoid,
-    F.hardswish, lambda x: F.glu(x, 1), F.logsigmoid, torch.sigmoid,
+    F.hardswish, lambda x: F.glu(x, 1), F.logsigmoid, torch.sigmoid, lambda x: F.softshrink(x, 0.7),
+    lambda x: F.hardshrink(x, 0.7), lambda x: F.rrelu(x, training=False),
 ]
 
 
@@ -51,6 +52,17 @@ ACTIVATIONS = [
 def test_activation_forward_backward(fn: Any) -> None:
     x = torch.randn(6, 8) * 4
     check_grad(fn, x)
+
+
+def test_rrelu_training_draws_slopes() -> None:
+    x = torch.randn(100, 50).to("pjrt").requires_grad_()
+    y = F.rrelu(x, 0.1, 0.3, training=True)
+    ratio = (y / x).detach().cpu()
+    negative = x.detach().cpu() < 0
+    assert 0.1 <= ratio[negative].min() and ratio[negative].max() <= 0.3 and ratio[negative].std() > 0.03
+    assert torch.equal(ratio[~negative], torch.ones_like(ratio[~negative]))
+    y.backward(torch.ones_like(y))
+    torch.testing.assert_close(x.grad.cpu(), ratio, **TOL)
 
 
 def test_prelu_forward_backward() -> None:
@@ -191,12 +203,25 @@ INTERPOLATIONS = [
     ((2, 3, 5, 7), {"scale_factor": 0.6, "mode": "bicubic", "align_corners": True}),
     ((1, 2, 3, 4, 5), {"scale_factor": 1.5, "mode": "trilinear"}),
     ((1, 2, 3, 4, 5), {"size": (5, 2, 6), "mode": "trilinear", "align_corners": True}),
+    ((2, 3, 13, 11), {"scale_factor": 0.4, "mode": "bilinear", "antialias": True}),
+    ((2, 3, 8, 11), {"size": (17, 5), "mode": "bilinear", "antialias": True, "align_corners": True}),
+    ((2, 3, 13, 11), {"scale_factor": 0.3, "mode": "bicubic", "antialias": True}),
 ]
 
 
 @pytest.mark.parametrize("shape,kwargs", INTERPOLATIONS, ids=lambda v: str(v))
 def test_interpolate_forward_backward(shape: tuple, kwargs: dict) -> None:
     check_grad(lambda x: F.interpolate(x, **kwargs), torch.randn(shape))
+
+
+@pytest.mark.parametrize("shape,kwargs", [
+    ((2, 3, 7, 7), {"kernel_size": 3, "padding": 1, "stride": 2}),
+    ((3, 7, 8), {"kernel_size": (2, 3), "dilation": (2, 1), "padding": (0, 1), "stride": (1, 2)}),
+])
+def test_unfold_fold(shape: tuple, kwargs: dict) -> None:
+    check_grad(lambda x: F.unfold(x, **kwargs), torch.randn(shape))
+    columns = F.unfold(torch.randn(shape), **kwargs)
+    check_grad(lambda c: F.fold(c, shape[-2:], **kwargs), torch.randn(columns.shape))
 
 
 # --- embedding and padding --------------------------------------------------------------------------

@@ -228,6 +228,48 @@ def _prelu_kernel_backward(grad_output: Any, self: Any, weight: Any) -> tuple:
     return jnp.where(positive, grad_output, weight * grad_output), jnp.where(positive, 0, self * grad_output)
 
 
+@register(aten.softshrink.default)
+def softshrink(self: Any, lambd: Any = 0.5) -> Any:
+    return jnp.where(self > lambd, self - lambd, jnp.where(self < -lambd, self + lambd, jnp.zeros((), self.dtype)))
+
+
+@register(aten.softshrink_backward.default)
+def softshrink_backward(grad_output: Any, self: Any, lambd: Any) -> Any:
+    return jnp.where((self >= -lambd) & (self <= lambd), jnp.zeros((), grad_output.dtype), grad_output)
+
+
+@register(aten.hardshrink.default)
+def hardshrink(self: Any, lambd: Any = 0.5) -> Any:
+    return jnp.where((self >= -lambd) & (self <= lambd), jnp.zeros((), self.dtype), self)
+
+
+@register(aten.hardshrink_backward.default)
+def hardshrink_backward(grad_out: Any, self: Any, lambd: Any) -> Any:
+    return softshrink_backward(grad_out, self, lambd)
+
+
+@register(aten.rrelu_with_noise_functional.default, random=True)
+def rrelu_with_noise_functional(self: Any, noise: Any, lower: Any = 0.125, upper: Any = 1 / 3,
+                                training: bool = False, generator: Any = None, *, rng: Any) -> tuple:
+    """Training draws a slope in [lower, upper) per negative element and returns it as the new noise."""
+    if not training:
+        return leaky_relu(self, (lower + upper) / 2), noise
+    x = _up(self)
+    slopes = jax.random.uniform(rng, x.shape, x.dtype) * (upper - lower) + lower
+    new_noise = jnp.where(x <= 0, slopes, 1)
+    return x * new_noise, new_noise
+
+
+@register(aten.rrelu_with_noise_backward.default)
+def rrelu_with_noise_backward(grad_output: Any, self: Any, noise: Any, lower: Any, upper: Any, training: bool,
+                              self_is_result: bool) -> Any:
+    """PyTorch treats a (near-)empty slope range as leaky_relu with the middle slope."""
+    if training:
+        return jnp.where(upper - lower > 1e-6, grad_output * noise,
+                         leaky_relu_backward(grad_output, self, (lower + upper) / 2, self_is_result))
+    return leaky_relu_backward(grad_output, self, (lower + upper) / 2, self_is_result)
+
+
 # --- normalization -------------------------------------------------------------------------------
 
 
@@ -634,6 +676,29 @@ def adaptive_max_pool3d_backward(grad_output: Any, self: Any, indices: Any) -> A
     return _scatter_to_plane(grad_output, self, indices, 3)
 
 
+@register(aten.im2col.default)
+def im2col(self: Any, kernel_size: Sequence[int], dilation: Sequence[int], padding: Sequence[int],
+           stride: Sequence[int]) -> Any:
+    """(N, C, H, W) -> (N, C*kh*kw, L): each column one window, channel-major like F.unfold."""
+    sizes = self.shape[-2:]
+    positions = [_pool_positions(s, k, st, p, d, False)
+                 for s, k, d, p, st in zip(sizes, _expand(kernel_size, 2), _expand(dilation, 2),
+                                           _expand(padding, 2), _expand(stride, 2))]
+    windows = _windows(self, positions, _in_bounds(positions, sizes), 0)
+    lead = self.ndim - 2
+    columns = jnp.moveaxis(windows, -1, lead)
+    return columns.reshape(self.shape[:lead - 1] + (-1, math.prod(columns.shape[-2:])))
+
+
+@register(aten.col2im.default)
+def col2im(self: Any, output_size: Sequence[int], kernel_size: Sequence[int], dilation: Sequence[int],
+           padding: Sequence[int], stride: Sequence[int]) -> Any:
+    """The transpose of im2col: overlapping window entries are summed into the image (F.fold)."""
+    kernel = math.prod(_expand(kernel_size, 2))
+    shape = self.shape[:-2] + (self.shape[-2] // kernel,) + tuple(int(o) for o in output_size)
+    return _transpose_of(lambda x: im2col(x, kernel_size, dilation, padding, stride), self, shape)
+
+
 # --- interpolation --------------------------------------------------------------------------------
 # Source positions are computed at trace time in numpy with PyTorch's formulas and precision
 # (float32 scales unless the input is float64), then each spatial dim is interpolated in turn.
@@ -682,16 +747,50 @@ def _cubic_taps(size: int, out: int, scale: float | None, align_corners: bool,
     source = _source(size, out, scale, align_corners, dtype)
     base = np.floor(source)
     t = (source - base).astype(dtype)
-    a = dtype(CUBIC_A)
+    cubic = _cubic_filter(dtype(CUBIC_A))
+    weights = [cubic(t + 1), cubic(t), cubic(1 - t), cubic(2 - t)]
+    return [(np.clip(base.astype(np.int64) - 1 + j, 0, size - 1), w.astype(dtype)) for j, w in enumerate(weights)]
 
-    def near(v: np.ndarray) -> np.ndarray:
-        return ((a + 2) * v - (a + 3)) * v * v + 1
 
-    def far(v: np.ndarray) -> np.ndarray:
-        return ((a * v - 5 * a) * v + 8 * a) * v - 4 * a
+def _cubic_filter(a: float) -> Callable[[np.ndarray], np.ndarray]:
+    def cubic(v: np.ndarray) -> np.ndarray:
+        v = np.abs(v)
+        near = ((a + 2) * v - (a + 3)) * v * v + 1
+        far = ((a * v - 5 * a) * v + 8 * a) * v - 4 * a
+        return np.where(v < 1, near, np.where(v < 2, far, 0))
 
-    weights = [far(t + 1), near(t), near(1 - t), far(2 - t)]
-    return [(np.clip(base.astype(np.int64) - 1 + j, 0, size - 1), w) for j, w in enumerate(weights)]
+    return cubic
+
+
+def _triangle_filter(v: np.ndarray) -> np.ndarray:
+    return np.maximum(1 - np.abs(v), 0)
+
+
+def _antialias_taps(size: int, out: int, scale: float | None, align_corners: bool, dtype: Any, support: int,
+                    kernel: Callable[[np.ndarray], np.ndarray]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """PyTorch's antialiased weights: the filter stretched by the downscale factor, normalized per output."""
+    ratio = _scale(size, out, scale, align_corners, dtype)
+    stretch = max(float(ratio), 1.0)
+    reach = support / 2 * stretch
+    center = ratio * (np.arange(out, dtype=dtype) + dtype(0.5))
+    low = np.maximum((center - reach + 0.5).astype(np.int64), 0)
+    count = np.minimum((center + reach + 0.5).astype(np.int64), size) - low
+    offsets = np.arange(int(count.max()))
+    weights = kernel(((offsets + low[:, None]).astype(dtype) - center[:, None] + dtype(0.5)) / dtype(stretch))
+    weights = np.where(offsets < count[:, None], weights, 0).astype(dtype)
+    total = weights.sum(axis=1, keepdims=True)
+    weights = np.where(total != 0, weights / np.where(total != 0, total, 1), weights)
+    return [(np.clip(low + j, 0, size - 1), weights[:, j]) for j in offsets]
+
+
+def _bilinear_aa_taps(size: int, out: int, scale: float | None, align_corners: bool,
+                      dtype: Any) -> list[tuple[np.ndarray, np.ndarray]]:
+    return _antialias_taps(size, out, scale, align_corners, dtype, 2, _triangle_filter)
+
+
+def _bicubic_aa_taps(size: int, out: int, scale: float | None, align_corners: bool,
+                     dtype: Any) -> list[tuple[np.ndarray, np.ndarray]]:
+    return _antialias_taps(size, out, scale, align_corners, dtype, 4, _cubic_filter(-0.5))
 
 
 def _interpolate(x: Any, taps_per_dim: Sequence[list[tuple[np.ndarray, np.ndarray | None]]]) -> Any:
@@ -782,6 +881,32 @@ def upsample_bicubic2d(self: Any, output_size: Sequence[int], align_corners: boo
 def upsample_bicubic2d_backward(grad_output: Any, output_size: Sequence[int], input_size: Sequence[int],
                                 align_corners: bool, *scales: float | None) -> Any:
     return _transpose_of(lambda x: _smooth(x, output_size, align_corners, scales, _cubic_taps), grad_output,
+                         input_size)
+
+
+@register(aten._upsample_bilinear2d_aa.default)
+def _upsample_bilinear2d_aa(self: Any, output_size: Sequence[int], align_corners: bool,
+                            *scales: float | None) -> Any:
+    return _smooth(self, output_size, align_corners, scales, _bilinear_aa_taps)
+
+
+@register(aten._upsample_bilinear2d_aa_backward.default)
+def _upsample_bilinear2d_aa_backward(grad_output: Any, output_size: Sequence[int], input_size: Sequence[int],
+                                     align_corners: bool, *scales: float | None) -> Any:
+    return _transpose_of(lambda x: _smooth(x, output_size, align_corners, scales, _bilinear_aa_taps), grad_output,
+                         input_size)
+
+
+@register(aten._upsample_bicubic2d_aa.default)
+def _upsample_bicubic2d_aa(self: Any, output_size: Sequence[int], align_corners: bool,
+                           *scales: float | None) -> Any:
+    return _smooth(self, output_size, align_corners, scales, _bicubic_aa_taps)
+
+
+@register(aten._upsample_bicubic2d_aa_backward.default)
+def _upsample_bicubic2d_aa_backward(grad_output: Any, output_size: Sequence[int], input_size: Sequence[int],
+                                    align_corners: bool, *scales: float | None) -> Any:
+    return _transpose_of(lambda x: _smooth(x, output_size, align_corners, scales, _bicubic_aa_taps), grad_output,
                          input_size)
 
 
