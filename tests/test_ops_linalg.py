@@ -174,6 +174,36 @@ def test_cross_pinv_matrix_exp():
     check(torch.linalg.matrix_exp, torch.randn(2, 3, 3) / 3, **TOL)
 
 
+@pytest.mark.filterwarnings("ignore:torch.cholesky is deprecated")
+def test_lu_unpack_legacy_cholesky_eig():
+    check(lambda a: torch.lu_unpack(*torch.linalg.lu_factor(a)), torch.randn(2, 5, 3), **TOL)
+    check(lambda a: torch.lu_unpack(*torch.linalg.lu_factor(a), unpack_data=False), torch.randn(4, 4), **TOL)
+    check(torch.cholesky, _spd(), **TOL)
+    a = torch.randn(4, 4, dtype=torch.float64)
+    check(torch.linalg.eigvals, a)
+
+    def residual(a):
+        w, v = torch.linalg.eig(a)
+        return (a.to(v.dtype) @ v - v * w.unsqueeze(-2)).abs()
+
+    check(residual, a, atol=1e-8, rtol=0)
+
+
+@pytest.mark.parametrize("p", [0.0, 2.0, 3.5, float("inf")])
+def test_cdist(p):
+    a, b = torch.randn(2, 4, 3), torch.randn(2, 5, 3)
+    check(lambda a, b: torch.cdist(a, b, p=p), a, b, **TOL)
+    check(lambda a, b: _grads(lambda x: torch.cdist(x, b, p=p), a), a, b, **TOL)
+
+
+def test_fused_and_integer_matmuls():
+    c, a, b = torch.randn(3), torch.randn(4, 5), torch.randn(5, 3)
+    check(lambda c, a, b: torch.ops.aten._addmm_activation(c, a, b, use_gelu=True), c, a, b, **TOL)
+    check(lambda c, a, b: torch.ops.aten._addmm_activation(c, a, b, beta=2), c, a, b, **TOL)
+    i8 = torch.randint(-100, 100, (32, 32), dtype=torch.int8)
+    check(torch._int_mm, i8, i8.t().contiguous())
+
+
 def test_linalg_backward():
     a = torch.randn(2, 4, 4) + 4 * torch.eye(4)
     b = torch.randn(2, 4, 3)
@@ -182,6 +212,7 @@ def test_linalg_backward():
     check(lambda a: _grads(lambda x: torch.linalg.slogdet(x).logabsdet, a), a, **tol)
     check(lambda a: _grads(torch.linalg.inv, a), a, **tol)
     check(lambda a, b: _grads(torch.linalg.solve, a, b), a, b, **tol)
+    check(lambda a, b: _grads(lambda x: torch.linalg.lu_solve(*torch.linalg.lu_factor(x), b), a), a, b, **tol)
     check(lambda a: _grads(lambda x: torch.linalg.cholesky(x @ x.mT), a), a, **tol)
     check(lambda a: _grads(torch.linalg.eigvalsh, a + a.mT), a, **tol)
     check(lambda a: _grads(torch.linalg.svdvals, a), a, **tol)

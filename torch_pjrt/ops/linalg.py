@@ -74,21 +74,19 @@ def _singular_info(lu: Any) -> Any:
 
 
 def _permutation_from_pivots(pivots: Any, m: int) -> Any:
-    """The row permutation that LAPACK's 1-based sequential swaps describe."""
+    """The row permutation that LAPACK's 1-based sequential swaps describe (A[perm] = L U)."""
     pivots = pivots.astype(jnp.int32) - 1
-    batch = pivots.shape[:-1]
-    perm = jnp.broadcast_to(jnp.arange(m, dtype=jnp.int32), batch + (m,))
+    perm = jnp.broadcast_to(jnp.arange(m, dtype=jnp.int32), pivots.shape[:-1] + (m,))
+    rows = jnp.arange(m)
 
-    def swap(i: int, p: Any) -> Any:
-        target = pivots[..., i]
-        at_i = perm[..., i]
-        at_t = jnp.take_along_axis(perm, target[..., None], axis=-1)[..., 0]
-        p = p.at[..., i].set(at_t)
-        return jnp.where(jnp.arange(m) == target[..., None], at_i[..., None], p)
+    def swap(i: Any, p: Any) -> Any:
+        target = jnp.take(pivots, i, axis=-1)[..., None]
+        at_i = jnp.take(p, i, axis=-1)[..., None]
+        at_target = jnp.take_along_axis(p, target, axis=-1)
+        p = jnp.where(rows == i, at_target, p)
+        return jnp.where(rows == target, at_i, p)
 
-    for i in range(pivots.shape[-1]):
-        perm = swap(i, perm)
-    return perm
+    return lax.fori_loop(0, pivots.shape[-1], swap, perm)
 
 
 def _lu_solve(lu: Any, permutation: Any, b: Any, adjoint: bool = False) -> Any:
@@ -162,6 +160,19 @@ def baddbmm_dtype(self: Any, batch1: Any, batch2: Any, out_dtype: Any, *, beta: 
     return _scaled_sum(self.astype(jnp.float32), _matmul(batch1, batch2), beta, alpha)
 
 
+@register(aten._addmm_activation.default)
+def _addmm_activation(self: Any, mat1: Any, mat2: Any, *, beta: Any = 1, alpha: Any = 1,
+                      use_gelu: bool = False) -> Any:
+    """The fused Linear+activation: exact GELU, as PyTorch's non-CUDA kernels (CUDA uses tanh)."""
+    out = _scaled_sum(self, _matmul(mat1, mat2), beta, alpha)
+    return jax.nn.gelu(out, approximate=False) if use_gelu else jnp.maximum(out, 0)
+
+
+@register(aten._int_mm.default)
+def _int_mm(self: Any, mat2: Any) -> Any:
+    return jnp.matmul(self, mat2, preferred_element_type=jnp.int32)
+
+
 @register(aten.addbmm.default)
 def addbmm(self: Any, batch1: Any, batch2: Any, *, beta: Any = 1, alpha: Any = 1) -> Any:
     product = jnp.einsum("bij,bjk->ik", batch1, batch2, precision=HIGHEST,
@@ -219,6 +230,11 @@ def linalg_cholesky_ex(self: Any, *, upper: bool = False, check_errors: bool = F
     return (_mH(L) if upper else L), info
 
 
+@register(aten.cholesky.default)
+def cholesky(self: Any, upper: bool = False) -> Any:
+    return linalg_cholesky_ex(self, upper=upper)[0]
+
+
 @register(aten.linalg_qr.default)
 def linalg_qr(A: Any, mode: str = "reduced") -> tuple[Any, Any]:
     A = _float(A)
@@ -244,6 +260,18 @@ def _linalg_eigh(A: Any, UPLO: str = "L", compute_v: bool = True) -> tuple[Any, 
     A = _float(A)
     w, v = jnp.linalg.eigh(A, UPLO=UPLO, symmetrize_input=False)
     return w, (v if compute_v else jnp.zeros((0,), A.dtype))
+
+
+@register(aten.linalg_eig.default)
+def linalg_eig(self: Any) -> tuple[Any, Any]:
+    """LAPACK geev's conventions on CPU (jax's eig is geev); other platforms may lack it."""
+    w, v = jnp.linalg.eig(_float(self))
+    return w, v
+
+
+@register(aten._linalg_eigvals.default)
+def _linalg_eigvals(self: Any) -> Any:
+    return jnp.linalg.eigvals(_float(self))
 
 
 def _det_from_lu(lu: Any, swaps: Any) -> tuple[Any, Any]:
@@ -292,6 +320,22 @@ def linalg_lu(A: Any, *, pivot: bool = True) -> tuple[Any, Any, Any]:
     L = jnp.tril(lu[..., :, :k], -1) + jnp.eye(m, k, dtype=A.dtype)
     U = jnp.triu(lu[..., :k, :])
     return P, L, U
+
+
+@register(aten.lu_unpack.default)
+def lu_unpack(LU_data: Any, LU_pivots: Any, unpack_data: bool = True,
+              unpack_pivots: bool = True) -> tuple[Any, Any, Any]:
+    m, n = LU_data.shape[-2:]
+    k = min(m, n)
+    empty = jnp.zeros((0,), LU_data.dtype)
+    P = empty
+    if unpack_pivots:
+        permutation = _permutation_from_pivots(LU_pivots, m)
+        P = jnp.swapaxes(jax.nn.one_hot(permutation, m, dtype=LU_data.dtype), -1, -2)
+    if not unpack_data:
+        return P, empty, empty
+    L = jnp.tril(LU_data[..., :, :k], -1) + jnp.eye(m, k, dtype=LU_data.dtype)
+    return P, L, jnp.triu(LU_data[..., :k, :])
 
 
 @register(aten.linalg_lu_solve.default)
@@ -350,6 +394,45 @@ def cholesky_inverse(self: Any, upper: bool = False) -> Any:
 @register(aten.linalg_matrix_exp.default)
 def linalg_matrix_exp(self: Any) -> Any:
     return jax.scipy.linalg.expm(_float(self))
+
+
+def _pairwise(x1: Any, x2: Any) -> Any:
+    return x1[..., :, None, :] - x2[..., None, :, :]
+
+
+@register(aten._cdist_forward.default)
+def _cdist_forward(x1: Any, x2: Any, p: float, compute_mode: int | None) -> Any:
+    """Exact differences (no matmul expansion), so p=2 matches the direct CPU path closely."""
+    diff = jnp.abs(_pairwise(x1, x2))
+    if p == 0:
+        return jnp.sum(diff != 0, axis=-1).astype(x1.dtype)
+    if p == float("inf"):
+        return jnp.max(diff, axis=-1, initial=0)
+    if p == 1:
+        return jnp.sum(diff, axis=-1)
+    if p == 2:
+        return jnp.sqrt(jnp.sum(diff * diff, axis=-1))
+    return jnp.sum(diff ** p, axis=-1) ** (1 / p)
+
+
+@register(aten._cdist_backward.default)
+def _cdist_backward(grad: Any, x1: Any, x2: Any, p: float, cdist: Any) -> Any:
+    """d dist_ij / d x1_i for each p; zero where a distance is zero (PyTorch's convention)."""
+    diff = _pairwise(x1, x2)
+    dist = cdist[..., None]
+    safe = jnp.where(dist == 0, 1, dist)
+    if p == 0:
+        partial = jnp.zeros_like(diff)
+    elif p == 1:
+        partial = jnp.sign(diff)
+    elif p == 2:
+        partial = diff / safe
+    elif p == float("inf"):
+        partial = jnp.sign(diff) * (jnp.abs(diff) == dist)
+    else:
+        partial = jnp.sign(diff) * jnp.abs(diff) ** (p - 1) / safe ** (p - 1)
+    partial = jnp.where(dist == 0, 0, partial)
+    return jnp.sum(grad[..., None] * partial, axis=-2)
 
 
 @register(aten.linalg_pinv.atol_rtol_tensor)
