@@ -38,6 +38,7 @@ SPECIAL = {
     "erfcx": (-2, 5), "i0e": (-3, 3), "i1": (-3, 3), "i1e": (-3, 3), "ndtri": (0.05, 0.95), "ndtr": (-3, 3),
     "log_ndtr": (-10, 3), "entr": (0.01, 3), "expit": (-4, 4), "sinc": (-2, 2), "erfinv": (-0.9, 0.9),
     "modified_bessel_i0": (-3, 3), "modified_bessel_i1": (-3, 3), "spherical_bessel_j0": (-5, 5),
+    "bessel_j0": (-40, 40), "bessel_j1": (-40, 40),
 }
 
 
@@ -329,7 +330,8 @@ def test_refs_decompositions_reach_prims() -> None:
     check(lambda a, b: refs.div(a, b, rounding_mode="trunc"), integers((6,)), integers((6,), 1, 5))
     check(lambda a: (refs.special.i0e(a), refs.special.erfcx(a), refs.special.i1e(a), refs.special.ndtri(a / 3),
                      refs.special.zeta(a + 1, a), refs.special.log_ndtr(a)), x, atol=1e-5, rtol=1e-5)
-    check(lambda a: (refs.special.spherical_bessel_j0(a), refs.exp2(a), refs.frexp(a)), x, atol=1e-5, rtol=1e-5)
+    check(lambda a: (refs.special.spherical_bessel_j0(a), refs.exp2(a), refs.frexp(a), refs.special.bessel_j0(a * 20),
+                     refs.special.bessel_j1(a * 20)), x, atol=1e-5, rtol=1e-5)
     check(lambda a: refs.fmod(a, 0.3) + refs.remainder(a, -0.3), x, atol=1e-5, rtol=1e-5)
 
 
