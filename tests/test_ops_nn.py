@@ -224,6 +224,14 @@ def test_unfold_fold(shape: tuple, kwargs: dict) -> None:
     check_grad(lambda c: F.fold(c, shape[-2:], **kwargs), torch.randn(columns.shape))
 
 
+@pytest.mark.parametrize("mode", ["bilinear", "nearest", "bicubic"])
+@pytest.mark.parametrize("padding_mode", ["zeros", "border", "reflection"])
+def test_grid_sample(mode: str, padding_mode: str) -> None:
+    align = padding_mode != "border"
+    check_grad(lambda x, g: F.grid_sample(x, g, mode=mode, padding_mode=padding_mode, align_corners=align),
+               torch.randn(2, 3, 5, 6), torch.rand(2, 4, 7, 2) * 2.6 - 1.3, atol=1e-4, rtol=1e-3)
+
+
 # --- embedding and padding --------------------------------------------------------------------------
 
 

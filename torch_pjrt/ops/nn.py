@@ -752,12 +752,14 @@ def _cubic_taps(size: int, out: int, scale: float | None, align_corners: bool,
     return [(np.clip(base.astype(np.int64) - 1 + j, 0, size - 1), w.astype(dtype)) for j, w in enumerate(weights)]
 
 
-def _cubic_filter(a: float) -> Callable[[np.ndarray], np.ndarray]:
-    def cubic(v: np.ndarray) -> np.ndarray:
-        v = np.abs(v)
+def _cubic_filter(a: float, xp: Any = np) -> Callable[[Any], Any]:
+    """Keys' cubic convolution kernel with parameter a, on numpy (trace-time weights) or jax arrays."""
+
+    def cubic(v: Any) -> Any:
+        v = xp.abs(v)
         near = ((a + 2) * v - (a + 3)) * v * v + 1
         far = ((a * v - 5 * a) * v + 8 * a) * v - 4 * a
-        return np.where(v < 1, near, np.where(v < 2, far, 0))
+        return xp.where(v < 1, near, xp.where(v < 2, far, 0))
 
     return cubic
 
@@ -908,6 +910,90 @@ def _upsample_bicubic2d_aa_backward(grad_output: Any, output_size: Sequence[int]
                                     align_corners: bool, *scales: float | None) -> Any:
     return _transpose_of(lambda x: _smooth(x, output_size, align_corners, scales, _bicubic_aa_taps), grad_output,
                          input_size)
+
+
+# --- grid sampling ----------------------------------------------------------------------------------
+
+BILINEAR, NEAREST, BICUBIC = 0, 1, 2
+ZEROS, BORDER, REFLECTION = 0, 1, 2
+
+
+def _unnormalize(coord: Any, size: int, align_corners: bool) -> Any:
+    if align_corners:
+        return (coord + 1) / 2 * (size - 1)
+    return ((coord + 1) * size - 1) / 2
+
+
+def _reflect(coord: Any, twice_low: int, twice_high: int) -> Any:
+    if twice_low == twice_high:
+        return jnp.zeros_like(coord)
+    low, span = twice_low / 2, (twice_high - twice_low) / 2
+    coord = jnp.abs(coord - low)
+    extra = jnp.fmod(coord, span)
+    flips = jnp.floor(coord / span)
+    return jnp.where(jnp.fmod(flips, 2) == 0, extra + low, span - extra + low)
+
+
+def _pad_coordinate(coord: Any, size: int, padding_mode: int, align_corners: bool) -> Any:
+    """Map a source coordinate into the image for border/reflection padding (zeros leaves it)."""
+    if padding_mode == BORDER:
+        return jnp.clip(coord, 0, size - 1)
+    if padding_mode == REFLECTION:
+        reflected = _reflect(coord, 0, 2 * (size - 1)) if align_corners else _reflect(coord, -1, 2 * size - 1)
+        return jnp.clip(reflected, 0, size - 1)
+    return coord
+
+
+def _sample(input: Any, iy: Any, ix: Any) -> Any:
+    """input[n, :, iy, ix] for integer maps (N, Ho, Wo), zero where out of bounds -> (N, C, Ho, Wo)."""
+    height, width = input.shape[-2:]
+    inside = (iy >= 0) & (iy < height) & (ix >= 0) & (ix < width)
+    iy_c, ix_c = jnp.clip(iy, 0, height - 1), jnp.clip(ix, 0, width - 1)
+    values = jax.vmap(lambda image, y, x: image[:, y, x])(input, iy_c, ix_c)
+    return jnp.where(inside[:, None], values, 0)
+
+
+def _grid_sample_2d(input: Any, grid: Any, interpolation_mode: int, padding_mode: int, align_corners: bool) -> Any:
+    height, width = input.shape[-2:]
+    x = _unnormalize(grid[..., 0], width, align_corners)
+    y = _unnormalize(grid[..., 1], height, align_corners)
+    if interpolation_mode == BICUBIC:
+        x0, y0 = jnp.floor(x), jnp.floor(y)
+        cubic = _cubic_filter(CUBIC_A, jnp)
+        wx = [cubic(x - x0 + 1 - i) for i in range(4)]
+        wy = [cubic(y - y0 + 1 - j) for j in range(4)]
+        total = 0
+        for j in range(4):
+            yy = _pad_coordinate(y0 - 1 + j, height, padding_mode, align_corners).astype(jnp.int64)
+            for i in range(4):
+                xx = _pad_coordinate(x0 - 1 + i, width, padding_mode, align_corners).astype(jnp.int64)
+                total = total + _sample(input, yy, xx) * (wx[i] * wy[j])[:, None]
+        return total
+    x = _pad_coordinate(x, width, padding_mode, align_corners)
+    y = _pad_coordinate(y, height, padding_mode, align_corners)
+    if interpolation_mode == NEAREST:
+        return _sample(input, jnp.round(y).astype(jnp.int64), jnp.round(x).astype(jnp.int64))
+    x0, y0 = jnp.floor(x), jnp.floor(y)
+    fx, fy = x - x0, y - y0
+    x0, y0 = x0.astype(jnp.int64), y0.astype(jnp.int64)
+    total = 0
+    for dy, wy in ((0, 1 - fy), (1, fy)):
+        for dx, wx in ((0, 1 - fx), (1, fx)):
+            total = total + _sample(input, y0 + dy, x0 + dx) * (wx * wy)[:, None]
+    return total
+
+
+@register(aten.grid_sampler_2d.default)
+def grid_sampler_2d(input: Any, grid: Any, interpolation_mode: int, padding_mode: int, align_corners: bool) -> Any:
+    return _grid_sample_2d(_up(input), _up(grid), interpolation_mode, padding_mode, align_corners)
+
+
+@register(aten.grid_sampler_2d_backward.default)
+def grid_sampler_2d_backward(grad_output: Any, input: Any, grid: Any, interpolation_mode: int, padding_mode: int,
+                             align_corners: bool, output_mask: Sequence[bool]) -> tuple:
+    grads = _vjp(lambda i, g: _grid_sample_2d(i, g, interpolation_mode, padding_mode, align_corners), grad_output,
+                 _up(input), _up(grid))
+    return _masked(grads, output_mask)
 
 
 # --- padding --------------------------------------------------------------------------------------
