@@ -113,3 +113,11 @@ def test_sorting_backward():
     check(lambda x: _grads(lambda t: torch.topk(t, 2).values, x), x)
     check(lambda x: _grads(lambda t: torch.kthvalue(t, 2, 0).values, x), x)
     check(lambda x: _grads(lambda t: torch.median(t, 1).values, x), x)
+
+
+def test_histc():
+    x = torch.randn(100)
+    check(lambda x: torch.histc(x, 7), x)
+    check(lambda x: torch.histc(x, 5, -1, 1), x)
+    check(lambda x: torch.histc(x, 4), torch.full((5,), 2.5))
+    check(lambda x: torch.histc(x, 6, 0, 3), torch.tensor([0.0, 1, 2, 3, 3, 4, -1], dtype=torch.float64))

@@ -176,3 +176,23 @@ def searchsorted(sorted_sequence: Any, self: Any, *, out_int32: bool = False, ri
 @register(aten.bucketize.Tensor, aten.bucketize.Scalar)
 def bucketize(self: Any, boundaries: Any, *, out_int32: bool = False, right: bool = False) -> Any:
     return _searchsorted(boundaries, self, right, None)
+
+
+@register(aten.histc.default)
+def histc(self: Any, bins: int = 100, min: Any = 0, max: Any = 0) -> Any:
+    """min == max means the data's range (widened by 1 each way if flat); values outside are
+    dropped and max itself falls in the last bin, as on CPU."""
+    x = self.reshape(-1)
+    dtype = x.dtype if _is_float(x) else jnp.float32
+    x = x.astype(dtype)
+    lo, hi = jnp.asarray(min, dtype), jnp.asarray(max, dtype)
+    if x.shape[0]:
+        use_data = lo == hi
+        lo = jnp.where(use_data, jnp.nanmin(x), lo)
+        hi = jnp.where(use_data, jnp.nanmax(x), hi)
+    flat = lo == hi
+    lo, hi = jnp.where(flat, lo - 1, lo), jnp.where(flat, hi + 1, hi)
+    position = jnp.floor((x - lo) * bins / (hi - lo)).astype(jnp.int64)
+    position = jnp.where(x == hi, bins - 1, position)
+    inside = (x >= lo) & (x <= hi)
+    return jnp.zeros((bins,), dtype).at[jnp.where(inside, position, bins)].add(1, mode="drop")
