@@ -89,14 +89,17 @@ def test_missing_script(capsys: pytest.CaptureFixture) -> None:
     assert "no_such_script.py: no such file" in err
 
 
-def test_compile_flag_says_when_the_backend_is_missing(capsys: pytest.CaptureFixture) -> None:
+def test_compile_flag(capsys: pytest.CaptureFixture) -> None:
+    """--compile sends torch.compile to the pjrt backend, or says clearly that the backend is missing."""
     from torch_pjrt.cli.run import compile_backend_ready
 
+    status, out, err = run(capsys, "--compile", fixture("uses_compile.py"))
     if compile_backend_ready():
-        pytest.skip("the pjrt torch.compile backend is registered")
-    status, _, err = run(capsys, "--compile", fixture("raises.py"))
-    assert status == 2
-    assert 'backend "pjrt" is not registered' in err
+        assert status == 0, err
+        assert out == "compiled [0.9093, 0.9093, 0.9093]\n"
+    else:
+        assert status == 2
+        assert 'backend "pjrt" is not registered' in err
 
 
 def test_device_mapping() -> None:

@@ -27,6 +27,12 @@ MISSING_LOWERING = re.compile(r"has no lowering for (\S+) on pjrt")
 EXIT_USAGE = 2
 
 
+def shown_path(path: str) -> str:
+    """A path relative to the working folder when it lies below it, else absolute."""
+    relative = os.path.relpath(path)
+    return os.path.abspath(path) if relative.startswith("..") else relative
+
+
 @dataclasses.dataclass
 class OpSite:
     """An op reached from a line of user code."""
@@ -39,7 +45,7 @@ class OpSite:
         if self.file is None:
             return self.op
         code = linecache.getline(self.file, self.line or 0).strip()
-        return f"{self.op} at {os.path.relpath(self.file)}:{self.line}" + (f": {code}" if code else "")
+        return f"{self.op} at {shown_path(self.file)}:{self.line}" + (f": {code}" if code else "")
 
 
 class UserCode:

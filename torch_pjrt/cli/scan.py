@@ -57,6 +57,8 @@ GRAPHS = frozenset(
 )
 LEGACY_TENSOR_TYPES = re.compile(r"(BFloat16|Bool|Byte|Char|Double|Float|Half|Int|Long|Short)Tensor")
 BLOCKER_IMPORTS = {"triton": "triton", "cupy": "cupy-pycuda", "cupyx": "cupy-pycuda", "pycuda": "cupy-pycuda"}
+# Every rule needs one of these in the source (lower-cased): files without them skip the CST pass.
+KEYWORDS = ("cuda", "nccl", "triton", "cupy", "cpp_extension")
 KERNEL_HINT = "rewrite it as a JAX or Pallas function and wrap it with torch_pjrt.kernels.jax_op"
 
 
@@ -364,6 +366,8 @@ def syntax_error(path: str, source: str) -> str | None:
 
 def scan_python(path: str, source: str, fix: bool = False) -> FileResult:
     error = syntax_error(path, source)
+    if error is None and not any(word in source.lower() for word in KEYWORDS):
+        return FileResult(path, [], source, source if fix else None)
     if error is None:
         try:
             module = cst.parse_module(source)
@@ -415,8 +419,10 @@ def walk(paths: list[str]) -> Iterator[str]:
 
 def unified_diff(result: FileResult) -> str:
     """A git-style diff (a/ and b/ prefixes) for files below the working folder, else absolute paths."""
-    relative = os.path.relpath(result.path)
-    before, after = (result.path, result.path) if relative.startswith("..") else (f"a/{relative}", f"b/{relative}")
+    from torch_pjrt.cli.run import shown_path
+
+    shown = shown_path(result.path)
+    before, after = (shown, shown) if os.path.isabs(shown) else (f"a/{shown}", f"b/{shown}")
     return "".join(difflib.unified_diff(result.source.splitlines(keepends=True),
                                         (result.fixed or "").splitlines(keepends=True), before, after))
 
