@@ -186,7 +186,7 @@ def autocast_call(call: cst.Call) -> cst.Call | None:
     """torch.cuda.amp.autocast(...) as torch.autocast("pjrt", ...); its positional order differs."""
     args = [cst.Arg(cst.SimpleString('"pjrt"'))]
     for index, arg in enumerate(call.args):
-        if arg.star:
+        if arg.star or (arg.keyword is None and index >= len(AUTOCAST_POSITIONAL)):
             return None
         if arg.keyword is None:
             arg = arg.with_changes(keyword=cst.Name(AUTOCAST_POSITIONAL[index]), equal=cst.AssignEqual(
