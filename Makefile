@@ -11,8 +11,8 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade "pip>=23.2"
-	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e ".[dev]"
+	$(PY) -m pip install --quiet torch==2.13.0 "setuptools>=68" wheel
+	$(PY) -m pip install --quiet --no-build-isolation -e ".[dev]"
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -27,4 +27,4 @@ bench: $(STAMP)
 	$(PY) bench/train_step.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info torch_pjrt/_hooks*.so

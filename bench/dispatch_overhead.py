@@ -58,8 +58,7 @@ def main() -> None:
     scan = dispatch.Scan(plan)
     values = plan.normalize((a, b), {})
     described = [scan.value(k, v) for k, v in zip(plan.kinds, values)]
-    key = (*scan.key, tuple(described), a.device)
-    cached = dispatch._cache.entries[key]
+    cached = dispatch._cache.entries[dispatch.cache_key(scan, described)]
     inputs = dispatch._inputs(cached, scan, plan, values)
     program = per_call_us(lambda: cached.program.call(*inputs))
     flat = cached.program.call(*inputs)[0]

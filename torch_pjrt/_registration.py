@@ -7,6 +7,8 @@ that catch-all, which calls `initialize()` (jax, every kernel) and re-runs the o
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 from typing import Any
 
@@ -15,6 +17,15 @@ import torch
 from torch_pjrt import _torch_private
 
 NAME = "pjrt"
+# Packages whose frames run inside our kernels: Dynamo must never try to compile them.
+DYNAMO_SKIPPED = ("torch_pjrt", "jax", "jaxlib", "ml_dtypes", "opt_einsum")
+# Device queues the autograd engine is told about before the real device count is known.
+ENGINE_DEVICES = 8
+
+
+def _cpu_devices() -> int:
+    requested = os.environ.get("TORCH_PJRT_CPU_DEVICES", "")
+    return int(requested) if requested.isdigit() else 1
 _lock = threading.RLock()
 _state: dict[str, Any] = {"registered": False, "initialized": False, "libraries": []}
 
@@ -48,10 +59,13 @@ def register() -> None:
     with _lock:
         if _state["registered"]:
             return
-        from torch_pjrt import amp, device, integrations, serialization
+        from torch_pjrt import amp, device, integrations, native, serialization
         from torch_pjrt.eager import fallback, modes
 
         modes.load_from_environment()
+        # The native guard must exist before autograd first runs: its engine sizes its device
+        # queues once, so it is told an upper bound now and the real count later.
+        native.install(_cpu_devices(), max(_cpu_devices(), ENGINE_DEVICES))
         _torch_private.setup_backend(NAME, device.build_module(), _Hooks(), _Guard())
         _state["libraries"].append(_torch_private.library_fallback(fallback.catch_all, "PrivateUse1"))
         serialization.register()
@@ -68,10 +82,13 @@ def initialize() -> None:
         if _state["initialized"]:
             return
         register()
+        from torch_pjrt import native
         from torch_pjrt.eager import kernels
         from torch_pjrt.runtime import client
 
-        client.devices()
+        native.set_device_count(len(client.devices()))
+        if "torch._dynamo" in sys.modules:
+            _torch_private.dynamo_skip_packages(*DYNAMO_SKIPPED)
         _state["libraries"].extend(kernels.register_all())
         _state["initialized"] = True
 

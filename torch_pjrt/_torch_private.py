@@ -162,3 +162,23 @@ def exclude_key(key: str) -> Any:
 
 def is_in_bad_fork() -> bool:
     return False
+
+
+def dynamo_skip_packages(*names: str) -> None:
+    """Keep Dynamo from compiling these packages' frames (our kernels and jax run under compiled code)."""
+    from torch._dynamo import trace_rules
+
+    for name in names:
+        trace_rules.add(name)
+
+
+# c10::ScalarType numbering, for schema defaults that arrive as plain numbers.
+_SCALAR_TYPES = {
+    0: torch.uint8, 1: torch.int8, 2: torch.int16, 3: torch.int32, 4: torch.int64, 5: torch.float16,
+    6: torch.float32, 7: torch.float64, 9: torch.complex64, 10: torch.complex128, 11: torch.bool,
+    15: torch.bfloat16,
+}
+
+
+def scalar_type(number: int) -> torch.dtype:
+    return _SCALAR_TYPES[number]

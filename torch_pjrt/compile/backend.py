@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from torch_pjrt import storage
+from torch_pjrt import _registration, _torch_private, storage
 from torch_pjrt.eager import dispatch, kernels
 from torch_pjrt.ops import graph
 from torch_pjrt.runtime import client, programs, rng
@@ -33,20 +33,24 @@ def _input_mutations(gm: torch.fx.GraphModule) -> list[tuple[int, torch.fx.Node]
     return found
 
 
-def _output_layouts(gm: torch.fx.GraphModule) -> list[Any]:
+class Output:
+    """How one graph output comes back: a tensor (shape, dense strides or None), or a constant."""
+
+    def __init__(self, value: Any) -> None:
+        meta = value.meta.get("val") if isinstance(value, torch.fx.Node) else value
+        self.is_tensor = isinstance(meta, torch.Tensor)
+        self.constant = None if self.is_tensor else meta
+        self.shape = self.strides = None
+        if self.is_tensor:
+            self.shape = tuple(int(s) for s in meta.shape)
+            strides = tuple(int(s) for s in meta.stride())
+            self.strides = strides if storage.is_dense(self.shape, strides) else None
+
+
+def _outputs(gm: torch.fx.GraphModule) -> list[Output]:
     output = next(n for n in gm.graph.nodes if n.op == "output")
     values = output.args[0]
-    values = values if isinstance(values, (list, tuple)) else [values]
-    layouts = []
-    for value in values:
-        meta = value.meta.get("val") if isinstance(value, torch.fx.Node) else None
-        if isinstance(meta, torch.Tensor):
-            sizes = tuple(int(s) for s in meta.shape)
-            strides = tuple(int(s) for s in meta.stride())
-            layouts.append(strides if storage.is_dense(sizes, strides) else None)
-        else:
-            layouts.append(None)
-    return layouts
+    return [Output(v) for v in (values if isinstance(values, (list, tuple)) else [values])]
 
 
 class CompiledGraph:
@@ -55,7 +59,7 @@ class CompiledGraph:
     def __init__(self, gm: torch.fx.GraphModule) -> None:
         self.gm = gm
         self.mutations = _input_mutations(gm)
-        self.layouts = _output_layouts(gm)
+        self.outputs = _outputs(gm)
         self.random = any(
             n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
             and torch.Tag.nondeterministic_seeded in n.target.tags
@@ -67,20 +71,20 @@ class CompiledGraph:
         program = self.programs.get(signature)
         if program is None:
             gm, extra = self.gm, tuple(node for _, node in self.mutations)
-            layouts = self.layouts
+            described = self.outputs
 
             def run(arrays: list[Any], key: Any) -> Any:
                 keys = None
                 if key is not None:
                     keys = graph.KeySource(client.jax_module().random.wrap_key_data(key, impl="threefry2x32"))
                 outputs, updates = graph.evaluate(gm, arrays, keys, extra)
-                single = not isinstance(outputs, (list, tuple))
-                outputs = [outputs] if single else list(outputs)
-                packed = [
-                    storage.pack(o, o.shape, layout) if layout is not None and hasattr(o, "shape") else o
-                    for o, layout in zip(outputs, layouts)
+                outputs = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
+                tensors = [
+                    storage.pack(o, o.shape, out.strides) if out.strides is not None else o
+                    for o, out in zip(outputs, described)
+                    if out.is_tensor and o is not None
                 ]
-                return packed, updates
+                return tensors, updates
 
             program = programs.Program(lambda arrays, key: run(arrays, key), "compiled_graph")
             self.programs[signature] = program
@@ -103,23 +107,15 @@ class CompiledGraph:
                 signature.append(("static", value))
         device = device or torch.device("pjrt", 0)
         key = rng.state(device.index).next_key() if self.random else None
-        outputs, updates = self._program(tuple(signature)).call(arrays, key)
+        tensors, updates = self._program(tuple(signature)).call(arrays, key)
         for (index, _), value in zip(self.mutations, updates):
             kernels.copy_(args[index], _as_tensor(value, device))
-        results = [
-            _as_tensor(o, device, shape=node_shape, strides=layout)
-            for o, layout, node_shape in zip(outputs, self.layouts, self._output_shapes())
+        produced = iter(tensors)
+        return [
+            _as_tensor(next(produced), device, out.shape, out.strides) if out.is_tensor and out.constant is None
+            else out.constant
+            for out in self.outputs
         ]
-        return results
-
-    def _output_shapes(self) -> list[Any]:
-        output = next(n for n in self.gm.graph.nodes if n.op == "output")
-        values = output.args[0] if isinstance(output.args[0], (list, tuple)) else [output.args[0]]
-        shapes = []
-        for value in values:
-            meta = value.meta.get("val") if isinstance(value, torch.fx.Node) else None
-            shapes.append(tuple(int(s) for s in meta.shape) if isinstance(meta, torch.Tensor) else None)
-        return shapes
 
 
 def _as_tensor(value: Any, device: torch.device, shape: Any = None, strides: Any = None) -> Any:
@@ -142,6 +138,7 @@ def pjrt_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwar
     """The torch.compile backend (registered as "pjrt" through the torch_dynamo_backends entry point)."""
     from torch._dynamo.backends.common import aot_autograd
 
+    _torch_private.dynamo_skip_packages(*_registration.DYNAMO_SKIPPED)
     backend = aot_autograd(fw_compiler=compile_graph, bw_compiler=compile_graph, keep_inference_input_mutations=True)
     return backend(gm, example_inputs)
 

@@ -22,7 +22,7 @@ import torch
 from torch._ops import OpOverload
 
 from torch_pjrt import device as device_module
-from torch_pjrt import storage
+from torch_pjrt import _torch_private, storage
 from torch_pjrt.eager import fusion, modes
 from torch_pjrt.ops import graph, registry
 from torch_pjrt.runtime import client, metrics, programs, rng
@@ -84,6 +84,16 @@ class OpPlan:
 _NO_DEFAULT = object()
 
 
+def _default(argument: Any) -> Any:
+    """A schema default as Python sees it (ScalarType defaults come as enum numbers)."""
+    if not argument.has_default_value():
+        return _NO_DEFAULT
+    value = argument.default_value
+    if isinstance(value, int) and "ScalarType" in str(argument.type):
+        return _torch_private.scalar_type(value)
+    return value
+
+
 @functools.cache
 def plan_for(op: OpOverload) -> OpPlan | None:
     lowering = registry.lookup(op)
@@ -106,7 +116,7 @@ def plan_for(op: OpOverload) -> OpPlan | None:
         names=[a.name for a in arguments],
         kinds=kinds,
         kwarg_only=[a.kwarg_only for a in arguments],
-        defaults=[a.default_value if a.has_default_value() else _NO_DEFAULT for a in arguments],
+        defaults=[_default(a) for a in arguments],
         mutated=mutated,
         return_aliases=aliases,
         lowering=lowering,
@@ -321,6 +331,7 @@ def _build(plan: OpPlan, scan: Scan, values: list[Any], described: list[Any]) ->
     kwarg_only = plan.kwarg_only
     names = plan.names
     wants_meta = lowering.wants_meta
+    dropped = {names[i] for i in plan.mutated if kwarg_only[i]} if lowering.drops_out_arguments else set()
 
     def program(*inputs: Any) -> Any:
         jnp = client.jax_module().numpy
@@ -359,7 +370,7 @@ def _build(plan: OpPlan, scan: Scan, values: list[Any], described: list[Any]) ->
         if random:
             key = client.jax_module().random.wrap_key_data(key, impl="threefry2x32")
         positional = [v for v, kw in zip(resolved, kwarg_only) if not kw]
-        keywords = {n: v for n, v, kw in zip(names, resolved, kwarg_only) if kw}
+        keywords = {n: v for n, v, kw in zip(names, resolved, kwarg_only) if kw and n not in dropped}
         extra: dict[str, Any] = {}
         if random:
             extra["rng"] = key
@@ -465,13 +476,18 @@ def _run(entry: Entry, inputs: list[Any]) -> tuple[Any, ...]:
     return entry.program.call(*inputs)
 
 
+def cache_key(scan: Scan, described: list[Any]) -> tuple:
+    """Everything a program depends on: op, views, static arguments, device, default dtype."""
+    return (*scan.key, tuple(described), scan.device, torch.get_default_dtype())
+
+
 def execute(plan: OpPlan, args: tuple, kwargs: dict) -> Any:
     values = plan.normalize(args, kwargs)
     scan = Scan(plan)
     described = [scan.value(k, v) for k, v in zip(plan.kinds, values)]
     if plan.has_device_arg or scan.device is None:
         scan.device = _target_device(values, plan, scan.device)
-    key = (*scan.key, tuple(described), scan.device)
+    key = cache_key(scan, described)
     try:
         entry = _cache.get(key)
     except TypeError:

@@ -39,11 +39,15 @@ def host_tensor(array: np.ndarray) -> torch.Tensor:
 
 
 def to_pjrt(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """A new pjrt tensor with a CPU tensor's contents (one host-to-device transfer)."""
+    """A new pjrt tensor with a CPU tensor's contents (one transfer); dense layouts keep their strides."""
     if dtype is not None and dtype != tensor.dtype:
         tensor = tensor.to(dtype)
-    array = client.to_device(host_array(tensor).reshape(-1), device.index)
-    return storage.new_tensor(array, tensor.dtype, device, tuple(tensor.shape))
+    sizes, strides = tuple(tensor.shape), tuple(tensor.stride())
+    order = storage.physical_order(sizes, strides)
+    if order is None:
+        strides, order = storage.contiguous_strides(sizes), tuple(range(len(sizes)))
+    physical = host_array(tensor.permute(order)).reshape(-1)
+    return storage.new_tensor(client.to_device(physical, device.index), tensor.dtype, device, sizes, strides)
 
 
 def to_cpu(tensor: torch.Tensor) -> torch.Tensor:

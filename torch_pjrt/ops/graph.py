@@ -112,10 +112,16 @@ _traced: dict[Any, torch.fx.GraphModule] = {}
 
 
 def trace_to_graph(fn: Callable, metas: list[torch.Tensor]) -> torch.fx.GraphModule:
+    """An ATen graph of fn on meta tensors; functionalized unless it uses aliasing prims, which
+    functionalization refuses (those refs decompositions are functional apart from views)."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    functional = torch.func.functionalize(fn, remove="mutations_and_views")
-    return make_fx(functional, tracing_mode="real")(*metas)
+    try:
+        return make_fx(torch.func.functionalize(fn, remove="mutations_and_views"), tracing_mode="real")(*metas)
+    except RuntimeError as error:
+        if "alias annotations" not in str(error):
+            raise
+        return make_fx(fn, tracing_mode="real")(*metas)
 
 
 def lower_callable(fn: Callable, args: tuple, kwargs: dict, rng: KeySource | None = None) -> Any:

@@ -36,6 +36,8 @@ class Lowering:
     static_scalars: bool = False
     # The lowering needs the meta outputs (shapes/dtypes) as `out_meta=`.
     wants_meta: bool = False
+    # Borrowed from the functional twin of an out= op: the out= arguments are not passed to it.
+    drops_out_arguments: bool = False
 
 
 LOWERINGS: dict[OpOverload, Lowering] = {}
@@ -136,6 +138,7 @@ def lookup(op: OpOverload) -> Lowering | None:
         if functional is not None:
             entry = lookup(functional)
             if entry is not None:
+                entry = dataclasses.replace(entry, drops_out_arguments=True)
                 LOWERINGS[op] = entry
                 return entry
     decomposition = _decompositions().get(op)

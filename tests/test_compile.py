@@ -1,0 +1,133 @@
+"""torch.compile(backend="pjrt") and export_stablehlo against PyTorch on CPU."""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import torch_pjrt
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+
+from gpt import GPT, batches, corpus_bytes  # noqa: E402
+
+
+def cnn() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(3, 6, 3, padding=1), nn.BatchNorm2d(6), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(6 * 4 * 4, 5),
+    )
+
+
+def test_inference_matches_cpu() -> None:
+    torch.manual_seed(0)
+    for model, x in (
+        (nn.Sequential(nn.Linear(7, 9), nn.GELU(), nn.Linear(9, 3)), torch.randn(4, 7)),
+        (cnn().eval(), torch.randn(2, 3, 8, 8)),
+        (GPT(width=32, layers=1, heads=2, context=8).eval(), torch.randint(0, 256, (2, 8))),
+    ):
+        expected = model(x)
+        compiled = torch.compile(copy.deepcopy(model).to("pjrt"), backend="pjrt", fullgraph=True)
+        actual = compiled(x.to("pjrt"))
+        assert actual.device.type == "pjrt"
+        torch.testing.assert_close(actual.cpu(), expected, atol=1e-5, rtol=1e-5)
+
+
+def compiled_training(model: nn.Module, data: list, loss_fn, whole_step: bool) -> tuple[list, nn.Module]:  # noqa: ANN001
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    if whole_step:
+        step = torch.compile(step, backend="pjrt")
+    else:
+        model.forward = torch.compile(model.forward, backend="pjrt")
+    device = next(model.parameters()).device
+    return [step(x.to(device), y.to(device)).item() for x, y in data], model
+
+
+def assert_trains_like_cpu(model: nn.Module, data: list, loss_fn, whole_step: bool) -> None:  # noqa: ANN001
+    cpu_losses, cpu_model = compiled_training(copy.deepcopy(model), data, loss_fn, whole_step=False)
+    pjrt_losses, pjrt_model = compiled_training(copy.deepcopy(model).to("pjrt"), data, loss_fn, whole_step)
+    torch.testing.assert_close(torch.tensor(pjrt_losses), torch.tensor(cpu_losses), atol=1e-4, rtol=1e-4)
+    for (name, a), (_, b) in zip(cpu_model.state_dict().items(), pjrt_model.state_dict().items()):
+        torch.testing.assert_close(b.cpu(), a, atol=1e-4, rtol=1e-4, msg=name)
+
+
+def test_cnn_with_batch_norm_training_writes_back_buffers() -> None:
+    torch.manual_seed(1)
+    data = [(torch.randn(4, 3, 8, 8), torch.randint(0, 5, (4,))) for _ in range(3)]
+    assert_trains_like_cpu(cnn(), data, F.cross_entropy, whole_step=False)
+
+
+def test_whole_training_step_with_optimizer_compiles() -> None:
+    torch.manual_seed(2)
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
+    data = [(torch.randn(8, 6), torch.randint(0, 3, (8,))) for _ in range(4)]
+    assert_trains_like_cpu(model, data, F.cross_entropy, whole_step=True)
+
+
+def test_transformer_dropout_follows_manual_seed() -> None:
+    model = GPT(width=32, layers=1, heads=2, context=16)
+    model.blocks[0].mlp.append(nn.Dropout(0.2))
+    model = model.to("pjrt").train()
+    compiled = torch.compile(model, backend="pjrt")
+    tokens, _ = batches(corpus_bytes(), 2, 16, 1)[0]
+    tokens = tokens.to("pjrt")
+    torch.manual_seed(7)
+    first = compiled(tokens).cpu()
+    torch.manual_seed(7)
+    again = compiled(tokens).cpu()
+    other = compiled(tokens).cpu()
+    assert torch.equal(first, again)
+    assert not torch.equal(first, other)
+    model.eval()
+    with torch.no_grad():
+        evaluated = torch.compile(model, backend="pjrt")(tokens).cpu()
+        reference = copy.deepcopy(model).cpu()(tokens.cpu())
+    torch.testing.assert_close(evaluated, reference, atol=1e-4, rtol=1e-4)
+
+
+def test_graph_breaks_run_between_graphs() -> None:
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        y = x.sin() * 2
+        if y.sum().item() > -1e9:  # data-dependent: a graph break
+            y = y + 1
+        return y.cos()
+
+    x = torch.randn(5, 5)
+    compiled = torch.compile(fn, backend="pjrt")
+    torch.testing.assert_close(compiled(x.to("pjrt")).cpu(), fn(x), atol=1e-6, rtol=1e-6)
+
+
+def test_in_place_update_of_an_input() -> None:
+    def fn(state: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
+        state.mul_(0.9).add_(update)
+        return state.sum()
+
+    state, update = torch.randn(6), torch.randn(6)
+    pjrt_state = state.to("pjrt")
+    total = torch.compile(fn, backend="pjrt", fullgraph=True)(pjrt_state, update.to("pjrt"))
+    expected_total = fn(state, update)
+    torch.testing.assert_close(pjrt_state.cpu(), state)
+    torch.testing.assert_close(total.cpu(), expected_total)
+
+
+def test_export_stablehlo() -> None:
+    model = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 2))
+    text = torch_pjrt.export_stablehlo(model, (torch.randn(3, 4),))
+    assert "func.func public @main" in text and "stablehlo.dot_general" in text
+    assert "tensor<3x4xf32>" in text
+    exported = torch.export.export(model, (torch.randn(3, 4),))
+    assert "stablehlo." in torch_pjrt.export_stablehlo(exported)
+    assert "stablehlo.sine" in torch_pjrt.export_stablehlo(lambda x: torch.sin(x) + 1, (torch.randn(2),))
