@@ -258,8 +258,6 @@ def test_in_place_variants() -> None:
     check(lambda a: a.clone().bitwise_left_shift_(2).bitwise_xor_(5), integers((4, 5)))
 
 
-@pytest.mark.xfail(reason="core: out= variants pass `out=` on to the functional lowering (dispatch.py)",
-                   raises=TypeError, strict=False)
 def test_out_variants() -> None:
     x, y = uniform((4, 5), 0.5, 2), uniform((4, 5), 0.5, 2)
     expected = torch.mul(x, y)

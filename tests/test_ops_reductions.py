@@ -122,8 +122,6 @@ def test_in_place_and_out() -> None:
     check(lambda a: a.clone().cumprod_(0), x)
 
 
-@pytest.mark.xfail(reason="core: out= variants pass `out=` on to the functional lowering (dispatch.py)",
-                   raises=TypeError, strict=False)
 def test_out_variant() -> None:
     x = randn(4, 5)
     out = torch.empty(0, device="pjrt")
