@@ -209,6 +209,15 @@ def bincount(self: torch.Tensor, weights: torch.Tensor | None = None, minlength:
     return _wrap(_bincount(x, w, max(largest, int(minlength))), dtype, self.device)
 
 
+# --- linalg error checks ----------------------------------------------------------------------
+
+
+@kernel(aten._linalg_check_errors.default)
+def _linalg_check_errors(info: torch.Tensor, api_name: str, *, is_matrix: bool) -> None:
+    """One sync: `info` is read to the host and PyTorch's CPU check raises its LinAlgError."""
+    aten._linalg_check_errors(info.cpu(), api_name, is_matrix=is_matrix)
+
+
 # --- boolean mask indices ----------------------------------------------------------------------
 
 

@@ -210,6 +210,15 @@ def vdot(self: Any, other: Any) -> Any:
 # --- factorisations and solvers ----------------------------------------------------------------
 
 
+@register(aten._linalg_check_errors.default)
+def _linalg_check_errors(info: Any, api_name: str, *, is_matrix: bool) -> tuple:
+    """Inside a compiled graph a data-dependent raise is impossible: failed factorisations show
+    as NaN/inf results there. Eager calls never get here: the kernel in
+    eager/data_dependent.py reads `info` and raises PyTorch's LinAlgError."""
+    return ()
+
+
+
 @register(aten.linalg_inv_ex.default)
 def linalg_inv_ex(A: Any, *, check_errors: bool = False) -> tuple[Any, Any]:
     A = _float(A)
