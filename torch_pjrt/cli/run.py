@@ -139,11 +139,14 @@ def exit_status(code: Any) -> int:
 
 
 def print_script_error(error: BaseException, user: UserCode) -> None:
-    """The traceback from the script's first frame on, as `python SCRIPT` would print it."""
+    """The traceback as `python SCRIPT` would print it: from the script's first frame, without the CLI's."""
     tb = error.__traceback__
     while tb is not None and not user.owns(tb.tb_frame.f_code.co_filename):
         tb = tb.tb_next
-    traceback.print_exception(type(error), error, tb or error.__traceback__, file=sys.stderr)
+    report = traceback.TracebackException(type(error), error, tb or error.__traceback__)
+    cli = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    report.stack = traceback.StackSummary.from_list([f for f in report.stack if not f.filename.startswith(cli)])
+    print("".join(report.format()), end="", file=sys.stderr)
 
 
 def format_bytes(count: float) -> str:
