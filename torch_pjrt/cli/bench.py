@@ -288,6 +288,8 @@ def run_script(script: str, argv: list[str], device: str, progress: Progress) ->
     def on_backward(loss: torch.Tensor) -> None:
         last_loss[:] = [loss]
 
+    if device == "cpu":
+        torch.pjrt.init()  # the shim maps torch.cuda.* to torch.pjrt: start jax outside the CPU timing
     torch.manual_seed(0)
     with measured(device) as run:
         handle = register_optimizer_step_post_hook(on_step)
