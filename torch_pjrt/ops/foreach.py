@@ -21,7 +21,7 @@ aten = torch.ops.aten
 
 def map_lists(fn: Callable, *columns: Any, **shared: Any) -> list[Any]:
     """fn applied item by item across the list columns, with non-list columns shared."""
-    length = next(len(c) for c in columns if isinstance(c, list))
+    length = next((len(c) for c in columns if isinstance(c, list)), 0)
     return [fn(*(c[i] if isinstance(c, list) else c for c in columns), **shared) for i in range(length)]
 
 

@@ -605,9 +605,12 @@ def signbit(self: Any) -> Any:
 
 @register(aten.nan_to_num.default)
 def nan_to_num(self: Any, nan: float | None = None, posinf: float | None = None, neginf: float | None = None) -> Any:
-    """Defaults are the extremes of the tensor's own dtype."""
+    """Defaults are the extremes of the tensor's own dtype; complex parts are replaced separately."""
     if is_integral(self):
         return self
+    if is_complex(self):
+        return jax.lax.complex(nan_to_num(jnp.real(self), nan, posinf, neginf),
+                               nan_to_num(jnp.imag(self), nan, posinf, neginf))
     info = jnp.finfo(self.dtype)
     x = jnp.where(jnp.isnan(self), 0.0 if nan is None else nan, self)
     x = jnp.where(x == jnp.inf, info.max if posinf is None else posinf, x)
