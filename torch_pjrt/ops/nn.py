@@ -944,13 +944,17 @@ def _pad_coordinate(coord: Any, size: int, padding_mode: int, align_corners: boo
     return coord
 
 
-def _sample(input: Any, iy: Any, ix: Any) -> Any:
-    """input[n, :, iy, ix] for integer maps (N, Ho, Wo), zero where out of bounds -> (N, C, Ho, Wo)."""
-    height, width = input.shape[-2:]
+def _sample(input: Any, iy: Any, ix: Any, weights: Any) -> Any:
+    """Sum over taps (last dim) of weights * input[n, :, iy, ix], out-of-bounds taps reading zero.
+
+    iy, ix, weights: (N, Ho, Wo, taps); one gather for all taps.
+    """
+    n, c, height, width = input.shape
     inside = (iy >= 0) & (iy < height) & (ix >= 0) & (ix < width)
-    iy_c, ix_c = jnp.clip(iy, 0, height - 1), jnp.clip(ix, 0, width - 1)
-    values = jax.vmap(lambda image, y, x: image[:, y, x])(input, iy_c, ix_c)
-    return jnp.where(inside[:, None], values, 0)
+    flat = jnp.clip(iy, 0, height - 1) * width + jnp.clip(ix, 0, width - 1)
+    values = jnp.take_along_axis(input.reshape(n, c, -1), flat.reshape(n, 1, -1), axis=2)
+    values = values.reshape((n, c) + flat.shape[1:])
+    return jnp.sum(values * jnp.where(inside, weights, 0)[:, None], axis=-1)
 
 
 def _grid_sample_2d(input: Any, grid: Any, interpolation_mode: int, padding_mode: int, align_corners: bool) -> Any:
@@ -960,27 +964,23 @@ def _grid_sample_2d(input: Any, grid: Any, interpolation_mode: int, padding_mode
     if interpolation_mode == BICUBIC:
         x0, y0 = jnp.floor(x), jnp.floor(y)
         cubic = _cubic_filter(CUBIC_A, jnp)
-        wx = [cubic(x - x0 + 1 - i) for i in range(4)]
-        wy = [cubic(y - y0 + 1 - j) for j in range(4)]
-        total = 0
-        for j in range(4):
-            yy = _pad_coordinate(y0 - 1 + j, height, padding_mode, align_corners).astype(jnp.int64)
-            for i in range(4):
-                xx = _pad_coordinate(x0 - 1 + i, width, padding_mode, align_corners).astype(jnp.int64)
-                total = total + _sample(input, yy, xx) * (wx[i] * wy[j])[:, None]
-        return total
+        taps = [(j, i) for j in range(4) for i in range(4)]
+        iy = jnp.stack([_pad_coordinate(y0 - 1 + j, height, padding_mode, align_corners) for j, _ in taps], -1)
+        ix = jnp.stack([_pad_coordinate(x0 - 1 + i, width, padding_mode, align_corners) for _, i in taps], -1)
+        weights = jnp.stack([cubic(x - x0 + 1 - i) * cubic(y - y0 + 1 - j) for j, i in taps], -1)
+        return _sample(input, iy.astype(jnp.int64), ix.astype(jnp.int64), weights)
     x = _pad_coordinate(x, width, padding_mode, align_corners)
     y = _pad_coordinate(y, height, padding_mode, align_corners)
     if interpolation_mode == NEAREST:
-        return _sample(input, jnp.round(y).astype(jnp.int64), jnp.round(x).astype(jnp.int64))
+        iy, ix = jnp.round(y).astype(jnp.int64), jnp.round(x).astype(jnp.int64)
+        return _sample(input, iy[..., None], ix[..., None], jnp.ones(iy.shape + (1,), input.dtype))
     x0, y0 = jnp.floor(x), jnp.floor(y)
     fx, fy = x - x0, y - y0
     x0, y0 = x0.astype(jnp.int64), y0.astype(jnp.int64)
-    total = 0
-    for dy, wy in ((0, 1 - fy), (1, fy)):
-        for dx, wx in ((0, 1 - fx), (1, fx)):
-            total = total + _sample(input, y0 + dy, x0 + dx) * (wx * wy)[:, None]
-    return total
+    iy = jnp.stack([y0, y0, y0 + 1, y0 + 1], -1)
+    ix = jnp.stack([x0, x0 + 1, x0, x0 + 1], -1)
+    weights = jnp.stack([(1 - fx) * (1 - fy), fx * (1 - fy), (1 - fx) * fy, fx * fy], -1)
+    return _sample(input, iy, ix, weights)
 
 
 @register(aten.grid_sampler_2d.default)
