@@ -71,8 +71,13 @@ class UserCode:
         return None, None
 
     def stack_site(self) -> tuple[str | None, int | None]:
-        frames = [(summary.filename, summary.lineno) for summary in traceback.extract_stack()]
-        return self.innermost(frames)
+        """The innermost user line on the current call stack."""
+        frame = sys._getframe(1)
+        while frame is not None:
+            if self.owns(frame.f_code.co_filename):
+                return frame.f_code.co_filename, frame.f_lineno
+            frame = frame.f_back
+        return None, None
 
     def traceback_site(self, tb: types.TracebackType | None) -> tuple[str | None, int | None]:
         return self.innermost([(frame.f_code.co_filename, line) for frame, line in traceback.walk_tb(tb)])
@@ -93,14 +98,16 @@ class Recorder:
         run_on_cpu, missing_message = fallback.run_on_cpu, fallback.missing_message
 
         def recording_run_on_cpu(op: Any, args: tuple, kwargs: dict) -> Any:
-            self.fallbacks.setdefault(str(op), OpSite(str(op), *self.user.stack_site()))
+            if str(op) not in self.fallbacks:
+                self.fallbacks[str(op)] = OpSite(str(op), *self.user.stack_site())
             return run_on_cpu(op, args, kwargs)
 
         def recording_missing_message(op: Any) -> str:
             message = missing_message(op)
             name = MISSING_LOWERING.search(message)
             key = name.group(1) if name else str(op)
-            self.unsupported.setdefault(key, OpSite(key, *self.user.stack_site()))
+            if key not in self.unsupported:
+                self.unsupported[key] = OpSite(key, *self.user.stack_site())
             return message
 
         fallback.run_on_cpu, fallback.missing_message = recording_run_on_cpu, recording_missing_message
