@@ -221,3 +221,44 @@ def test_repeat_interleave_and_bincount():
 def test_data_dependent_results_feed_later_ops():
     x = _distinct(6, 3)
     check(lambda x: x[torch.nonzero(x > 0, as_tuple=True)].sum(), x, atol=1e-5, rtol=1e-5)
+
+
+def test_writes_through_views():
+    x = torch.randn(4, 5)
+
+    def mask_set_on_transpose(a):
+        b = a.clone()
+        v = b.t()
+        v[v > 0] = 0.0
+        return b
+
+    def iadd_on_transpose(a, i):
+        b = a.clone()
+        b.t()[i] += 1
+        return b
+
+    def accumulate_on_transpose(a, i):
+        b = a.clone()
+        b.t().index_put_((i,), torch.ones(2, 4, device=a.device), accumulate=True)
+        return b
+
+    def scatter_add_on_rows(a, i):
+        b = a.clone()
+        b[1:3].scatter_add_(1, i, torch.ones(2, 2, device=a.device))
+        return b
+
+    check(mask_set_on_transpose, x)
+    check(iadd_on_transpose, x, torch.tensor([0, 2]))
+    check(accumulate_on_transpose, x, torch.tensor([1, 1]))
+    check(scatter_add_on_rows, x, torch.tensor([[0, 0], [4, 4]]))
+    check(lambda a: torch.nonzero(a.t() > 0), x)
+    check(lambda a: torch.masked_select(a[:, ::2], a[:, ::2] > 0), x)
+
+
+def test_more_backward():
+    x = torch.randn(4, 5)
+    check(lambda a, s, m: _grads(lambda a, s, m: a.masked_scatter(m, s), a, s, m), x, torch.randn(20), x > 0)
+    index, src = torch.randint(0, 4, (6, 5)), torch.randn(6, 5)
+    for reduce in ("prod", "amax", "mean"):
+        check(lambda a, i, s, r=reduce: _grads(lambda a, i, s: a.scatter_reduce(0, i, s, r), a, i, s), x, index, src)
+    check(lambda a, i: _grads(lambda a, i: torch.take(a, i), a, i), x, torch.tensor([1, 1, 7]))
