@@ -240,6 +240,20 @@ def test_embedding_forward_backward(padding_idx: int | None, scale: bool) -> Non
                torch.randn(6, 4), indices)
 
 
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
+def test_embedding_bag(mode: str) -> None:
+    weight, indices, offsets = torch.randn(10, 4), torch.randint(0, 10, (12,)), torch.tensor([0, 3, 3, 7])
+    check_grad(lambda w, i, o: F.embedding_bag(i, w, o, mode=mode), weight, indices, offsets)
+    check_grad(lambda w, i, o: F.embedding_bag(i, w, o, mode=mode, padding_idx=int(indices[0]),
+                                               include_last_offset=True), weight, indices, torch.tensor([0, 3, 7, 12]))
+    check_grad(lambda w, i: F.embedding_bag(i, w, mode=mode), weight, indices.reshape(3, 4))
+
+
+def test_embedding_bag_per_sample_weights() -> None:
+    check_grad(lambda w, i, o, p: F.embedding_bag(i, w, o, mode="sum", per_sample_weights=p), torch.randn(10, 4),
+               torch.randint(0, 10, (12,)), torch.tensor([0, 3, 3, 7]), torch.rand(12), grads=(0, 3))
+
+
 PADS = [
     ((2, 3, 6), (2, 1), "constant"),
     ((2, 3, 6, 5), (-1, 2, 1, -2), "constant"),
