@@ -390,23 +390,29 @@ def lcm(self: Any, other: Any) -> Any:
     return jnp.lcm(*promote(self, other))
 
 
-# --- Bessel functions of the first kind -----------------------------------------------------------
+# --- Bessel functions J0, J1, Y0, Y1, K0, K1 ------------------------------------------------------------
 
-_BESSEL_NODES = 64
-_BESSEL_SWITCH = 25.0
+_J_NODES = 64
+_J_SWITCH = 25.0
+_K_NODES = 256
+
+
+def _node_sum(count: int, term: Callable, like: Any) -> Any:
+    """sum_k term(k) for k < count, looped so no (elements x nodes) array is materialised."""
+    return jax.lax.fori_loop(0, count, lambda k, total: total + term(k.astype(like.dtype)), jnp.zeros_like(like))
 
 
 def _bessel_j_small(order: int, x: Any) -> Any:
-    """J_n(x) = mean over t of cos(n t - x sin t): the trapezoidal rule on a full period is exact
-    up to J_{n+64}(x), negligible below the switch point."""
-    t = jnp.arange(_BESSEL_NODES, dtype=x.dtype) * (2 * math.pi / _BESSEL_NODES)
-    return jnp.mean(jnp.cos(order * t - x[..., None] * jnp.sin(t)), axis=-1)
+    """J_n(x) = mean over a period of cos(n t - x sin t): the trapezoidal rule is exact up to
+    J_{n+64}(x), negligible below the switch point."""
+    step = 2 * math.pi / _J_NODES
+    return _node_sum(_J_NODES, lambda k: jnp.cos(order * k * step - x * jnp.sin(k * step)), x) / _J_NODES
 
 
-def _bessel_j_large(order: int, x: Any) -> Any:
-    """Hankel's asymptotic expansion, accurate to double precision past the switch point."""
+def _hankel(order: int, x: Any, second_kind: bool) -> Any:
+    """Hankel's asymptotic expansion of J_n or Y_n, accurate to double precision past the switch point."""
     mu = 4.0 * order * order
-    z = jnp.where(jnp.abs(x) > _BESSEL_SWITCH, jnp.abs(x), _BESSEL_SWITCH)
+    z = jnp.where(jnp.abs(x) > _J_SWITCH, jnp.abs(x), _J_SWITCH)
     p, q, term = jnp.zeros_like(z), jnp.zeros_like(z), jnp.ones_like(z)
     for k in range(12):
         if k % 2 == 0:
@@ -415,21 +421,112 @@ def _bessel_j_large(order: int, x: Any) -> Any:
             q = q + (-1) ** (k // 2) * term
         term = term * (mu - (2 * k + 1) ** 2) / ((k + 1) * 8 * z)
     chi = z - (order / 2 + 0.25) * math.pi
+    if second_kind:
+        return jnp.sqrt(2 / (math.pi * z)) * (p * jnp.sin(chi) + q * jnp.cos(chi))
     value = jnp.sqrt(2 / (math.pi * z)) * (p * jnp.cos(chi) - q * jnp.sin(chi))
     return value if order % 2 == 0 else jnp.sign(x) * value
 
 
 def _bessel_j(order: int) -> Callable:
     def bessel(x: Any) -> Any:
-        small = _bessel_j_small(order, jnp.where(jnp.abs(x) > _BESSEL_SWITCH, 0, x))
-        return jnp.where(jnp.abs(x) > _BESSEL_SWITCH, _bessel_j_large(order, x), small)
+        small = _bessel_j_small(order, jnp.where(jnp.abs(x) > _J_SWITCH, 0, x))
+        return jnp.where(jnp.abs(x) > _J_SWITCH, _hankel(order, x, False), small)
 
     bessel.__name__ = f"bessel_j{order}"
     return bessel
 
 
-for _op, _order in {aten.special_bessel_j0.default: 0, aten.special_bessel_j1.default: 1}.items():
-    register(_op)(_unary(_bessel_j(_order), KIND.INT_TO_FLOAT))
+_Y_SERIES_LIMIT = 0.5
+_Y_SERIES_TERMS = 12
+_GAUSS_NODES, _GAUSS_WEIGHTS = np.polynomial.legendre.leggauss(64)
+
+
+def _bessel_y_series(order: int, x: Any) -> Any:
+    """The ascending series (log term times J_n plus a harmonic-number series): free of cancellation
+    for small x only."""
+    half = x / 2
+    log_term = 2 / math.pi * (jnp.log(half) + (np.euler_gamma if order == 0 else 0)) * _bessel_j(order)(x)
+    total, power, harmonic = jnp.zeros_like(x), jnp.ones_like(x) * (1.0 if order == 0 else half), 0.0
+    for k in range(_Y_SERIES_TERMS):
+        if order == 0:
+            if k > 0:
+                total = total + (-1) ** (k + 1) * harmonic * power
+            power = power * half * half / ((k + 1) ** 2)
+        else:
+            total = total + (-1) ** k * (2 * harmonic + 1 / (k + 1) - 2 * np.euler_gamma) * power
+            power = power * half * half / ((k + 1) * (k + 2))
+        harmonic += 1 / (k + 1)
+    if order == 0:
+        return log_term + 2 / math.pi * total
+    return log_term - 2 / (math.pi * x) - total / math.pi
+
+
+def _bessel_y_integral(order: int, x: Any) -> Any:
+    """Y_n(x) = (1/pi) int_0^pi sin(x sin t - n t) dt - (1/pi) int_0^inf (e^{nt} + (-1)^n e^{-nt}) e^{-x sinh t} dt,
+    both by 64-point Gauss-Legendre; the second is cut where x sinh t = 50 (x > 0.5)."""
+    nodes, weights = jnp.asarray(_GAUSS_NODES, x.dtype), jnp.asarray(_GAUSS_WEIGHTS, x.dtype)
+    cut = jnp.arcsinh(50 / x)
+
+    def term(k: Any) -> Any:
+        index = k.astype(np.int32)
+        theta, t = (nodes[index] + 1) * (math.pi / 2), (nodes[index] + 1) * (cut / 2)
+        oscillating = jnp.sin(x * jnp.sin(theta) - order * theta) * (math.pi / 2)
+        decaying = (jnp.exp(order * t) + (-1) ** order * jnp.exp(-order * t)) * jnp.exp(-x * jnp.sinh(t)) * (cut / 2)
+        return weights[index] * (oscillating - decaying)
+
+    return _node_sum(len(_GAUSS_NODES), term, x) / math.pi
+
+
+def _bessel_y(order: int) -> Callable:
+    def bessel(x: Any) -> Any:
+        series = _bessel_y_series(order, jnp.where((x > 0) & (x <= _Y_SERIES_LIMIT), x, 1.0))
+        middle = _bessel_y_integral(order, jnp.where((x > _Y_SERIES_LIMIT) & (x <= _J_SWITCH), x, 10.0))
+        value = jnp.where(x <= _Y_SERIES_LIMIT, series, jnp.where(x <= _J_SWITCH, middle, _hankel(order, x, True)))
+        return jnp.where(x > 0, value, jnp.where(x == 0, -jnp.inf, jnp.nan))
+
+    bessel.__name__ = f"bessel_y{order}"
+    return bessel
+
+
+def _bessel_k_scaled(order: int, x: Any) -> Any:
+    """exp(x) K_n(x) = int_0^inf exp(-x (cosh t - 1)) cosh(n t) dt for x > 0.
+
+    The integrand is even and analytic, so the trapezoidal rule converges geometrically; the
+    step shrinks like 1/sqrt(x) to resolve the Gaussian peak of large x. Below 1e-9 the
+    leading terms of the small-x expansion are exact to double precision."""
+    safe = jnp.where(x > 1e-9, x, 1.0)
+    step = jnp.minimum(0.1, 0.5 / jnp.sqrt(safe))
+
+    def term(k: Any) -> Any:
+        t = k * step
+        weight = jnp.where(k == 0, 0.5, 1.0)
+        return weight * jnp.exp(-2 * safe * jnp.sinh(t / 2) ** 2) * jnp.cosh(order * t)
+
+    integral = _node_sum(_K_NODES, term, safe) * step
+    tiny = -(jnp.log(x / 2) + np.euler_gamma) if order == 0 else 1 / x
+    value = jnp.where(x > 1e-9, integral, tiny * jnp.exp(x))
+    value = jnp.where(x == jnp.inf, 0, value)
+    return jnp.where(x > 0, value, jnp.where(x == 0, jnp.inf, jnp.nan))
+
+
+def _bessel_k(order: int, scaled: bool) -> Callable:
+    def bessel(x: Any) -> Any:
+        value = _bessel_k_scaled(order, x)
+        return value if scaled else value * jnp.exp(-x)
+
+    bessel.__name__ = f"{'scaled_' if scaled else ''}bessel_k{order}"
+    return bessel
+
+
+for _op, _fn in {
+    aten.special_bessel_j0.default: _bessel_j(0), aten.special_bessel_j1.default: _bessel_j(1),
+    aten.special_bessel_y0.default: _bessel_y(0), aten.special_bessel_y1.default: _bessel_y(1),
+    aten.special_modified_bessel_k0.default: _bessel_k(0, False),
+    aten.special_modified_bessel_k1.default: _bessel_k(1, False),
+    aten.special_scaled_modified_bessel_k0.default: _bessel_k(0, True),
+    aten.special_scaled_modified_bessel_k1.default: _bessel_k(1, True),
+}.items():
+    register(_op)(_unary(_fn, KIND.INT_TO_FLOAT))
 
 
 # --- orthogonal polynomials (degree n given per element) ----------------------------------------
