@@ -41,7 +41,6 @@ def test_mm_non_contiguous():
     check(lambda a, b: torch.mm(a.t(), b[::2].t()), a, b, **TOL)
 
 
-@pytest.mark.xfail(reason="core: dispatch passes out= to the functional lowering (torch.add(a, a, out=o) fails too)")
 def test_mm_out():
     a, b = torch.randn(5, 4), torch.randn(6, 5)
 
@@ -187,6 +186,15 @@ def test_lu_unpack_legacy_cholesky_eig():
         return (a.to(v.dtype) @ v - v * w.unsqueeze(-2)).abs()
 
     check(residual, a, atol=1e-8, rtol=0)
+
+
+def test_householder_product_ormqr():
+    reflectors, tau = torch.geqrf(torch.randn(2, 5, 3))
+    check(torch.linalg.householder_product, reflectors, tau, **TOL)
+    check(torch.ormqr, reflectors, tau, torch.randn(2, 5, 2), **TOL)
+    right = torch.randn(2, 2, 5)
+    check(lambda a, t, c: torch.ormqr(a, t, c, left=False, transpose=True), reflectors, tau, right, **TOL)
+    check(lambda a, t: _grads(lambda x: torch.linalg.householder_product(x, t), a), reflectors[0], tau[0], **TOL)
 
 
 @pytest.mark.parametrize("p", [0.0, 2.0, 3.5, float("inf")])

@@ -40,7 +40,6 @@ def test_cat_empty_promotion_and_out():
     check(lambda a, b: torch.cat([a, b[:, :0]], 1), torch.randn(2, 3), torch.randn(2, 3))
 
 
-@pytest.mark.xfail(reason="core: dispatch passes out= to the functional lowering (torch.add(a, a, out=o) fails too)")
 def test_cat_out():
     def with_out(a, b):
         out = torch.empty(5, 3, device=a.device)

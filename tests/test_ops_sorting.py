@@ -56,7 +56,6 @@ def test_sort_non_contiguous_and_scalar():
     check(lambda x: torch.sort(x[0, 0]), x)
 
 
-@pytest.mark.xfail(reason="core: dispatch passes out= to the functional lowering (torch.add(a, a, out=o) fails too)")
 def test_sort_out():
     x = _distinct(6, 5)
 

@@ -75,18 +75,7 @@ def _singular_info(lu: Any) -> Any:
 
 def _permutation_from_pivots(pivots: Any, m: int) -> Any:
     """The row permutation that LAPACK's 1-based sequential swaps describe (A[perm] = L U)."""
-    pivots = pivots.astype(jnp.int32) - 1
-    perm = jnp.broadcast_to(jnp.arange(m, dtype=jnp.int32), pivots.shape[:-1] + (m,))
-    rows = jnp.arange(m)
-
-    def swap(i: Any, p: Any) -> Any:
-        target = jnp.take(pivots, i, axis=-1)[..., None]
-        at_i = jnp.take(p, i, axis=-1)[..., None]
-        at_target = jnp.take_along_axis(p, target, axis=-1)
-        p = jnp.where(rows == i, at_target, p)
-        return jnp.where(rows == target, at_i, p)
-
-    return lax.fori_loop(0, pivots.shape[-1], swap, perm)
+    return lax.linalg.lu_pivots_to_permutation(pivots.astype(jnp.int32) - 1, m)
 
 
 def _lu_solve(lu: Any, permutation: Any, b: Any, adjoint: bool = False) -> Any:
@@ -251,6 +240,17 @@ def linalg_qr(A: Any, mode: str = "reduced") -> tuple[Any, Any]:
         return jnp.zeros((0,), A.dtype), jnp.linalg.qr(A, mode="r")
     q, r = jnp.linalg.qr(A, mode="complete" if mode == "complete" else "reduced")
     return q, r
+
+
+@register(aten.linalg_householder_product.default)
+def linalg_householder_product(input: Any, tau: Any) -> Any:
+    return lax.linalg.householder_product(input, tau.astype(input.dtype))
+
+
+@register(aten.ormqr.default)
+def ormqr(self: Any, input2: Any, input3: Any, left: bool = True, transpose: bool = False) -> Any:
+    return lax.linalg.ormqr(self, input2.astype(self.dtype), input3.astype(self.dtype), left=left,
+                            transpose=transpose)
 
 
 @register(aten._linalg_svd.default)
