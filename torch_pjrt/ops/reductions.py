@@ -35,24 +35,24 @@ def axes(x: Any, dim: int | Sequence[int] | None, empty_means_all: bool = True) 
     return tuple(sorted({d % x.ndim for d in dims}))
 
 
-def accumulate(x: Any, dtype: torch.dtype | None = None, integers_widen: bool = True) -> Any:
+def accumulate(x: Any, dtype: torch.dtype | None = None) -> Any:
     """x in the dtype a sum-like reduction runs in: the requested dtype, float32 for halves, int64 for ints."""
     if dtype is not None:
         x = x.astype(storage.numpy_dtype(dtype))
     kind = np.dtype(x.dtype)
     if kind.name in _HALF:
         return x.astype(np.float32)
-    if kind.kind in "biu" and integers_widen:
+    if kind.kind in "biu":
         return x.astype(np.int64)
     return x
 
 
 def _opmath(x: Any) -> Any:
-    """Floats in at least float32, integers as float32 (PyTorch's default dtype)."""
+    """Floats in at least float32, integers in PyTorch's default dtype."""
     kind = np.dtype(x.dtype)
-    if kind.name in _HALF or kind.kind in "biu":
-        return x.astype(storage.numpy_dtype(torch.get_default_dtype()) if kind.kind in "biu" else np.float32)
-    return x
+    if kind.kind in "biu":
+        return x.astype(storage.numpy_dtype(torch.get_default_dtype()))
+    return x.astype(np.float32) if kind.name in _HALF else x
 
 
 def _count(x: Any, dims: tuple[int, ...]) -> int:
@@ -256,46 +256,44 @@ def count_nonzero(self: Any, dim: Any = None) -> Any:
 # --- scans -----------------------------------------------------------------------------------
 
 
-def _scan_axis(x: Any, dim: int) -> int:
-    return dim % x.ndim if x.ndim else 0
-
-
-def _scan(fn: Callable, x: Any, dim: int) -> Any:
+def _along(fn: Callable, dim: int, x: Any, *others: Any) -> Any:
+    """fn(x, *others, axis=dim); 0-d tensors (where PyTorch accepts dim 0 or -1) act as 1-vectors."""
     if x.ndim == 0:
-        return fn(x.reshape(1), axis=0).reshape(())
-    return fn(x, axis=_scan_axis(x, dim))
+        return fn(x.reshape(1), *(o.reshape(1) for o in others), axis=0).reshape(())
+    return fn(x, *others, axis=dim % x.ndim)
 
 
 @register(aten.cumsum.default)
 def cumsum(self: Any, dim: int, *, dtype: torch.dtype | None = None) -> Any:
-    return _scan(jnp.cumsum, accumulate(self, dtype), dim)
+    return _along(jnp.cumsum, dim, accumulate(self, dtype))
 
 
 @register(aten.cumprod.default)
 def cumprod(self: Any, dim: int, *, dtype: torch.dtype | None = None) -> Any:
-    return _scan(jnp.cumprod, accumulate(self, dtype), dim)
+    return _along(jnp.cumprod, dim, accumulate(self, dtype))
 
 
 @register(aten.logcumsumexp.default)
 def logcumsumexp(self: Any, dim: int) -> Any:
-    return _scan(jax.lax.cumlogsumexp, _opmath(self), dim)
+    return _along(jax.lax.cumlogsumexp, dim, _opmath(self))
 
 
 def _running_extreme(x: Any, dim: int, better: Callable) -> tuple[Any, Any]:
     """Running extreme with the index of its latest occurrence; NaN wins and sticks, as in PyTorch."""
-    flat = x.reshape(1) if x.ndim == 0 else x
-    axis = _scan_axis(x, dim)
-    shape = [1] * flat.ndim
-    shape[axis] = flat.shape[axis]
-    index = jnp.broadcast_to(jnp.arange(flat.shape[axis], dtype=np.int64).reshape(shape), flat.shape)
+    floating = np.dtype(x.dtype).kind in "fc"
 
     def combine(earlier: tuple[Any, Any], later: tuple[Any, Any]) -> tuple[Any, Any]:
         (v1, i1), (v2, i2) = earlier, later
-        take = jnp.isnan(v2) | (~jnp.isnan(v1) & better(v2, v1)) if np.dtype(x.dtype).kind in "fc" else better(v2, v1)
+        take = jnp.isnan(v2) | (~jnp.isnan(v1) & better(v2, v1)) if floating else better(v2, v1)
         return jnp.where(take, v2, v1), jnp.where(take, i2, i1)
 
-    values, indices = jax.lax.associative_scan(combine, (flat, index), axis=axis)
-    return values.reshape(x.shape), indices.reshape(x.shape)
+    def scan(values: Any, axis: int) -> tuple[Any, Any]:
+        index = jax.lax.broadcasted_iota(np.int64, values.shape, axis)
+        return jax.lax.associative_scan(combine, (values, index), axis=axis)
+
+    if x.ndim == 0:
+        return x, jnp.zeros((), np.int64)
+    return scan(x, dim % x.ndim)
 
 
 @register(aten.cummax.default)
@@ -311,39 +309,39 @@ def cummin(self: Any, dim: int) -> tuple[Any, Any]:
 # --- softmax ---------------------------------------------------------------------------------
 
 
-@register(aten._softmax.default)
-def _softmax(self: Any, dim: int, half_to_float: bool) -> Any:
-    x = _opmath(self)
-    axis = _scan_axis(x, dim)
-    if x.ndim == 0:
-        return jnp.exp(x - x)
+def _softmax_along(x: Any, axis: int) -> Any:
     shifted = jnp.exp(x - jnp.max(x, axis=axis, keepdims=True))
     return shifted / jnp.sum(shifted, axis=axis, keepdims=True)
 
 
-@register(aten._log_softmax.default)
-def _log_softmax(self: Any, dim: int, half_to_float: bool) -> Any:
-    x = _opmath(self)
-    if x.ndim == 0:
-        return x - x
-    axis = _scan_axis(x, dim)
+def _log_softmax_along(x: Any, axis: int) -> Any:
     shifted = x - jnp.max(x, axis=axis, keepdims=True)
     return shifted - jnp.log(jnp.sum(jnp.exp(shifted), axis=axis, keepdims=True))
 
 
+def _softmax_grad_along(g: Any, y: Any, axis: int) -> Any:
+    return y * (g - jnp.sum(g * y, axis=axis, keepdims=True))
+
+
+def _log_softmax_grad_along(g: Any, y: Any, axis: int) -> Any:
+    return g - jnp.exp(y) * jnp.sum(g, axis=axis, keepdims=True)
+
+
+@register(aten._softmax.default)
+def _softmax(self: Any, dim: int, half_to_float: bool) -> Any:
+    return _along(_softmax_along, dim, _opmath(self))
+
+
+@register(aten._log_softmax.default)
+def _log_softmax(self: Any, dim: int, half_to_float: bool) -> Any:
+    return _along(_log_softmax_along, dim, _opmath(self))
+
+
 @register(aten._softmax_backward_data.default)
 def _softmax_backward_data(grad_output: Any, output: Any, dim: int, input_dtype: torch.dtype) -> Any:
-    g, y = _opmath(grad_output), _opmath(output)
-    axis = _scan_axis(y, dim)
-    if y.ndim == 0:
-        return g * y - g * y
-    return y * (g - jnp.sum(g * y, axis=axis, keepdims=True))
+    return _along(_softmax_grad_along, dim, _opmath(grad_output), _opmath(output))
 
 
 @register(aten._log_softmax_backward_data.default)
 def _log_softmax_backward_data(grad_output: Any, output: Any, dim: int, input_dtype: torch.dtype) -> Any:
-    g, y = _opmath(grad_output), _opmath(output)
-    if y.ndim == 0:
-        return g - g
-    axis = _scan_axis(y, dim)
-    return g - jnp.exp(y) * jnp.sum(g, axis=axis, keepdims=True)
+    return _along(_log_softmax_grad_along, dim, _opmath(grad_output), _opmath(output))
