@@ -370,3 +370,23 @@ def test_bessel_edges() -> None:
                torch.special.modified_bessel_k0, torch.special.modified_bessel_k1,
                torch.special.scaled_modified_bessel_k0, torch.special.scaled_modified_bessel_k1):
         check(fn, x, atol=1e-9, rtol=1e-5, equal_nan=True)
+
+
+def test_prims_delegating_to_other_families() -> None:
+    """Random draws, FFTs, SVD and as_strided_scatter prims reuse the ATen lowerings of their families."""
+    prims = torch.ops.prims
+    device = torch.device("pjrt")
+    draws = [prims.normal([200, 100], mean=1.0, std=2.0, dtype=torch.float32, device=device, requires_grad=False)
+             for _ in range(2)]
+    first, second = (d.cpu() for d in draws)
+    assert abs(first.mean().item() - 1.0) < 0.1 and abs(first.std().item() - 2.0) < 0.1
+    assert (first != second).any()
+    u = prims.uniform([20000], low=-1.0, high=3.0, dtype=torch.bfloat16, device=device, stride=[1]).cpu().float()
+    assert u.min() >= -1.0 and u.max() <= 3.0 and abs(u.mean().item() - 1.0) < 0.1
+    z = torch.randn(4, 6, dtype=torch.complex64)
+    check(lambda a: (prims.fft_c2c(a, dim=[1], forward=True), prims.fft_r2c(a.real, dim=[0, 1], onesided=True),
+                     prims.fft_c2r(a, dim=[1], last_dim_size=10)), z, atol=1e-4, rtol=1e-4)
+    m = torch.randn(5, 3)
+    u, s, vh = (t.cpu() for t in prims.svd(m.to("pjrt"), full_matrices=False))
+    torch.testing.assert_close(u @ torch.diag(s) @ vh, m, atol=1e-5, rtol=1e-5)
+    check(lambda a, b: prims.as_strided_scatter(a, b, [2, 2], [3, 1], 1), uniform((10,), -1, 1), uniform((2, 2), -1, 1))

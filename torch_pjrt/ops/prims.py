@@ -257,3 +257,60 @@ def xor_sum(inp: Any, dims: Sequence[int] | None, *, output_dtype: torch.dtype |
 def var(inp: Any, dims: Sequence[int] | None, correction: float | None = 1, *,
         output_dtype: torch.dtype | None = None) -> Any:
     return _cast(reductions.var(inp, dims, correction=correction), output_dtype)
+
+
+@register(prims.maximum_value.default)
+def maximum_value(dtype: torch.dtype) -> Any:
+    if dtype is torch.bool:
+        return True
+    return torch.finfo(dtype).max if dtype.is_floating_point or dtype.is_complex else torch.iinfo(dtype).max
+
+
+@register(prims.minimum_value.default)
+def minimum_value(dtype: torch.dtype) -> Any:
+    if dtype is torch.bool:
+        return False
+    return torch.finfo(dtype).min if dtype.is_floating_point or dtype.is_complex else torch.iinfo(dtype).min
+
+
+# --- random draws, FFTs and SVD: the ATen lowerings of their families -----------------------------
+
+
+def _draw_dtype(dtype: torch.dtype) -> Any:
+    """Halves are drawn in float32 and rounded once, like the rest of their arithmetic."""
+    return np.float32 if dtype in (torch.float16, torch.bfloat16) else storage.numpy_dtype(dtype)
+
+
+@register(prims.normal.default, random=True)
+def normal(shape: Sequence[int], *, mean: Any, std: Any, dtype: torch.dtype, rng: Any, **_: Any) -> Any:
+    return jax.random.normal(rng, tuple(shape), _draw_dtype(dtype)) * std + mean
+
+
+@register(prims.uniform.default, random=True)
+def uniform(shape: Sequence[int], *, low: Any, high: Any, dtype: torch.dtype, rng: Any, **_: Any) -> Any:
+    return low + jax.random.uniform(rng, tuple(shape), _draw_dtype(dtype)) * (high - low)
+
+
+@register(prims.fft_c2c.default)
+def fft_c2c(self: Any, *, dim: Sequence[int], forward: bool) -> Any:
+    return LOWERINGS[aten._fft_c2c.default].fn(self, list(dim), 0, forward)
+
+
+@register(prims.fft_r2c.default)
+def fft_r2c(self: Any, *, dim: Sequence[int], onesided: bool) -> Any:
+    return LOWERINGS[aten._fft_r2c.default].fn(self, list(dim), 0, onesided)
+
+
+@register(prims.fft_c2r.default)
+def fft_c2r(self: Any, *, dim: Sequence[int], last_dim_size: int) -> Any:
+    return LOWERINGS[aten._fft_c2r.default].fn(self, list(dim), 0, last_dim_size)
+
+
+@register(prims.svd.default)
+def svd(A: Any, *, full_matrices: bool) -> Any:  # noqa: N803
+    return LOWERINGS[aten._linalg_svd.default].fn(A, full_matrices, True)
+
+
+@register(prims.as_strided_scatter.default)
+def as_strided_scatter(self: Any, src: Any, size: Sequence[int], stride: Sequence[int], storage_offset: int) -> Any:
+    return LOWERINGS[aten.as_strided_scatter.default].fn(self, src, size, stride, storage_offset)
