@@ -207,7 +207,6 @@ def _linalg_check_errors(info: Any, api_name: str, *, is_matrix: bool) -> tuple:
     return ()
 
 
-
 @register(aten.linalg_inv_ex.default)
 def linalg_inv_ex(A: Any, *, check_errors: bool = False) -> tuple[Any, Any]:
     A = _float(A)
@@ -220,8 +219,8 @@ def linalg_inv_ex(A: Any, *, check_errors: bool = False) -> tuple[Any, Any]:
 def linalg_cholesky_ex(self: Any, *, upper: bool = False, check_errors: bool = False) -> tuple[Any, Any]:
     """Reads the lower triangle only; info is the order of the first non-positive leading minor."""
     A = _float(self)
-    lower = jnp.tril(A)
-    L = lax.linalg.cholesky(lower + _mH(jnp.tril(A, -1)), symmetrize_input=False)
+    hermitian = jnp.tril(A) + _mH(jnp.tril(A, -1))
+    L = lax.linalg.cholesky(hermitian, symmetrize_input=False)
     bad = jnp.isnan(jnp.diagonal(L, axis1=-2, axis2=-1))
     info = jnp.where(jnp.any(bad, axis=-1), jnp.argmax(bad, axis=-1) + 1, 0).astype(jnp.int32)
     L = jnp.tril(jnp.where(jnp.isnan(L), 0, L))
@@ -238,7 +237,7 @@ def linalg_qr(A: Any, mode: str = "reduced") -> tuple[Any, Any]:
     A = _float(A)
     if mode == "r":
         return jnp.zeros((0,), A.dtype), jnp.linalg.qr(A, mode="r")
-    q, r = jnp.linalg.qr(A, mode="complete" if mode == "complete" else "reduced")
+    q, r = jnp.linalg.qr(A, mode=mode)
     return q, r
 
 
@@ -317,34 +316,34 @@ def linalg_lu_factor_ex(A: Any, *, pivot: bool = True, check_errors: bool = Fals
     return lu, pivots, _singular_info(lu)
 
 
+def _permutation_matrix(permutation: Any, dtype: Any) -> Any:
+    """P with A = P L U, from A[permutation] = L U."""
+    return jnp.swapaxes(jax.nn.one_hot(permutation, permutation.shape[-1], dtype=dtype), -1, -2)
+
+
+def _unpack_lu(lu: Any) -> tuple[Any, Any]:
+    """(unit lower L, upper U) from a packed m x n LU."""
+    m, n = lu.shape[-2:]
+    k = min(m, n)
+    return jnp.tril(lu[..., :, :k], -1) + jnp.eye(m, k, dtype=lu.dtype), jnp.triu(lu[..., :k, :])
+
+
 @register(aten.linalg_lu.default)
 def linalg_lu(A: Any, *, pivot: bool = True) -> tuple[Any, Any, Any]:
     if not pivot:
         raise NotImplementedError("torch_pjrt: LU without pivoting is not supported (nor is it on CPU).")
-    A = _float(A)
-    m, n = A.shape[-2:]
-    k = min(m, n)
-    lu, _, permutation = _lu(A)
-    P = jnp.swapaxes(jax.nn.one_hot(permutation, m, dtype=A.dtype), -1, -2)
-    L = jnp.tril(lu[..., :, :k], -1) + jnp.eye(m, k, dtype=A.dtype)
-    U = jnp.triu(lu[..., :k, :])
-    return P, L, U
+    lu, _, permutation = _lu(_float(A))
+    return (_permutation_matrix(permutation, lu.dtype), *_unpack_lu(lu))
 
 
 @register(aten.lu_unpack.default)
 def lu_unpack(LU_data: Any, LU_pivots: Any, unpack_data: bool = True,
               unpack_pivots: bool = True) -> tuple[Any, Any, Any]:
-    m, n = LU_data.shape[-2:]
-    k = min(m, n)
     empty = jnp.zeros((0,), LU_data.dtype)
     P = empty
     if unpack_pivots:
-        permutation = _permutation_from_pivots(LU_pivots, m)
-        P = jnp.swapaxes(jax.nn.one_hot(permutation, m, dtype=LU_data.dtype), -1, -2)
-    if not unpack_data:
-        return P, empty, empty
-    L = jnp.tril(LU_data[..., :, :k], -1) + jnp.eye(m, k, dtype=LU_data.dtype)
-    return P, L, jnp.triu(LU_data[..., :k, :])
+        P = _permutation_matrix(_permutation_from_pivots(LU_pivots, LU_data.shape[-2]), LU_data.dtype)
+    return (P, *_unpack_lu(LU_data)) if unpack_data else (P, empty, empty)
 
 
 @register(aten.linalg_lu_solve.default)
