@@ -3,11 +3,12 @@ padding, losses, dropout and attention, forward and backward."""
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
 import torch
-from support import assert_same, check
+from support import assert_same, check, to_device
 from torch.nn import functional as F  # noqa: N812
 from torch.utils import _pytree as pytree
 
@@ -425,3 +426,52 @@ def test_losses_bfloat16() -> None:
     target = torch.randint(0, 5, (4,))
     check(lambda a, b, t: (F.mse_loss(a, b), F.cross_entropy(a, t), F.smooth_l1_loss(a, b)), x, y, target,
           atol=2e-2, rtol=2e-2)
+
+
+# --- modules that reach several of these ops --------------------------------------------------------
+
+
+def check_module(module: torch.nn.Module, *inputs: torch.Tensor, **tolerances: Any) -> torch.nn.Module:
+    """Output and parameter gradients of a module on pjrt match CPU; returns the pjrt copy."""
+    device_module = copy.deepcopy(module).to("pjrt")
+    expected, actual = module(*inputs), device_module(*to_device(inputs))
+    expected, actual = pytree.tree_leaves(expected)[0], pytree.tree_leaves(actual)[0]
+    assert_same(actual, expected, **(tolerances or TOL))
+    cotangent = torch.randn_like(expected)
+    expected.backward(cotangent)
+    actual.backward(cotangent.to("pjrt"))
+    assert_same([p.grad for p in device_module.parameters()], [p.grad for p in module.parameters()],
+                **(tolerances or TOL))
+    return device_module
+
+
+def test_lstm_fused_cell() -> None:
+    check_module(torch.nn.LSTM(8, 6, num_layers=2, batch_first=True, bidirectional=True), torch.randn(3, 5, 8))
+
+
+@pytest.mark.xfail(reason="PyTorch's meta kernel of _thnn_fused_lstm_cell reads .device of the None biases",
+                   raises=AttributeError)
+def test_lstm_without_bias() -> None:
+    check_module(torch.nn.LSTM(8, 6, bias=False), torch.randn(4, 2, 8))
+
+
+def test_instance_norm_running_stats() -> None:
+    module = torch.nn.InstanceNorm2d(3, affine=True, track_running_stats=True)
+    x = torch.randn(2, 3, 5, 5) * 2 + 1
+    device_module = check_module(module, x)
+    assert_same([device_module.running_mean, device_module.running_var], [module.running_mean, module.running_var],
+                **TOL)
+
+
+def test_embedding_max_norm_renormalizes_rows() -> None:
+    module = torch.nn.Embedding(10, 4, max_norm=1.0)
+    with torch.no_grad():
+        module.weight.mul_(3)
+    device_module = check_module(module, torch.randint(0, 10, (3, 4)))
+    assert_same(device_module.weight.detach(), module.weight.detach(), **TOL)
+
+
+@pytest.mark.parametrize("grads", [(0,), (1,)])
+def test_grid_sample_partial_gradients(grads: tuple) -> None:
+    check_grad(lambda x, g: F.grid_sample(x, g, align_corners=False), torch.randn(1, 2, 4, 5),
+               torch.rand(1, 3, 3, 2) * 2 - 1, grads=grads)

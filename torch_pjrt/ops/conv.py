@@ -91,11 +91,16 @@ def _convolution(input: Any, weight: Any, bias: Any, stride: Sequence[int], padd
     return convolution(input, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
 
 
-@register(aten.convolution_backward.default)
+@register(aten.convolution_backward.default, wants_meta=True)
 def convolution_backward(grad_output: Any, input: Any, weight: Any, bias_sizes: Sequence[int] | None,
                          stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int], transposed: bool,
-                         output_padding: Sequence[int], groups: int, output_mask: Sequence[bool]) -> tuple:
-    """Input and weight gradients are the vjp of the forward; outputs not asked for are None."""
+                         output_padding: Sequence[int], groups: int, output_mask: Sequence[bool], *,
+                         out_meta: Sequence[Any] | None = None) -> tuple:
+    """Input and weight gradients are the vjp of the forward; outputs not asked for are None.
+
+    Which outputs are asked for is what PyTorch's meta kernel returns (else output_mask).
+    """
+    wanted = output_mask if out_meta is None else [m is not None for m in out_meta]
     unbatched = input.ndim == weight.ndim - 1
     x = input[None] if unbatched else input
     g = grad_output[None] if unbatched else grad_output
@@ -104,26 +109,26 @@ def convolution_backward(grad_output: Any, input: Any, weight: Any, bias_sizes: 
         return _conv(x_, w_, stride, padding, dilation, transposed, output_padding, groups)
 
     grad_input = grad_weight = grad_bias = None
-    if output_mask[0] or output_mask[1]:
+    if wanted[0] or wanted[1]:
         _, vjp = jax.vjp(forward, x, weight)
         gx, gw = vjp(g.astype(x.dtype))
-        if output_mask[0]:
+        if wanted[0]:
             grad_input = gx[0] if unbatched else gx
-        if output_mask[1]:
+        if wanted[1]:
             grad_weight = gw
-    if output_mask[2]:
+    if wanted[2]:
         axes = tuple(i for i in range(g.ndim) if i != 1)
         grad_bias = jnp.sum(g.astype(jnp.promote_types(g.dtype, jnp.float32)), axis=axes)
     return grad_input, grad_weight, grad_bias
 
 
-@register(aten.convolution_backward_overrideable.default)
+@register(aten.convolution_backward_overrideable.default, wants_meta=True)
 def convolution_backward_overrideable(grad_output: Any, input: Any, weight: Any, stride: Sequence[int],
                                       padding: Sequence[int], dilation: Sequence[int], transposed: bool,
-                                      output_padding: Sequence[int], groups: int,
-                                      output_mask: Sequence[bool]) -> tuple:
+                                      output_padding: Sequence[int], groups: int, output_mask: Sequence[bool], *,
+                                      out_meta: Sequence[Any] | None = None) -> tuple:
     return convolution_backward(grad_output, input, weight, None, stride, padding, dilation, transposed,
-                                output_padding, groups, output_mask)
+                                output_padding, groups, output_mask, out_meta=out_meta)
 
 
 @register(aten.slow_conv_transpose2d.default)

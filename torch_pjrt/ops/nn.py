@@ -270,6 +270,35 @@ def rrelu_with_noise_backward(grad_output: Any, self: Any, noise: Any, lower: An
     return leaky_relu_backward(grad_output, self, (lower + upper) / 2, self_is_result)
 
 
+# --- recurrent cells ------------------------------------------------------------------------------
+
+
+@register(aten._thnn_fused_lstm_cell.default)
+def _thnn_fused_lstm_cell(input_gates: Any, hidden_gates: Any, cx: Any, input_bias: Any = None,
+                          hidden_bias: Any = None) -> tuple:
+    """(hy, cy, workspace): the workspace keeps the activated gates [i, f, g, o] for the backward."""
+    gates = _up(input_gates) + hidden_gates
+    if input_bias is not None:
+        gates = gates + input_bias + hidden_bias
+    i, f, g, o = jnp.split(gates, 4, axis=1)
+    i, f, g, o = jax.nn.sigmoid(i), jax.nn.sigmoid(f), jnp.tanh(g), jax.nn.sigmoid(o)
+    cy = f * cx + i * g
+    return o * jnp.tanh(cy), cy, jnp.concatenate([i, f, g, o], axis=1)
+
+
+@register(aten._thnn_fused_lstm_cell_backward_impl.default)
+def _thnn_fused_lstm_cell_backward_impl(grad_hy: Any, grad_cy: Any, cx: Any, cy: Any, workspace: Any,
+                                        has_bias: bool) -> tuple:
+    """(grad of the pre-activation gates, grad_cx, grad of the bias); a missing grad_hy/grad_cy is zero."""
+    i, f, g, o = jnp.split(_up(workspace), 4, axis=1)
+    tanh_cy = jnp.tanh(_up(cy))
+    grad_hy = 0 if grad_hy is None else _up(grad_hy)
+    grad_c = grad_hy * o * (1 - tanh_cy * tanh_cy) + (0 if grad_cy is None else _up(grad_cy))
+    grads = jnp.concatenate([grad_c * g * i * (1 - i), grad_c * cx * f * (1 - f), grad_c * i * (1 - g * g),
+                             grad_hy * tanh_cy * o * (1 - o)], axis=1)
+    return grads, grad_c * f, jnp.sum(grads, axis=0) if has_bias else None
+
+
 # --- normalization -------------------------------------------------------------------------------
 
 
@@ -295,8 +324,10 @@ def _affine(y: Any, weight: Any, bias: Any, shape: tuple[int, ...]) -> Any:
     return y
 
 
-def _masked(values: Sequence[Any], output_mask: Sequence[bool]) -> tuple:
-    return tuple(v if wanted else None for v, wanted in zip(values, output_mask))
+def _masked(values: Sequence[Any], output_mask: Sequence[bool], out_meta: Sequence[Any] | None) -> tuple:
+    """Outputs the caller expects: PyTorch's meta kernel decides (some ignore output_mask), else the mask."""
+    wanted = output_mask if out_meta is None else [m is not None for m in out_meta]
+    return tuple(v if w else None for v, w in zip(values, wanted))
 
 
 def _normalized_grad(g_hat: Any, x_hat: Any, rstd: Any, axes: tuple[int, ...]) -> Any:
@@ -313,9 +344,10 @@ def native_layer_norm(input: Any, normalized_shape: Sequence[int], weight: Any, 
     return _affine(y, weight, bias, tuple(normalized_shape)), mean, rstd
 
 
-@register(aten.native_layer_norm_backward.default)
+@register(aten.native_layer_norm_backward.default, wants_meta=True)
 def native_layer_norm_backward(grad_out: Any, input: Any, normalized_shape: Sequence[int], mean: Any, rstd: Any,
-                               weight: Any, bias: Any, output_mask: Sequence[bool]) -> tuple:
+                               weight: Any, bias: Any, output_mask: Sequence[bool], *,
+                               out_meta: Sequence[Any] | None = None) -> tuple:
     shape = tuple(normalized_shape)
     axes = tuple(range(input.ndim - len(shape), input.ndim))
     batch_axes = tuple(range(input.ndim - len(shape)))
@@ -323,7 +355,8 @@ def native_layer_norm_backward(grad_out: Any, input: Any, normalized_shape: Sequ
     x_hat = (_up(input) - mean) * rstd
     g_hat = g if weight is None else g * _up(weight)
     grad_input = _normalized_grad(g_hat, x_hat, rstd, axes)
-    return _masked((grad_input, jnp.sum(g * x_hat, axis=batch_axes), jnp.sum(g, axis=batch_axes)), output_mask)
+    grads = (grad_input, jnp.sum(g * x_hat, axis=batch_axes), jnp.sum(g, axis=batch_axes))
+    return _masked(grads, output_mask, out_meta)
 
 
 @register(aten.native_group_norm.default)
@@ -334,9 +367,10 @@ def native_group_norm(input: Any, weight: Any, bias: Any, n: int, c: int, hxw: i
     return out, mean.reshape(n, group), rstd.reshape(n, group)
 
 
-@register(aten.native_group_norm_backward.default)
+@register(aten.native_group_norm_backward.default, wants_meta=True)
 def native_group_norm_backward(grad_out: Any, input: Any, mean: Any, rstd: Any, weight: Any, n: int, c: int,
-                               hxw: int, group: int, output_mask: Sequence[bool]) -> tuple:
+                               hxw: int, group: int, output_mask: Sequence[bool], *,
+                               out_meta: Sequence[Any] | None = None) -> tuple:
     g = _up(grad_out).reshape(n, c, -1)
     x = _up(input).reshape(n, group, -1)
     x_hat = (x - mean[..., None]) * rstd[..., None]
@@ -344,7 +378,7 @@ def native_group_norm_backward(grad_out: Any, input: Any, mean: Any, rstd: Any, 
     grad_input = _normalized_grad(g_hat.reshape(n, group, -1), x_hat, rstd[..., None], (2,))
     grad_weight = jnp.sum(g * x_hat.reshape(n, c, -1), axis=(0, 2))
     grad_bias = jnp.sum(g, axis=(0, 2))
-    return _masked((grad_input.reshape(input.shape), grad_weight, grad_bias), output_mask)
+    return _masked((grad_input.reshape(input.shape), grad_weight, grad_bias), output_mask, out_meta)
 
 
 def _batch_norm(input: Any, weight: Any, bias: Any, running_mean: Any, running_var: Any, training: bool,
@@ -417,8 +451,8 @@ def native_batch_norm(input: Any, weight: Any, bias: Any, running_mean: Any, run
 
 
 def _batch_norm_grads(grad_out: Any, input: Any, weight: Any, running_mean: Any, running_var: Any,
-                      save_mean: Any, save_invstd: Any, train: bool, eps: float,
-                      output_mask: Sequence[bool]) -> tuple:
+                      save_mean: Any, save_invstd: Any, train: bool, eps: float, output_mask: Sequence[bool],
+                      out_meta: Sequence[Any] | None) -> tuple:
     axes = tuple(i for i in range(input.ndim) if i != 1)
     shape = _channel_shape(input)
     if train:
@@ -432,24 +466,24 @@ def _batch_norm_grads(grad_out: Any, input: Any, weight: Any, running_mean: Any,
         grad_input = _normalized_grad(g_hat, x_hat, invstd.reshape(shape), axes)
     else:
         grad_input = g_hat * invstd.reshape(shape)
-    return _masked((grad_input, jnp.sum(g * x_hat, axis=axes), jnp.sum(g, axis=axes)), output_mask)
+    return _masked((grad_input, jnp.sum(g * x_hat, axis=axes), jnp.sum(g, axis=axes)), output_mask, out_meta)
 
 
-@register(aten.native_batch_norm_backward.default)
+@register(aten.native_batch_norm_backward.default, wants_meta=True)
 def native_batch_norm_backward(grad_out: Any, input: Any, weight: Any, running_mean: Any, running_var: Any,
                                save_mean: Any, save_invstd: Any, train: bool, eps: float,
-                               output_mask: Sequence[bool]) -> tuple:
+                               output_mask: Sequence[bool], *, out_meta: Sequence[Any] | None = None) -> tuple:
     return _batch_norm_grads(grad_out, input, weight, running_mean, running_var, save_mean, save_invstd, train,
-                             eps, output_mask)
+                             eps, output_mask, out_meta)
 
 
-@register(aten.batch_norm_backward.default)
+@register(aten.batch_norm_backward.default, wants_meta=True)
 def batch_norm_backward(grad_out: Any, input: Any, weight: Any, running_mean: Any, running_var: Any,
                         save_mean: Any, save_var: Any, update: bool, eps: float, output_mask: Sequence[bool],
-                        reserve: Any) -> tuple:
+                        reserve: Any, *, out_meta: Sequence[Any] | None = None) -> tuple:
     train = update or running_mean is None
     return _batch_norm_grads(grad_out, input, weight, running_mean, running_var, save_mean, save_var, train, eps,
-                             output_mask)
+                             output_mask, out_meta)
 
 
 # --- pooling ---------------------------------------------------------------------------------------
@@ -988,12 +1022,13 @@ def grid_sampler_2d(input: Any, grid: Any, interpolation_mode: int, padding_mode
     return _grid_sample_2d(_up(input), _up(grid), interpolation_mode, padding_mode, align_corners)
 
 
-@register(aten.grid_sampler_2d_backward.default)
+@register(aten.grid_sampler_2d_backward.default, wants_meta=True)
 def grid_sampler_2d_backward(grad_output: Any, input: Any, grid: Any, interpolation_mode: int, padding_mode: int,
-                             align_corners: bool, output_mask: Sequence[bool]) -> tuple:
+                             align_corners: bool, output_mask: Sequence[bool], *,
+                             out_meta: Sequence[Any] | None = None) -> tuple:
     grads = _vjp(lambda i, g: _grid_sample_2d(i, g, interpolation_mode, padding_mode, align_corners), grad_output,
                  _up(input), _up(grid))
-    return _masked(grads, output_mask)
+    return _masked(grads, output_mask, out_meta)
 
 
 # --- padding --------------------------------------------------------------------------------------
@@ -1064,6 +1099,16 @@ def embedding_dense_backward(grad_output: Any, indices: Any, num_weights: int, p
         counts = jnp.zeros((num_weights,), grad.dtype).at[index].add(1)
         grad = grad / counts[index][:, None]
     return jnp.zeros((num_weights, grad.shape[1]), grad.dtype).at[index].add(grad)
+
+
+@register(aten.embedding_renorm.default)
+def embedding_renorm(self: Any, indices: Any, max_norm: float, norm_type: float) -> Any:
+    """Rows named by indices whose p-norm exceeds max_norm are scaled down to it (nn.Embedding(max_norm=))."""
+    rows = _up(self)
+    norms = jnp.sum(jnp.abs(rows) ** norm_type, axis=1) ** (1.0 / norm_type)
+    named = jnp.zeros((self.shape[0],), jnp.bool_).at[indices.reshape(-1)].set(True)
+    scale = jnp.where(named & (norms > max_norm), max_norm / (norms + 1e-7), 1)
+    return rows * scale[:, None]
 
 
 MODE_SUM, MODE_MEAN, MODE_MAX = 0, 1, 2
