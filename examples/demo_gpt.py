@@ -12,7 +12,6 @@ import copy
 import time
 
 import torch
-
 from gpt import GPT, batches, corpus_bytes, train_step
 
 

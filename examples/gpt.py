@@ -17,7 +17,9 @@ def corpus_bytes() -> torch.Tensor:
     return torch.tensor(list(text.encode("utf-8")), dtype=torch.long)
 
 
-def batches(data: torch.Tensor, batch: int, sequence: int, steps: int, seed: int = 0) -> list[tuple[torch.Tensor, ...]]:
+def batches(
+    data: torch.Tensor, batch: int, sequence: int, steps: int, seed: int = 0
+) -> list[tuple[torch.Tensor, ...]]:
     """Fixed random windows of the corpus: inputs and next-byte targets."""
     generator = torch.Generator().manual_seed(seed)
     found = []
@@ -73,7 +75,9 @@ def loss_fn(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> to
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def train_step(
+    model: nn.Module, optimizer: torch.optim.Optimizer, tokens: torch.Tensor, targets: torch.Tensor
+) -> torch.Tensor:
     optimizer.zero_grad(set_to_none=True)
     loss = loss_fn(model, tokens, targets)
     loss.backward()

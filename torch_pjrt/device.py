@@ -286,10 +286,19 @@ def note_output(index: int, outputs: Any) -> None:
 
 
 def _is_ready(outputs: Any) -> bool:
+    """Whether a program's results are computed (results of a fused graph not yet run are not)."""
+    from torch_pjrt import storage
+
     if outputs is None:
         return True
-    leaves = _client().jax_module().tree_util.tree_leaves(outputs)
-    return all(leaf.is_ready() for leaf in leaves)
+    for leaf in _client().jax_module().tree_util.tree_leaves(outputs):
+        if isinstance(leaf, storage.PendingArray):
+            leaf = getattr(leaf, "value", None)
+            if leaf is None:
+                return False
+        if not leaf.is_ready():
+            return False
+    return True
 
 
 class Stream:
@@ -337,6 +346,9 @@ class Event:
         self.watcher: threading.Thread | None = None
 
     def record(self, stream: Stream | None = None) -> None:
+        from torch_pjrt.eager import fusion
+
+        fusion.flush("event")
         index = stream.device.index if stream is not None else current_device()
         self.outputs = _last_output.get(index)
         self.completed_at = None
@@ -348,7 +360,10 @@ class Event:
             self.watcher.start()
 
     def _watch(self) -> None:
-        _client().jax_module().block_until_ready(self.outputs)
+        from torch_pjrt.eager import fusion
+
+        arrays = _client().jax_module().tree_util.tree_map(fusion.concrete, self.outputs)
+        _client().jax_module().block_until_ready(arrays)
         self.completed_at = time.perf_counter()
 
     def query(self) -> bool:

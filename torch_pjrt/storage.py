@@ -352,6 +352,16 @@ def physical_order(sizes: Sequence[int], strides: Sequence[int]) -> tuple[int, .
     return tuple(order)
 
 
+def strides_in_order(sizes: Sequence[int], order: Sequence[int]) -> tuple[int, ...]:
+    """Dense strides that lay dims out in `order` (outermost first)."""
+    strides = [0] * len(sizes)
+    running = 1
+    for d in reversed(order):
+        strides[d] = running
+        running *= max(sizes[d], 1)
+    return tuple(strides)
+
+
 def pack(value: Any, sizes: Sequence[int], strides: Sequence[int]) -> Any:
     """Lay a logical array out as the flat storage of a dense layout with these strides."""
     jnp = client.jax_module().numpy

@@ -34,17 +34,15 @@ def _input_mutations(gm: torch.fx.GraphModule) -> list[tuple[int, torch.fx.Node]
 
 
 class Output:
-    """How one graph output comes back: a tensor (shape, dense strides or None), or a constant."""
+    """How one graph output comes back: a tensor (with the dim order of its dense layout), or a constant."""
 
     def __init__(self, value: Any) -> None:
         meta = value.meta.get("val") if isinstance(value, torch.fx.Node) else value
         self.is_tensor = isinstance(meta, torch.Tensor)
         self.constant = None if self.is_tensor else meta
-        self.shape = self.strides = None
-        if self.is_tensor:
-            self.shape = tuple(int(s) for s in meta.shape)
-            strides = tuple(int(s) for s in meta.stride())
-            self.strides = strides if storage.is_dense(self.shape, strides) else None
+        self.order = None
+        if self.is_tensor and all(isinstance(s, int) for s in (*meta.shape, *meta.stride())):
+            self.order = storage.physical_order(tuple(meta.shape), tuple(meta.stride()))
 
 
 def _outputs(gm: torch.fx.GraphModule) -> list[Output]:
@@ -67,28 +65,37 @@ class CompiledGraph:
         )
         self.programs: dict[Any, programs.Program] = {}
 
-    def _program(self, signature: Any) -> programs.Program:
-        program = self.programs.get(signature)
-        if program is None:
+    def _program(self, signature: tuple) -> tuple[programs.Program, list[Any]]:
+        """The program for one input signature, and the layouts of its outputs (known once traced)."""
+        found = self.programs.get(signature)
+        if found is None:
             gm, extra = self.gm, tuple(node for _, node in self.mutations)
             described = self.outputs
+            statics = {i: entry[1] for i, entry in enumerate(signature) if entry[0] == "static"}
+            layouts: list[Any] = []
 
             def run(arrays: list[Any], key: Any) -> Any:
+                inputs = list(arrays)
+                for index, value in sorted(statics.items()):
+                    inputs.insert(index, value)
                 keys = None
                 if key is not None:
                     keys = graph.KeySource(client.jax_module().random.wrap_key_data(key, impl="threefry2x32"))
-                outputs, updates = graph.evaluate(gm, arrays, keys, extra)
+                outputs, updates = graph.evaluate(gm, inputs, keys, extra)
                 outputs = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
-                tensors = [
-                    storage.pack(o, o.shape, out.strides) if out.strides is not None else o
-                    for o, out in zip(outputs, described)
-                    if out.is_tensor and o is not None
-                ]
+                tensors = []
+                layouts.clear()
+                for value, out in zip(outputs, described):
+                    if not out.is_tensor or value is None:
+                        continue
+                    sizes = tuple(value.shape)
+                    strides = storage.strides_in_order(sizes, out.order) if out.order else None
+                    layouts.append((sizes, strides))
+                    tensors.append(storage.pack(value, sizes, strides) if strides else value)
                 return tensors, updates
 
-            program = programs.Program(lambda arrays, key: run(arrays, key), "compiled_graph")
-            self.programs[signature] = program
-        return program
+            found = self.programs[signature] = (programs.Program(run, "compiled_graph"), layouts)
+        return found
 
     def __call__(self, *args: Any) -> Any:
         arrays: list[Any] = []
@@ -103,19 +110,22 @@ class CompiledGraph:
                     arrays.append(kernels.host_array(value))
                 signature.append((tuple(value.shape), value.dtype, value.device.type))
             else:
-                arrays.append(value)
                 signature.append(("static", value))
         device = device or torch.device("pjrt", 0)
         key = rng.state(device.index).next_key() if self.random else None
-        tensors, updates = self._program(tuple(signature)).call(arrays, key)
+        program, layouts = self._program(tuple(signature))
+        tensors, updates = program.call(arrays, key)
         for (index, _), value in zip(self.mutations, updates):
             kernels.copy_(args[index], _as_tensor(value, device))
-        produced = iter(tensors)
-        return [
-            _as_tensor(next(produced), device, out.shape, out.strides) if out.is_tensor and out.constant is None
-            else out.constant
-            for out in self.outputs
-        ]
+        produced = zip(tensors, layouts)
+        results = []
+        for out in self.outputs:
+            if out.is_tensor:
+                array, (sizes, strides) = next(produced)
+                results.append(_as_tensor(array, device, sizes, strides))
+            else:
+                results.append(out.constant)
+        return results
 
 
 def _as_tensor(value: Any, device: torch.device, shape: Any = None, strides: Any = None) -> Any:

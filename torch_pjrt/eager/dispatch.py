@@ -21,8 +21,8 @@ import numpy as np
 import torch
 from torch._ops import OpOverload
 
-from torch_pjrt import device as device_module
 from torch_pjrt import _torch_private, storage
+from torch_pjrt import device as device_module
 from torch_pjrt.eager import fusion, modes
 from torch_pjrt.ops import graph, registry
 from torch_pjrt.runtime import client, metrics, programs, rng

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax.numpy as jnp
@@ -50,3 +51,24 @@ def ones(size: Any, **_: Any) -> Any:
 @register(aten.zeros.default)
 def zeros(size: Any, **_: Any) -> Any:
     return jnp.zeros(tuple(size))
+
+
+@register(aten.sym_size.int)
+def sym_size(self: Any, dim: int) -> int:
+    """Shapes are static inside a program: a symbolic size is the traced array's size."""
+    return self.shape[dim]
+
+
+@register(aten.sym_numel.default)
+def sym_numel(self: Any) -> int:
+    return self.size
+
+
+@register(aten.sym_stride.int)
+def sym_stride(self: Any, dim: int) -> int:
+    return math.prod(self.shape[dim + 1:])
+
+
+@register(aten.sym_storage_offset.default)
+def sym_storage_offset(self: Any) -> int:
+    return 0
