@@ -40,7 +40,7 @@ SPECIAL = {
     "modified_bessel_i0": (-3, 3), "modified_bessel_i1": (-3, 3), "spherical_bessel_j0": (-5, 5),
     "bessel_j0": (-40, 40), "bessel_j1": (-40, 40), "bessel_y0": (0.05, 40), "bessel_y1": (0.05, 40),
     "modified_bessel_k0": (0.05, 30), "modified_bessel_k1": (0.05, 30), "scaled_modified_bessel_k0": (0.05, 300),
-    "scaled_modified_bessel_k1": (0.05, 300),
+    "scaled_modified_bessel_k1": (0.05, 300), "airy_ai": (-10, 5),
 }
 
 
@@ -365,10 +365,10 @@ def test_orthogonal_polynomial_variants(name: str) -> None:
 
 
 def test_bessel_edges() -> None:
-    x = torch.tensor([0.0, -1.0, NAN, INF, 1e-12, 0.5, 8.0, 25.0, 25.5, 700.0], dtype=torch.float64)
+    x = torch.tensor([0.0, -1.0, NAN, INF, 1e-12, 0.5, 8.0, 25.0, 25.5, 700.0, -2.5, -30.0], dtype=torch.float64)
     for fn in (torch.special.bessel_j0, torch.special.bessel_j1, torch.special.bessel_y0, torch.special.bessel_y1,
                torch.special.modified_bessel_k0, torch.special.modified_bessel_k1,
-               torch.special.scaled_modified_bessel_k0, torch.special.scaled_modified_bessel_k1):
+               torch.special.scaled_modified_bessel_k0, torch.special.scaled_modified_bessel_k1, torch.special.airy_ai):
         check(fn, x, atol=1e-9, rtol=1e-5, equal_nan=True)
 
 

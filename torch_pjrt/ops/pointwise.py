@@ -409,7 +409,7 @@ def _bessel_j_small(order: int, x: Any) -> Any:
     return _node_sum(_J_NODES, lambda k: jnp.cos(order * k * step - x * jnp.sin(k * step)), x) / _J_NODES
 
 
-def _hankel(order: int, x: Any, second_kind: bool) -> Any:
+def _hankel(order: float, x: Any, second_kind: bool) -> Any:
     """Hankel's asymptotic expansion of J_n or Y_n, accurate to double precision past the switch point."""
     mu = 4.0 * order * order
     z = jnp.where(jnp.abs(x) > _J_SWITCH, jnp.abs(x), _J_SWITCH)
@@ -488,7 +488,7 @@ def _bessel_y(order: int) -> Callable:
     return bessel
 
 
-def _bessel_k_scaled(order: int, x: Any) -> Any:
+def _bessel_k_scaled(order: float, x: Any) -> Any:
     """exp(x) K_n(x) = int_0^inf exp(-x (cosh t - 1)) cosh(n t) dt for x > 0.
 
     The integrand is even and analytic, so the trapezoidal rule converges geometrically; the
@@ -518,13 +518,63 @@ def _bessel_k(order: int, scaled: bool) -> Callable:
     return bessel
 
 
+def _bessel_j_fractional(order: float, z: Any) -> Any:
+    """J_nu(z), z > 0: (1/pi) int_0^pi cos(nu t - z sin t) dt - (sin(nu pi)/pi) int_0^inf e^{-z sinh t - nu t} dt
+    by Gauss-Legendre up to the switch point, Hankel's expansion past it."""
+    nodes, weights = jnp.asarray(_GAUSS_NODES, z.dtype), jnp.asarray(_GAUSS_WEIGHTS, z.dtype)
+    near = jnp.where(z <= _J_SWITCH, z, 1.0)
+    cut = jnp.arcsinh(50 / near)
+
+    def term(k: Any) -> Any:
+        index = k.astype(np.int32)
+        theta, t = (nodes[index] + 1) * (math.pi / 2), (nodes[index] + 1) * (cut / 2)
+        oscillating = jnp.cos(order * theta - near * jnp.sin(theta)) * (math.pi / 2)
+        decaying = math.sin(order * math.pi) * jnp.exp(-near * jnp.sinh(t) - order * t) * (cut / 2)
+        return weights[index] * (oscillating - decaying)
+
+    integral = _node_sum(len(_GAUSS_NODES), term, near) / math.pi
+    return jnp.where(z <= _J_SWITCH, integral, _hankel(order, z, False))
+
+
+_AIRY_C1 = 1 / (3 ** (2 / 3) * math.gamma(2 / 3))
+_AIRY_C2 = 1 / (3 ** (1 / 3) * math.gamma(1 / 3))
+_AIRY_SERIES = (-2.0, 0.5)
+
+
+def _airy_series(x: Any) -> Any:
+    """Maclaurin series Ai = c1 f - c2 g, free of cancellation on [-2, 0.5]."""
+    cube = x * x * x
+    f_term, g_term = jnp.ones_like(x), x
+    f_sum, g_sum = f_term, g_term
+    for k in range(25):
+        f_term = f_term * cube / ((3 * k + 2) * (3 * k + 3))
+        g_term = g_term * cube / ((3 * k + 3) * (3 * k + 4))
+        f_sum, g_sum = f_sum + f_term, g_sum + g_term
+    return _AIRY_C1 * f_sum - _AIRY_C2 * g_sum
+
+
+def airy_ai(x: Any) -> Any:
+    """Series near 0; K_{1/3} to the right and J_{+-1/3} to the left of it (zeta = 2/3 |x|^{3/2}).
+    PyTorch gives NaN at both infinities."""
+    low, high = _AIRY_SERIES
+    series = _airy_series(jnp.clip(x, low, high))
+    right = jnp.where(x > high, x, 1.0)
+    zeta = 2 / 3 * right ** 1.5
+    decaying = jnp.sqrt(right / 3) / math.pi * jnp.exp(-zeta) * _bessel_k_scaled(1 / 3, zeta)
+    left = jnp.where(x < low, -x, 4.0)
+    zeta = 2 / 3 * left ** 1.5
+    oscillating = jnp.sqrt(left) / 3 * (_bessel_j_fractional(1 / 3, zeta) + _bessel_j_fractional(-1 / 3, zeta))
+    value = jnp.where(x > high, decaying, jnp.where(x < low, oscillating, series))
+    return jnp.where(jnp.isinf(x), jnp.nan, value)
+
+
 for _op, _fn in {
     aten.special_bessel_j0.default: _bessel_j(0), aten.special_bessel_j1.default: _bessel_j(1),
     aten.special_bessel_y0.default: _bessel_y(0), aten.special_bessel_y1.default: _bessel_y(1),
     aten.special_modified_bessel_k0.default: _bessel_k(0, False),
     aten.special_modified_bessel_k1.default: _bessel_k(1, False),
     aten.special_scaled_modified_bessel_k0.default: _bessel_k(0, True),
-    aten.special_scaled_modified_bessel_k1.default: _bessel_k(1, True),
+    aten.special_scaled_modified_bessel_k1.default: _bessel_k(1, True), aten.special_airy_ai.default: airy_ai,
 }.items():
     register(_op)(_unary(_fn, KIND.INT_TO_FLOAT))
 
