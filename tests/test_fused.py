@@ -1,0 +1,149 @@
+"""DEFER_AND_FUSE: same results as strict eager, sync points, no steady-state recompiles, errors at the op."""
+
+from __future__ import annotations
+
+import io
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import torch_pjrt
+from torch_pjrt.eager import fusion
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from test_training import random_batches, train_both  # noqa: E402
+
+FUSE = torch.pjrt.EagerMode.DEFER_AND_FUSE
+
+
+@pytest.fixture
+def fused():
+    with torch.pjrt.set_eager_mode(FUSE):
+        yield
+
+
+def test_mode_selection() -> None:
+    with torch.pjrt.set_eager_mode(FUSE):
+        assert torch.pjrt.eager_mode is FUSE
+    assert torch.pjrt.eager_mode is torch.pjrt.EagerMode.DEFER_NEVER
+    torch.pjrt.eager_mode = FUSE
+    assert torch.pjrt.eager_mode is FUSE
+    torch.pjrt.eager_mode = torch.pjrt.EagerMode.DEFER_NEVER
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+def test_mlp_adam_matches_cpu(fused: None, foreach: bool) -> None:
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(12, 32), nn.ReLU(), nn.Linear(32, 5))
+    train_both(model, lambda p: torch.optim.Adam(p, lr=1e-2, foreach=foreach), random_batches((16, 12), 5, 4),
+               F.cross_entropy)
+
+
+def test_cnn_batch_norm_sgd_matches_cpu(fused: None) -> None:
+    torch.manual_seed(2)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                          nn.Flatten(), nn.Linear(8, 4))
+    train_both(model, lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9), random_batches((4, 3, 8, 8), 4, 3),
+               F.cross_entropy)
+
+
+def test_views_in_place_and_random_match_strict_eager() -> None:
+    def work() -> tuple[torch.Tensor, ...]:
+        torch.manual_seed(11)
+        x = torch.randn(6, 5, device="pjrt")
+        y = x.t().clone()
+        y[1:3].mul_(3.0)
+        x.diagonal().add_(1.0)
+        z = torch.rand(4, device="pjrt")
+        d = F.dropout(torch.ones(100, device="pjrt"), 0.5)
+        return x.cpu(), y.cpu(), z.cpu(), d.cpu()
+
+    strict = work()
+    with torch.pjrt.set_eager_mode(FUSE):
+        fused_results = work()
+    for a, b in zip(strict, fused_results):
+        assert torch.equal(a, b)
+
+
+def test_steady_state_compiles_nothing(fused: None) -> None:
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4)).to("pjrt")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.9)
+    x, y = torch.randn(8, 8, device="pjrt"), torch.randint(0, 4, (8,), device="pjrt")
+    compiles = []
+    for _ in range(6):
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+        loss.item()
+        compiles.append(torch_pjrt.metrics.counters()["compiles"])
+    assert compiles[5] == compiles[2], compiles
+
+
+def test_sync_points_flush(fused: None) -> None:
+    x = torch.randn(4, device="pjrt")
+    checks = {
+        "cpu": lambda t: t.cpu(),
+        "item": lambda t: t.sum().item(),
+        "tolist": lambda t: t.tolist(),
+        "repr": lambda t: repr(t),
+        "bool": lambda t: bool((t > -100).all()),
+        "synchronize": lambda t: torch.pjrt.synchronize(),
+        "save": lambda t: torch.save(t, io.BytesIO()),
+        "data-dependent op": lambda t: torch.nonzero(t > 0),
+    }
+    for name, check in checks.items():
+        y = x * 2 + 1
+        assert fusion.graph().nodes, name
+        check(y)
+        assert not fusion.graph().nodes, f"{name} did not flush"
+    assert fusion.report()["fused_programs"] > 0
+
+
+def test_size_cap_flushes(monkeypatch: pytest.MonkeyPatch, fused: None) -> None:
+    monkeypatch.setattr(fusion, "MAX_NODES", 50)
+    before = fusion.flush_reasons["size cap"]
+    x = torch.ones(3, device="pjrt")
+    for _ in range(1000):
+        x = x * 1.0 + 1.0
+    assert fusion.flush_reasons["size cap"] >= before + 20
+    assert len(fusion.graph().nodes) < 50
+    assert torch.equal(x.cpu(), torch.full((3,), 1001.0))
+
+
+def test_memory_stays_bounded_without_sync(fused: None) -> None:
+    x = torch.ones(1000, device="pjrt")
+    start = torch.pjrt.memory_allocated()
+    for _ in range(1000):
+        x = x * 1.0 + 1.0
+    assert torch.pjrt.memory_allocated() <= start + 4 * 4000
+    assert x[0].item() == 1001.0
+
+
+def test_errors_raise_at_the_op(fused: None) -> None:
+    x = torch.randn(3, device="pjrt")
+    with pytest.raises(RuntimeError, match="broadcast"):
+        x + torch.randn(4, device="pjrt")
+    assert not fusion.graph().nodes or all(entry is not None for entry, _ in fusion.graph().nodes)
+    with pytest.raises(IndexError):
+        x.index_select(5, torch.tensor([0], device="pjrt"))
+
+
+def test_cpu_fallback_runs_outside_the_graph(fused: None) -> None:
+    library = torch.library.Library("pjrt_test_fused", "DEF")
+    library.define("twice(Tensor x) -> Tensor")
+    library.impl("twice", lambda x: x * 2, "CPU")
+    x = torch.arange(4.0, device="pjrt") + 1
+    with torch_pjrt.cpu_fallback():
+        with pytest.warns(UserWarning):
+            result = torch.ops.pjrt_test_fused.twice(x)
+    assert torch.equal(result.cpu(), torch.arange(4.0) * 2 + 2)
