@@ -1,0 +1,109 @@
+"""torch.distributed on pjrt: the "pjrt" c10d backend, DDP, FSDP2, DTensor and checkpoints.
+
+Each job starts real ranks (torchrun's environment, a free port, two CPU devices per process)
+running tests/distributed/worker.py; one job runs many scenarios to pay start-up once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from typing import Any
+
+import pytest
+
+WORKER = os.path.join(os.path.dirname(__file__), "distributed", "worker.py")
+COLLECTIVES = (
+    "all_reduce", "all_reduce_views", "async", "broadcast", "all_gather", "reduce_scatter", "all_to_all",
+    "reduce_gather_scatter", "send_recv", "coalescing", "functional", "cpu_tensors",
+)
+TRAINING = ("ddp", "fsdp", "fsdp_mixed_precision", "dtensor", "tensor_parallel")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch(out_dir: str, scenarios: list[str], world_size: int = 2, timeout: float = 240, **env: str) -> list[Any]:
+    """Start `world_size` ranks of the worker; returns (exit code, results) per rank."""
+    port = str(_free_port())
+    processes = []
+    for rank in range(world_size):
+        rank_env = {
+            **os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "RANK": str(rank),
+            "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size),
+            "TORCH_PJRT_CPU_DEVICES": "2", "OMP_NUM_THREADS": "1", **env,
+        }
+        processes.append(subprocess.Popen(
+            [sys.executable, WORKER, out_dir, ",".join(scenarios)], env=rank_env,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        ))
+    outcomes = []
+    deadline = time.monotonic() + timeout
+    for rank, process in enumerate(processes):
+        try:
+            output, _ = process.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for other in processes:
+                other.kill()
+            raise AssertionError(f"rank {rank} hung past {timeout}s") from None
+        path = os.path.join(out_dir, f"rank{rank}.json")
+        results = json.load(open(path)) if os.path.exists(path) else {}
+        outcomes.append((process.returncode, results, output))
+    return outcomes
+
+
+def _outcome(outcomes: list[Any], scenario: str) -> None:
+    for rank, (code, results, output) in enumerate(outcomes):
+        result = results.get(scenario, f"no result (exit code {code}):\n{output[-3000:]}")
+        assert result == "ok", f"rank {rank}: {result}"
+
+
+@pytest.fixture(scope="module")
+def main_job(tmp_path_factory: pytest.TempPathFactory) -> list[Any]:
+    folder = tmp_path_factory.mktemp("dist")
+    return launch(str(folder), [*COLLECTIVES, *TRAINING], DIST_TIMEOUT="30")
+
+
+@pytest.mark.parametrize("scenario", COLLECTIVES)
+def test_collective(main_job: list[Any], scenario: str) -> None:
+    """Each collective and dtype on pjrt tensors equals gloo on CPU tensors."""
+    _outcome(main_job, scenario)
+
+
+@pytest.mark.parametrize("scenario", TRAINING)
+def test_training(main_job: list[Any], scenario: str) -> None:
+    """DDP and FSDP2 equal full-batch single-process training; TP equals the unsharded module."""
+    _outcome(main_job, scenario)
+
+
+def test_checkpoint_resumes_on_another_world_size(tmp_path: Any) -> None:
+    """A sharded checkpoint written by 2 ranks loads on 1 rank (and on 2) with the same values."""
+    folder = str(tmp_path)
+    env = {"CHECKPOINT_DIR": folder}
+    _outcome(launch(folder, ["checkpoint_save"], **env), "checkpoint_save")
+    os.remove(os.path.join(folder, "rank0.json"))
+    _outcome(launch(folder, ["checkpoint_load"], world_size=1, **env), "checkpoint_load")
+
+
+def test_failing_rank_does_not_hang(tmp_path: Any) -> None:
+    """A rank that dies makes its peer's collective fail within the timeout, instead of a hang."""
+    start = time.monotonic()
+    outcomes = launch(str(tmp_path), ["fail"], timeout=120, DIST_TIMEOUT="10")
+    assert outcomes[1][0] == 3
+    survivor = outcomes[0][1].get("fail", "")
+    assert survivor != "ok" and survivor, f"rank 0 should have failed: {outcomes[0][2][-2000:]}"
+    assert time.monotonic() - start < 120
+
+
+def test_init_process_group_explicit_backend(tmp_path: Any) -> None:
+    """init_process_group("cpu:gloo,pjrt:pjrt") serves both kinds of tensors."""
+    outcomes = launch(str(tmp_path), ["all_reduce", "cpu_tensors"], DIST_BACKEND="cpu:gloo,pjrt:pjrt")
+    _outcome(outcomes, "all_reduce")
+    _outcome(outcomes, "cpu_tensors")

@@ -1,0 +1,305 @@
+"""The "pjrt" c10d backend: collectives on pjrt tensors over gloo, through host copies.
+
+Every collective stages its pjrt tensors on the host (`.cpu()`, a sync point in fused mode,
+reached in the same program order on every rank), runs the same collective on an internal
+gloo group, and copies the results back into the pjrt tensors in place (through views).
+CPU tensors go to gloo untouched, so one group serves `cpu:gloo,pjrt:pjrt`.
+
+Collectives complete before they return: an `async_op=True` handle is already done, so
+`work.wait()` is honoured trivially and errors (timeouts, a peer that died) raise at the call.
+Cost: one device->host and one host->device copy per tensor, plus gloo's TCP transport.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import _create_work_from_future
+
+NAME = "pjrt"
+RedOpType = dist.ReduceOp.RedOpType
+# Reductions gloo lacks, done as a SUM on the host plus a local step.
+SUM_BASED = (RedOpType.AVG, RedOpType.PREMUL_SUM)
+
+
+# --- host staging --------------------------------------------------------------------------------
+
+
+def _on_device(tensor: torch.Tensor) -> bool:
+    return tensor.device.type == NAME
+
+
+def _stage(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Host tensors gloo can use in place of `tensors` (CPU ones are used as they are)."""
+    return [t.cpu() if _on_device(t) else t for t in tensors]
+
+
+def _write_back(targets: Sequence[torch.Tensor], staged: Sequence[torch.Tensor]) -> None:
+    for target, host in zip(targets, staged, strict=True):
+        if target is not host:
+            target.copy_(host)
+
+
+def _done(result: Any) -> dist.Work:
+    """A finished Work whose future holds `result` (a tensor list, as c10d expects)."""
+    future: torch.futures.Future = torch.futures.Future()
+    future.set_result(result)
+    return _create_work_from_future(future)
+
+
+def _flatten_lists(lists: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
+    return [t for inner in lists for t in inner]
+
+
+def _stage_lists(lists: Sequence[Sequence[torch.Tensor]]) -> list[list[torch.Tensor]]:
+    return [_stage(inner) for inner in lists]
+
+
+# --- reductions --------------------------------------------------------------------------------
+
+
+def _op_type(op: dist.ReduceOp) -> Any:
+    return op.op if isinstance(op, dist.ReduceOp) else op
+
+
+def _prepare(op: dist.ReduceOp, tensors: Sequence[torch.Tensor]) -> dist.ReduceOp:
+    """The op to give gloo; PREMUL_SUM scales the local inputs first."""
+    kind = _op_type(op)
+    if kind == RedOpType.PREMUL_SUM:
+        factor = op.factor
+        for t in tensors:
+            t.mul_(factor.item() if isinstance(factor, torch.Tensor) else factor)
+    return dist.ReduceOp.SUM if kind in SUM_BASED else op
+
+
+def _finish(op: dist.ReduceOp, tensors: Sequence[torch.Tensor], size: int) -> None:
+    """AVG is a SUM divided by the group size (integer dtypes truncate, like NCCL)."""
+    if _op_type(op) != RedOpType.AVG:
+        return
+    for t in tensors:
+        if t.is_floating_point() or t.is_complex():
+            t.div_(size)
+        else:
+            t.copy_(torch.div(t, size, rounding_mode="trunc"))
+
+
+def _with_op(options: Any, op: dist.ReduceOp) -> Any:
+    copy = type(options)()
+    for field in ("rootRank", "rootTensor", "timeout"):
+        if hasattr(options, field):
+            setattr(copy, field, getattr(options, field))
+    copy.reduceOp = op
+    return copy
+
+
+def _private_copies(staged: list[torch.Tensor], originals: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Host inputs that reductions may scale without touching a caller's CPU tensor."""
+    return [s.clone() if s is o else s for s, o in zip(staged, originals, strict=True)]
+
+
+# --- the process group --------------------------------------------------------------------------
+
+
+class ProcessGroupPjrt(dist.ProcessGroup):
+    """A c10d process group for pjrt (and CPU) tensors, transported by gloo."""
+
+    def __init__(self, store: dist.Store, rank: int, size: int, timeout: timedelta) -> None:
+        super().__init__(rank, size)
+        self._gloo = dist.ProcessGroupGloo(dist.PrefixStore("pjrt-gloo/", store), rank, size, timeout)
+        self._timeout = timeout
+        # c10d reads the group's name (and bound devices) from its C++ backends: gloo stands in.
+        for device in ("cpu", NAME):
+            self._register_backend(torch.device(device), dist.ProcessGroup.BackendType.CUSTOM, self._gloo)
+
+    def getBackendName(self) -> str:  # noqa: N802 (c10d's name)
+        return NAME
+
+    @property
+    def timeout(self) -> timedelta:
+        return self._timeout
+
+    def _run(self, call: Callable[[], dist.Work]) -> None:
+        call().wait()
+
+    def _reduce_like(
+        self, method: str, tensors: Sequence[torch.Tensor], options: Any, *extra: Any
+    ) -> list[torch.Tensor]:
+        """Run a reducing gloo collective in place on host copies of `tensors`; returns them."""
+        host = _stage(tensors)
+        if _op_type(options.reduceOp) in SUM_BASED:
+            host = _private_copies(host, tensors)
+        op = _prepare(options.reduceOp, host)
+        self._run(lambda: getattr(self._gloo, method)(*extra, host, _with_op(options, op)))
+        _finish(options.reduceOp, host, self.size())
+        return host
+
+    # -- reductions
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
+        opts = opts or dist.AllreduceOptions()
+        _write_back(tensors, self._reduce_like("allreduce", tensors, opts))
+        return _done(tensors)
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
+        """One host buffer per dtype, one gloo allreduce each."""
+        opts = opts or dist.AllreduceCoalescedOptions()
+        single = dist.AllreduceOptions()
+        single.reduceOp, single.timeout = opts.reduceOp, opts.timeout
+        for dtype in dict.fromkeys(t.dtype for t in tensors):
+            group = [t for t in tensors if t.dtype == dtype]
+            flat = torch.cat([t.detach().cpu().reshape(-1) for t in group])
+            (flat,) = self._reduce_like("allreduce", [flat], single)
+            for t, piece in zip(group, flat.split([t.numel() for t in group]), strict=True):
+                t.copy_(piece.view(t.shape))
+        return _done(tensors)
+
+    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
+        opts = opts or dist.ReduceOptions()
+        host = self._reduce_like("reduce", tensors, opts)
+        if self.rank() == opts.rootRank:
+            _write_back(tensors, host)
+        return _done(tensors)
+
+    def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> dist.Work:
+        """An allreduce of the whole input on the host, then this rank's slice (gloo has no RS of its own)."""
+        opts = opts or dist.ReduceScatterOptions()
+        single = dist.AllreduceOptions()
+        single.reduceOp, single.timeout = opts.reduceOp, opts.timeout
+        (host,) = self._reduce_like("allreduce", [input.detach().cpu().contiguous()], single)
+        output.copy_(host.reshape(self.size(), -1)[self.rank()].view(output.shape))
+        return _done([output])
+
+    def reduce_scatter(
+        self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts: Any = None
+    ) -> dist.Work:
+        opts = opts or dist.ReduceScatterOptions()
+        for output, inputs in zip(outputs, input_lists, strict=True):
+            stacked = torch.stack([t.detach().cpu() for t in inputs])
+            self._reduce_scatter_base(output, stacked, opts)
+        return _done(outputs)
+
+    def reduce_scatter_tensor_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> dist.Work:
+        for output, input in zip(outputs, inputs, strict=True):
+            self._reduce_scatter_base(output, input, opts)
+        return _done(outputs)
+
+    # -- data movement
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
+        opts = opts or dist.BroadcastOptions()
+        host = _stage(tensors)
+        self._run(lambda: self._gloo.broadcast(host, opts))
+        if self.rank() != opts.rootRank:
+            _write_back(tensors, host)
+        return _done(tensors)
+
+    def allgather(
+        self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
+    ) -> dist.Work:
+        opts = opts or dist.AllgatherOptions()
+        host_outputs = _stage_lists(output_lists)
+        host_inputs = _stage(inputs)
+        self._run(lambda: self._gloo.allgather(host_outputs, host_inputs, opts))
+        _write_back(_flatten_lists(output_lists), _flatten_lists(host_outputs))
+        return _done(output_lists)
+
+    def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> dist.Work:
+        opts = opts or dist.AllgatherOptions()
+        host_output, host_input = _stage([output])[0].contiguous(), _stage([input])[0].contiguous()
+        self._run(lambda: self._gloo._allgather_base(host_output, host_input, opts))
+        _write_back([output], [host_output])
+        return _done([output])
+
+    def allgather_into_tensor_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> dist.Work:
+        for output, input in zip(outputs, inputs, strict=True):
+            self._allgather_base(output, input, opts)
+        return _done(outputs)
+
+    def allgather_coalesced(
+        self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
+    ) -> dist.Work:
+        for outputs, input in zip(output_lists, inputs, strict=True):
+            self.allgather([outputs], [input], opts)
+        return _done(output_lists)
+
+    def gather(
+        self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
+    ) -> dist.Work:
+        opts = opts or dist.GatherOptions()
+        host_outputs = _stage_lists(output_lists)
+        host_inputs = _stage(inputs)
+        self._run(lambda: self._gloo.gather(host_outputs, host_inputs, opts))
+        _write_back(_flatten_lists(output_lists), _flatten_lists(host_outputs))
+        return _done(output_lists)
+
+    def scatter(
+        self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts: Any = None
+    ) -> dist.Work:
+        opts = opts or dist.ScatterOptions()
+        host_outputs = _stage(outputs)
+        host_inputs = _stage_lists(input_lists)
+        self._run(lambda: self._gloo.scatter(host_outputs, host_inputs, opts))
+        _write_back(outputs, host_outputs)
+        return _done(outputs)
+
+    def alltoall_base(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: list[int],
+        input_split_sizes: list[int],
+        opts: Any = None,
+    ) -> dist.Work:
+        opts = opts or dist.AllToAllOptions()
+        host_output, host_input = _stage([output])[0].contiguous(), _stage([input])[0].contiguous()
+        self._run(
+            lambda: self._gloo.alltoall_base(host_output, host_input, output_split_sizes, input_split_sizes, opts)
+        )
+        _write_back([output], [host_output])
+        return _done([output])
+
+    def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> dist.Work:
+        """Through one all_to_all_single of the flattened tensors (gloo has no list form)."""
+        flat_in = torch.cat([t.detach().cpu().reshape(-1) for t in inputs])
+        flat_out = torch.empty(sum(t.numel() for t in outputs), dtype=flat_in.dtype)
+        self.alltoall_base(flat_out, flat_in, [t.numel() for t in outputs], [t.numel() for t in inputs], opts)
+        for t, piece in zip(outputs, flat_out.split([t.numel() for t in outputs]), strict=True):
+            t.copy_(piece.view(t.shape))
+        return _done(outputs)
+
+    # -- point to point and barrier
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> dist.Work:
+        host = [t.contiguous() for t in _stage(tensors)]
+        self._run(lambda: self._gloo.send(host, dst, tag))
+        return _done(tensors)
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> dist.Work:
+        host = _stage(tensors)
+        self._run(lambda: self._gloo.recv(host, src, tag))
+        _write_back(tensors, host)
+        return _done(tensors)
+
+    def barrier(self, opts: Any = None) -> dist.Work:
+        self._run(lambda: self._gloo.barrier(opts or dist.BarrierOptions()))
+        return _done([])
+
+    # torch 2.13 names for the single-tensor collectives.
+    all_gather_single = _allgather_base
+    reduce_scatter_single = _reduce_scatter_base
+    all_to_all_single = alltoall_base
+    all_gather_single_coalesced = allgather_into_tensor_coalesced
+    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
+
+
+def create(store: dist.Store, rank: int, size: int, timeout: timedelta) -> ProcessGroupPjrt:
+    """The creator c10d calls for `init_process_group("pjrt")` and `new_group(backend="pjrt")`."""
+    return ProcessGroupPjrt(store, rank, size, timeout)
