@@ -197,10 +197,20 @@ def test_safetensors_round_trip(tmp_path: object) -> None:
     assert torch.equal(loaded["a"].cpu(), a) and torch.equal(loaded["b"].cpu(), b)
 
 
+# An op with only a CPU kernel: what an op with no pjrt lowering looks like.
+CPU_ONLY_OP = """
+import torch
+library = torch.library.Library("pjrt_test", "DEF")
+library.define("scaled(Tensor x, float factor) -> Tensor")
+library.impl("scaled", lambda x, factor: x * factor, "CPU")
+"""
+exec(CPU_ONLY_OP)
+
+
 def test_missing_lowering_names_the_op_and_the_fallback() -> None:
     x = torch.randn(10).to("pjrt")
-    with pytest.raises(NotImplementedError, match=r"aten::histc.*TORCH_PJRT_CPU_FALLBACK=1"):
-        torch.histc(x, bins=4)
+    with pytest.raises(NotImplementedError, match=r"pjrt_test::scaled.*TORCH_PJRT_CPU_FALLBACK=1"):
+        torch.ops.pjrt_test.scaled(x, 2.0)
 
 
 def test_cpu_fallback_runs_counts_and_warns_once() -> None:
@@ -208,23 +218,23 @@ def test_cpu_fallback_runs_counts_and_warns_once() -> None:
     x = a.to("pjrt")
     torch_pjrt.metrics.reset()
     with torch_pjrt.cpu_fallback():
-        with pytest.warns(UserWarning, match="aten.histc"):
-            result = torch.histc(x, bins=4)
-        torch.histc(x, bins=4)
+        with pytest.warns(UserWarning, match="pjrt_test.scaled"):
+            result = torch.ops.pjrt_test.scaled(x, 3.0)
+        torch.ops.pjrt_test.scaled(x, 3.0)
     assert result.device.type == "pjrt"
-    assert torch.equal(result.cpu(), torch.histc(a, bins=4))
+    assert torch.equal(result.cpu(), a * 3.0)
     counters = torch_pjrt.metrics.counters()
     assert counters["cpu_fallbacks"] == 2
-    assert "aten.histc.default" in torch_pjrt.metrics.report()
+    assert "pjrt_test.scaled.default" in torch_pjrt.metrics.report()
 
 
 def test_cpu_fallback_from_environment() -> None:
     result = run_python(
-        """
-        import torch, torch_pjrt
-        x = torch.tensor([0.5, 1.5, 2.5, 0.1]).to("pjrt")
-        print(torch.histc(x, bins=3).device, torch_pjrt.metrics.counters()["cpu_fallbacks"])
-        """,
+        CPU_ONLY_OP + """
+import torch_pjrt
+x = torch.tensor([0.5, 1.5, 2.5, 0.1]).to("pjrt")
+print(torch.ops.pjrt_test.scaled(x, 2.0).device, torch_pjrt.metrics.counters()["cpu_fallbacks"])
+""",
         TORCH_PJRT_CPU_FALLBACK="1",
     )
     assert result.returncode == 0, result.stderr

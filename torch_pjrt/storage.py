@@ -204,11 +204,16 @@ class View(NamedTuple):
     sizes: tuple[int, ...]
     strides: tuple[int, ...]
     offset: int
+    # PyTorch's lazy conjugate and negative bits (complex views): applied when read or written.
+    conj: bool = False
+    neg: bool = False
 
     def covers(self, storage_numel_: int) -> bool:
         """True when the view is the whole storage in row-major order (zero-copy case)."""
         return (
-            self.offset == 0
+            not self.conj
+            and not self.neg
+            and self.offset == 0
             and math.prod(self.sizes) == storage_numel_
             and self.strides == contiguous_strides(self.sizes)
         )
@@ -218,7 +223,16 @@ class View(NamedTuple):
 
 
 def view_of(tensor: torch.Tensor) -> View:
+    if tensor.is_complex():
+        return View(tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset(),
+                    tensor.is_conj(), tensor.is_neg())
     return View(tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset())
+
+
+def _apply_bits(value: Any, view: View) -> Any:
+    if view.conj:
+        value = value.conj()
+    return -value if view.neg else value
 
 
 def reinterpret(flat: Any, source: torch.dtype, target: torch.dtype) -> Any:
@@ -310,13 +324,13 @@ def read_view(flat: Any, storage_dtype: torch.dtype, view: View) -> Any:
     order = sorted(range(len(dims)), key=lambda i: dims[i])
     core = jnp.transpose(core, order) if dims else core
     kept = tuple(view.sizes[d] if d in dims else 1 for d in range(len(view.sizes)))
-    return jnp.broadcast_to(core.reshape(kept), view.sizes)
+    return _apply_bits(jnp.broadcast_to(core.reshape(kept), view.sizes), view)
 
 
 def write_view(flat: Any, storage_dtype: torch.dtype, view: View, value: Any) -> Any:
     """The storage's flat array after writing `value` (broadcast to the view) through the view."""
     jnp = client.jax_module().numpy
-    value = jnp.broadcast_to(value.astype(numpy_dtype(view.dtype)), view.sizes)
+    value = _apply_bits(jnp.broadcast_to(value.astype(numpy_dtype(view.dtype)), view.sizes), view)
     if view.covers(flat.shape[0]) and view.dtype == storage_dtype:
         return value.reshape(-1)
     if math.prod(view.sizes) == 0:

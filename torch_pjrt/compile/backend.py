@@ -87,6 +87,7 @@ class CompiledGraph:
                 layouts.clear()
                 for value, out in zip(outputs, described):
                     if not out.is_tensor or value is None:
+                        layouts.append(None)
                         continue
                     sizes = tuple(value.shape)
                     strides = storage.strides_in_order(sizes, out.order) if out.order else None
@@ -117,14 +118,13 @@ class CompiledGraph:
         tensors, updates = program.call(arrays, key)
         for (index, _), value in zip(self.mutations, updates):
             kernels.copy_(args[index], _as_tensor(value, device))
-        produced = zip(tensors, layouts)
+        produced = iter(tensors)
         results = []
-        for out in self.outputs:
-            if out.is_tensor:
-                array, (sizes, strides) = next(produced)
-                results.append(_as_tensor(array, device, sizes, strides))
-            else:
+        for out, layout in zip(self.outputs, layouts):
+            if layout is None:
                 results.append(out.constant)
+            else:
+                results.append(_as_tensor(next(produced), device, *layout))
         return results
 
 

@@ -173,8 +173,9 @@ class Scan:
             if slot is None:
                 slot = self.slots[id(st)] = len(self.storages)
                 self.storages.append(st)
-            return Leaf(slot, View(t.dtype, tuple(t.shape), t.stride(), t.storage_offset()), st.numel, st.dtype,
-                        st.array is None)
+            view = storage.view_of(t) if t.is_complex() else View(t.dtype, tuple(t.shape), t.stride(),
+                                                                         t.storage_offset())
+            return Leaf(slot, view, st.numel, st.dtype, st.array is None)
         if device.type == "cpu" and (t.dim() == 0 or self.allow_cpu):
             self.dynamic.append(t.detach().numpy() if t.dtype != torch.bfloat16 else
                                 t.detach().float().numpy().astype(storage.numpy_dtype(torch.bfloat16)))
@@ -251,9 +252,10 @@ def _meta_value(kind: Arg, value: Any, described: Any) -> Any:
 
 
 def _meta_from(tensor: torch.Tensor, described: Any) -> torch.Tensor:
+    """A meta tensor for a pjrt argument, or for a CPU one (a 0-dim scalar or an index)."""
     if isinstance(described, Leaf):
         return _meta_tensor(described.view)
-    return torch.empty(described[2], dtype=described[1], device="cpu")
+    return torch.empty(described[2], dtype=described[1], device="meta")
 
 
 def _run_meta(plan: OpPlan, values: list[Any], described: list[Any]) -> tuple[Any, list[Any]]:

@@ -87,7 +87,8 @@ def evaluate(
     jnp = client.jax_module().numpy
 
     def load(arg: Any) -> Any:
-        return torch.fx.node.map_arg(arg, lambda n: env[n])
+        """Node values in place of nodes, as plain mutable lists (decompositions may edit them)."""
+        return _plain(torch.fx.node.map_arg(arg, lambda n: env[n]))
 
     for node in gm.graph.nodes:
         if node.op == "placeholder":
@@ -99,6 +100,8 @@ def evaluate(
             args, kwargs = load(node.args), load(node.kwargs)
             if isinstance(node.target, torch._ops.OpOverload):
                 env[node] = call_lowering(node.target, args, kwargs, rng, node.meta.get("val"))
+            elif node.target is torch.ops.higher_order.with_effects:
+                env[node] = _with_effects(args, kwargs, rng)
             else:
                 env[node] = node.target(*args, **kwargs)
         elif node.op == "output":
@@ -106,6 +109,23 @@ def evaluate(
         else:
             raise RuntimeError(f"torch_pjrt cannot lower graph node {node.op} {node.target}.")
     return None, []
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_plain(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+def _with_effects(args: tuple, kwargs: dict, rng: KeySource | None) -> tuple:
+    """An effectful op (ordered by a token): run it; the token passes through unchanged."""
+    token, op, *rest = args
+    result = call_lowering(op, tuple(rest), kwargs, rng)
+    return (token, *result) if isinstance(result, tuple) else (token, result)
 
 
 _traced: dict[Any, torch.fx.GraphModule] = {}
