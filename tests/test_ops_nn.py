@@ -475,3 +475,15 @@ def test_embedding_max_norm_renormalizes_rows() -> None:
 def test_grid_sample_partial_gradients(grads: tuple) -> None:
     check_grad(lambda x, g: F.grid_sample(x, g, align_corners=False), torch.randn(1, 2, 4, 5),
                torch.rand(1, 3, 3, 2) * 2 - 1, grads=grads)
+
+
+def test_max_pool_ties_nan_and_infinities() -> None:
+    """Indices follow PyTorch: the first maximum wins a tie, a NaN always wins, -inf windows still pick inside."""
+    x = torch.randint(0, 3, (2, 2, 7, 7)).float()
+    x[0, 0, 1, 1] = float("nan")
+    x[0, 1, :3, :3] = float("-inf")
+    check(lambda t: F.max_pool2d(t, 3, 2, 1, return_indices=True), x, equal_nan=True)
+    check(lambda t: F.max_pool2d(t, 2, 2, ceil_mode=True, return_indices=True), x, equal_nan=True)
+    check(lambda t: F.max_pool3d(t, 2, 1, return_indices=True), x, equal_nan=True)
+    x[0, 0, 1, 2] = float("nan")
+    check(lambda t: F.adaptive_max_pool2d(t, (3, 2), return_indices=True), x, equal_nan=True)

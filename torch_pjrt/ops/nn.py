@@ -8,8 +8,9 @@ Index-producing ops (max pooling) gather windows explicitly, so the indices PyTo
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -549,7 +550,8 @@ def _lowest(dtype: Any) -> Any:
 
 
 def _max_windows(x: Any, positions: Sequence[np.ndarray], valid: Sequence[np.ndarray]) -> tuple[Any, Any]:
-    """Max of each window and its flat index in the input plane (first maximum; NaN wins, as in PyTorch)."""
+    """Max of each (padded) window and its flat index in the input plane: the first maximum, or the last NaN,
+    as PyTorch's kernels choose. One argmax over the window axis, for windows of any size."""
     rank = len(positions)
     sizes = x.shape[-rank:]
     windows = _windows(x, positions, valid, _lowest(x.dtype))
@@ -558,8 +560,9 @@ def _max_windows(x: Any, positions: Sequence[np.ndarray], valid: Sequence[np.nda
         plane = plane[..., None, None] + pos * stride
     flat = jnp.asarray(_window_layout(plane, 0, rank))
     if jnp.issubdtype(x.dtype, jnp.floating):
-        choice = jnp.argmax(jnp.where(jnp.isnan(windows), jnp.inf, windows), axis=-1)
-        choice = jnp.where(jnp.any(jnp.isnan(windows), -1), jnp.argmax(jnp.isnan(windows), -1), choice)
+        nan = jnp.isnan(windows)
+        last_nan = windows.shape[-1] - 1 - jnp.argmax(nan[..., ::-1], axis=-1)
+        choice = jnp.where(jnp.any(nan, -1), last_nan, jnp.argmax(windows, axis=-1))
     else:
         choice = jnp.argmax(windows, axis=-1)
     values = jnp.take_along_axis(windows, choice[..., None], axis=-1)[..., 0]
@@ -567,14 +570,49 @@ def _max_windows(x: Any, positions: Sequence[np.ndarray], valid: Sequence[np.nda
     return values, indices
 
 
+def _pool_taps(x: Any, positions: Sequence[np.ndarray], strides: Sequence[int],
+               fill: Any) -> Iterator[tuple[Any, np.ndarray, np.ndarray]]:
+    """For each kernel offset: the strided slice of x it reads (one value per output), which outputs read
+    inside the input there, and the flat in-plane index read. Memory stays O(output) per offset."""
+    rank = len(positions)
+    lead = x.ndim - rank
+    sizes = x.shape[lead:]
+    before = [max(0, -int(pos.min())) for pos in positions]
+    after = [max(0, int(pos.max()) + 1 - size) for pos, size in zip(positions, sizes)]
+    padded = jax.lax.pad(x, jnp.asarray(fill, x.dtype), [(0, 0, 0)] * lead + [(b, a, 0) for b, a in zip(before, after)])
+    plane_strides = np.cumprod((1,) + tuple(sizes[::-1]))[-2::-1]
+    for offset in itertools.product(*(range(pos.shape[1]) for pos in positions)):
+        columns = [pos[:, j] for pos, j in zip(positions, offset)]
+        start = [0] * lead + [int(c[0]) + b for c, b in zip(columns, before)]
+        limit = list(x.shape[:lead]) + [int(c[-1]) + b + 1 for c, b in zip(columns, before)]
+        taken = jax.lax.slice(padded, start, limit, [1] * lead + list(strides))
+        valid, flat = np.array(True), np.array(0)
+        for column, size, plane_stride in zip(columns, sizes, plane_strides):
+            valid = valid[..., None] & (column >= 0) & (column < size)
+            flat = flat[..., None] + column * plane_stride
+        yield taken, valid, flat
+
+
 def _max_pool(self: Any, kernel_size: Sequence[int], stride: Sequence[int], padding: Sequence[int],
               dilation: Sequence[int], ceil_mode: bool, rank: int) -> tuple:
+    """Running max over kernel offsets; ties keep the first, a NaN always wins (as PyTorch's kernels)."""
     kernel = _expand(kernel_size, rank)
     strides = _expand(stride, rank, kernel)
     pads, dilations = _expand(padding, rank), _expand(dilation, rank)
     sizes = self.shape[-rank:]
     positions = [_pool_positions(*args, ceil_mode) for args in zip(sizes, kernel, strides, pads, dilations)]
-    return _max_windows(self, positions, _in_bounds(positions, sizes))
+    out_shape = self.shape[:-rank] + tuple(pos.shape[0] for pos in positions)
+    best = jnp.full(out_shape, _lowest(self.dtype), self.dtype)
+    index = jnp.full(out_shape, -1, jnp.int64)
+    floating = jnp.issubdtype(self.dtype, jnp.floating)
+    for value, valid, flat in _pool_taps(self, positions, strides, _lowest(self.dtype)):
+        better = (value > best) | (index < 0)
+        if floating:
+            better = better | jnp.isnan(value)
+        better = better & valid
+        best = jnp.where(better, value, best)
+        index = jnp.where(better, flat, index)
+    return best, index
 
 
 @register(aten.max_pool2d_with_indices.default)
@@ -623,14 +661,13 @@ def _avg_pool(self: Any, kernel_size: Sequence[int], stride: Sequence[int], padd
     pads = _expand(padding, rank)
     sizes = self.shape[-rank:]
     positions = [_pool_positions(s, k, st, p, 1, ceil_mode) for s, k, st, p in zip(sizes, kernel, strides, pads)]
-    valid = _in_bounds(positions, sizes)
-    total = jnp.sum(_windows(_up(self), positions, valid, 0), axis=-1)
+    total = sum(value for value, _, _ in _pool_taps(_up(self), positions, strides, 0))
     if divisor_override:
         return total / divisor_override
     if count_include_pad:
         counts = [np.minimum(pos[:, 0] + k, s + p) - pos[:, 0] for pos, k, s, p in zip(positions, kernel, sizes, pads)]
     else:
-        counts = [v.sum(axis=1) for v in valid]
+        counts = [v.sum(axis=1) for v in _in_bounds(positions, sizes)]
     divisor = np.array(1)
     for count in counts:
         divisor = divisor[..., None] * count
