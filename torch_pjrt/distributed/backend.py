@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import _create_work_from_future
 
+from torch_pjrt.distributed import fsdp
+
 NAME = "pjrt"
 RedOpType = dist.ReduceOp.RedOpType
 # Reductions gloo lacks, done as a SUM on the host plus a local step.
@@ -302,4 +304,5 @@ class ProcessGroupPjrt(dist.ProcessGroup):
 
 def create(store: dist.Store, rank: int, size: int, timeout: timedelta) -> ProcessGroupPjrt:
     """The creator c10d calls for `init_process_group("pjrt")` and `new_group(backend="pjrt")`."""
+    fsdp.install()
     return ProcessGroupPjrt(store, rank, size, timeout)
