@@ -84,7 +84,7 @@ def convolution(input: Any, weight: Any, bias: Any, stride: Sequence[int], paddi
     return out[0] if unbatched else out
 
 
-@register(aten._convolution.default, aten._convolution.deprecated)
+@register(aten._convolution.default)
 def _convolution(input: Any, weight: Any, bias: Any, stride: Sequence[int], padding: Sequence[int],
                  dilation: Sequence[int], transposed: bool, output_padding: Sequence[int], groups: int,
                  *_flags: bool) -> Any:

@@ -119,11 +119,6 @@ def celu(self: Any, alpha: Any = 1.0) -> Any:
     return elu(self, alpha, 1.0, 1.0 / alpha)
 
 
-@register(aten.selu.default)
-def selu(self: Any) -> Any:
-    return elu(self, 1.6732632423543772848170429916717, 1.0507009873554804934193349852946, 1.0)
-
-
 @register(aten.gelu.default)
 def gelu(self: Any, *, approximate: str = "none") -> Any:
     return jax.nn.gelu(_up(self), approximate=approximate == "tanh")
@@ -140,22 +135,10 @@ def silu(self: Any) -> Any:
     return x * jax.nn.sigmoid(x)
 
 
-@register(aten.silu_backward.default)
-def silu_backward(grad_output: Any, self: Any) -> Any:
-    x = _up(self)
-    s = jax.nn.sigmoid(x)
-    return _up(grad_output) * s * (1 + x * (1 - s))
-
-
 @register(aten.mish.default)
 def mish(self: Any) -> Any:
     x = _up(self)
     return x * jnp.tanh(jax.nn.softplus(x))
-
-
-@register(aten.mish_backward.default)
-def mish_backward(grad_output: Any, self: Any) -> Any:
-    return _vjp(mish, _up(grad_output), _up(self))[0]
 
 
 @register(aten.softplus.default)
