@@ -637,6 +637,20 @@ def max_pool3d_with_indices_backward(grad_output: Any, self: Any, kernel_size: S
     return _scatter_to_plane(grad_output, self, indices, 3)
 
 
+def _window_sums(x: Any, positions: Sequence[np.ndarray], kernel: Sequence[int], strides: Sequence[int]) -> Any:
+    """Sum of each (zero-padded) window: one reduce_window, whatever the kernel size."""
+    rank = len(positions)
+    lead = x.ndim - rank
+    before = [max(0, -int(pos.min())) for pos in positions]
+    after = [max(0, int(pos.max()) + 1 - size) for pos, size in zip(positions, x.shape[lead:])]
+    padded = jax.lax.pad(x, jnp.zeros((), x.dtype), [(0, 0, 0)] * lead + [(b, a, 0) for b, a in zip(before, after)])
+    first = [int(pos[0, 0]) + b for pos, b in zip(positions, before)]
+    padded = padded[(Ellipsis, *(slice(f, None) for f in first))]
+    sums = jax.lax.reduce_window(padded, np.zeros((), x.dtype), jax.lax.add, (1,) * lead + tuple(kernel),
+                                 (1,) * lead + tuple(strides), "VALID")
+    return sums[(Ellipsis, *(slice(0, pos.shape[0]) for pos in positions))]
+
+
 def _avg_pool(self: Any, kernel_size: Sequence[int], stride: Sequence[int], padding: Sequence[int],
               ceil_mode: bool, count_include_pad: bool, divisor_override: int | None, rank: int) -> Any:
     kernel = _expand(kernel_size, rank)
@@ -644,7 +658,7 @@ def _avg_pool(self: Any, kernel_size: Sequence[int], stride: Sequence[int], padd
     pads = _expand(padding, rank)
     sizes = self.shape[-rank:]
     positions = [_pool_positions(s, k, st, p, 1, ceil_mode) for s, k, st, p in zip(sizes, kernel, strides, pads)]
-    total = sum(value for value, _, _ in _pool_taps(_up(self), positions, strides, 0))
+    total = _window_sums(_up(self), positions, kernel, strides)
     if divisor_override:
         return total / divisor_override
     if count_include_pad:
