@@ -2,8 +2,9 @@
 
 Backward ops whose forward is a smooth composition (pads, interpolation, norms, average pooling,
 most losses) are the jax vjp of the forward lowering, so forward and backward cannot disagree.
-Index-producing ops (max pooling) gather windows explicitly, so the indices PyTorch returns
-(flat positions in each input plane) are reproduced exactly.
+Max pooling keeps a running maximum over kernel offsets (memory O(output)), so its indices (flat
+positions in each input plane) follow PyTorch's tie and NaN rules; adaptive pools and im2col gather
+their (variable-size) windows explicitly. Trace-time index and weight tables are numpy constants.
 """
 
 from __future__ import annotations
