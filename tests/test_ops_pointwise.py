@@ -73,6 +73,10 @@ def test_special_binary_and_parametrized() -> None:
     check(torch.special.xlog1py, uniform((5, 4), -2, 2), q)
     check(torch.special.xlogy, uniform((5, 4), -2, 2), q)
     check(lambda a: torch.special.polygamma(2, a), q, atol=1e-4, rtol=1e-4)
+    negative = torch.tensor([-0.5, -1.5, -2.3, -3.7, -10.2, -0.01, 0.3, 2.5], dtype=torch.float64)
+    for n in (1, 2, 3):
+        check(lambda a, n=n: torch.polygamma(n, a), negative, atol=1e-9, rtol=1e-9)
+    check(_grad(torch.digamma), negative, atol=1e-9, rtol=1e-9)
     check(lambda a: torch.special.multigammaln(a, 3), x, atol=1e-5, rtol=1e-5)
     check(lambda a: torch.logit(a, 0.1), uniform((5, 4), 0, 1))
     check(torch.special.gammainc, x, q, atol=1e-5, rtol=1e-4)
@@ -159,6 +163,7 @@ def test_division_semantics() -> None:
     check(torch.fmod, i, j)
     check(lambda x: torch.remainder(x, -3), i)
     check(lambda x: torch.remainder(5, x), j)
+    check(lambda x, y: torch.div(x, y, rounding_mode="trunc"), i.reshape(4, 10), j[:10])
 
 
 def test_pow_semantics() -> None:

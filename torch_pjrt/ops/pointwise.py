@@ -100,7 +100,7 @@ def mul(self: Any, other: Any) -> Any:
 
 def _trunc_divide(a: Any, b: Any) -> Any:
     if is_integral(a):
-        return jax.lax.div(a, b)
+        return jax.lax.div(*jnp.broadcast_arrays(a, b))
     return jnp.trunc(a / b)
 
 
@@ -324,12 +324,25 @@ def logit(self: Any, eps: float | None = None) -> Any:
     return jnp.log(x / (1 - x))
 
 
+def _cot_derivative(n: int) -> list[float]:
+    """Coefficients (in powers of c = cot(pi x)) of pi^-n d^n/dx^n cot(pi x), from d/dx c = -pi (1 + c^2)."""
+    coefficients = [0.0, 1.0]
+    for _ in range(n):
+        derivative = [k * coefficients[k] for k in range(1, len(coefficients))] + [0.0, 0.0]
+        coefficients = [-(derivative[k] + (derivative[k - 2] if k >= 2 else 0.0)) for k in range(len(derivative))]
+    return coefficients
+
+
 @register(aten.polygamma.default)
 def polygamma(n: int, self: Any) -> Any:
+    """Negative x by reflection: psi_n(x) = (-1)^n psi_n(1 - x) - pi^(n+1) d^n cot(pi x) / pi^n."""
     (x,) = promote(self, kind=KIND.INT_TO_FLOAT)
     if n == 0:
         return _digamma(x)
-    return jss.polygamma(n, x)
+    positive = jss.polygamma(n, jnp.where(x > 0, x, 1 - x))
+    cot = 1 / jnp.tan(math.pi * x)
+    polynomial = sum(coefficient * cot**k for k, coefficient in enumerate(_cot_derivative(n)) if coefficient)
+    return jnp.where(x > 0, positive, (-1) ** n * positive - math.pi ** (n + 1) * polynomial)
 
 
 @register(aten.mvlgamma.default)
