@@ -12,9 +12,9 @@ battery.report to write docs/op-coverage.md and torch_pjrt/data/op_coverage.json
 Per sample the entry's function runs on CPU and on pjrt copies of the same inputs, both outputs
 pass through the sample's output_process_fn_grad (as PyTorch's test_compare_cpu does: it makes
 sign-ambiguous decompositions comparable) and are compared with torch.testing.assert_close at
-its per-dtype defaults, relaxed for float16/bfloat16 only (RELAXED). Gradients: sum of every
-differentiable output (real view of complex ones), torch.autograd.grad w.r.t. every input that
-requires grad, float32 and float64. Random entries are checked for shape, dtype and device only.
+its per-dtype defaults, relaxed for float16/bfloat16 only (RELAXED). Gradients: a fixed-weight sum of
+every differentiable output (see _loss), torch.autograd.grad w.r.t. every input that requires grad,
+float32 and float64. Random entries are checked for shape, dtype and device only.
 """
 
 from __future__ import annotations
@@ -57,8 +57,14 @@ RELAXED: dict[torch.dtype, dict[str, float]] = {
 # test_compare_cpu's cross-device tolerance, recorded (not used to pass) to tell rounding from wrong values.
 LOOSE = {"rtol": 1e-3, "atol": 1e-3}
 # Entries whose values are random or undefined: only shape, dtype and device are compared.
-RANDOM_MARKERS = ("dropout", "rand", "normal", "bernoulli", "multinomial", "uniform", "exponential", "geometric",
-                  "cauchy", "log_normal", "rrelu", "fractional_max_pool", "empty", "lowrank")
+RANDOM_ENTRIES = frozenset({
+    "bernoulli", "cauchy", "empty", "empty_like", "empty_permuted", "empty_strided", "exponential", "geometric",
+    "log_normal", "multinomial", "new_empty", "new_empty_strided", "nn.functional.alpha_dropout",
+    "nn.functional.dropout", "nn.functional.dropout2d", "nn.functional.dropout3d",
+    "nn.functional.feature_alpha_dropout.with_train", "nn.functional.fractional_max_pool2d",
+    "nn.functional.fractional_max_pool3d", "nn.functional.rrelu", "normal", "normal.in_place", "normal.number_mean",
+    "pca_lowrank", "rand_like", "randint", "randint_like", "randn", "randn_like", "svd_lowrank", "uniform",
+})
 STATUS_ORDER = ("crash", "fail-wrong", "fail-error", "unsupported", "pass", "skip")
 IDLE_TIMEOUT = 60.0
 START_TIMEOUT = 240.0
@@ -78,7 +84,7 @@ def load_entries() -> dict[str, Any]:
 
 
 def is_random(key: str) -> bool:
-    return any(marker in key for marker in RANDOM_MARKERS)
+    return key in RANDOM_ENTRIES
 
 
 def cells(op: Any, dtypes: Iterable[str]) -> list[tuple[str, str]]:
@@ -115,10 +121,12 @@ def _to_pjrt(value: Any) -> Any:
 
 
 def on_pjrt(sample: Any) -> Any:
-    """The sample with pjrt copies of its tensors and a `device=` keyword naming pjrt."""
+    """The sample with pjrt copies of its tensors; a "cpu" argument (the sample's device, as in `x.to("cpu")`
+    or `torch.zeros(..., device="cpu")`) names pjrt instead."""
     moved = sample.transform(_to_pjrt)
-    if moved.kwargs.get("device") in ("cpu", torch.device("cpu")):
-        moved.kwargs = {**moved.kwargs, "device": torch.device("pjrt")}
+    device = lambda v: torch.device("pjrt") if isinstance(v, str) and v == "cpu" else v
+    moved.args = tuple(device(v) for v in moved.args)
+    moved.kwargs = {k: device(v) for k, v in moved.kwargs.items()}
     return moved
 
 
@@ -165,7 +173,15 @@ def _differentiable(value: Any) -> list[torch.Tensor]:
 
 
 def _loss(outputs: list[torch.Tensor]) -> torch.Tensor:
-    return sum(torch.view_as_real(o).sum() if o.is_complex() else o.sum() for o in outputs)
+    """A weighted sum of the outputs, the same weights on both devices: a plain sum has an exact zero gradient
+    for normalising ops (softmax, layer_norm) and would compare rounding noise against zero."""
+    generator = torch.Generator().manual_seed(0)
+    total = 0
+    for output in outputs:
+        real = torch.view_as_real(output) if output.is_complex() else output
+        weights = torch.rand(real.shape, generator=generator, dtype=real.dtype) + 0.5
+        total = total + (real * weights.to(real.device)).sum()
+    return total
 
 
 def run_forward(op: Any, sample: Any, random: bool, record: Callable[[Any], Any] | None = None) -> None:
@@ -368,8 +384,9 @@ class Pool:
     """Runs entry keys over `jobs` workers; calls `sink` with every result row."""
 
     def __init__(self, jobs: int, dtypes: list[str], max_samples: int | None, log_path: str,
-                 sink: Callable[[dict[str, Any]], None]) -> None:
-        self.jobs, self.dtypes, self.max_samples = jobs, dtypes, max_samples
+                 sink: Callable[[dict[str, Any]], None], deadline: float = float("inf")) -> None:
+        self.jobs, self.dtypes, self.max_samples, self.deadline = jobs, dtypes, max_samples, deadline
+        self.started: list[str] = []
         self.log = open(log_path, "a")
         self.sink = sink
         self.lock = threading.Lock()
@@ -395,11 +412,12 @@ class Pool:
 
     def _drive(self) -> None:
         worker: Worker | None = None
-        while True:
+        while time.time() < self.deadline:
             try:
                 key = self.todo.get_nowait()
             except queue.Empty:
                 break
+            self.started.append(key)
             if worker is not None and worker.handled >= RESTART_EVERY:
                 worker.stop()
                 worker = None
@@ -483,6 +501,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-samples", type=int, help="at most this many samples per cell (quick looks)")
     parser.add_argument("--report", action=argparse.BooleanOptionalAction, default=None,
                         help="rewrite docs/op-coverage.md and the shipped JSON from --out (default: on full runs)")
+    parser.add_argument("--time-limit", type=float, help="start no entry after this many minutes (a partial run)")
     parser.add_argument("--shuffle", action="store_true", help="random entry order (a run cut short is a fair sample)")
     parser.add_argument("--fresh", action="store_true", help="start --out empty instead of merging into it")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -500,15 +519,18 @@ def main(argv: list[str] | None = None) -> None:
         for row in kept:
             out.write(json.dumps(row) + "\n")
         progress = Progress(len(keys), out)
-        Pool(args.jobs, args.dtypes, args.max_samples, args.out + ".log", progress.sink).run(keys)
-    run = {"entries": len(keys), "seconds": round(time.time() - started, 1), "jobs": args.jobs,
-           "dtypes": args.dtypes, "max_samples": args.max_samples, "all_entries": not args.ops,
+        deadline = started + 60 * args.time_limit if args.time_limit else float("inf")
+        pool = Pool(args.jobs, args.dtypes, args.max_samples, args.out + ".log", progress.sink, deadline)
+        pool.run(keys)
+    run = {"entries": len(pool.started), "seconds": round(time.time() - started, 1), "jobs": args.jobs,
+           "dtypes": args.dtypes, "max_samples": args.max_samples,
+           "all_entries": not args.ops and len(pool.started) == len(keys),
            "finished": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     meta = {} if args.fresh or not os.path.exists(args.out + ".meta.json") else json.load(open(args.out + ".meta.json"))
     meta = {"torch": torch.__version__, "runs": meta.get("runs", []) + [run]}
     with open(args.out + ".meta.json", "w") as f:
         json.dump(meta, f, indent=1)
-    print(f"{len(keys)} entries in {run['seconds']:.0f} s -> {args.out}", file=sys.stderr)
+    print(f"{len(pool.started)} of {len(keys)} entries in {run['seconds']:.0f} s -> {args.out}", file=sys.stderr)
     if args.report or (args.report is None and not args.ops and args.max_samples is None):
         from battery import report
 

@@ -15,10 +15,11 @@ from battery import run_opinfo
 
 SAMPLES = 3
 SLICE = (
-    "abs", "add", "addmm", "amax", "argmax", "bmm", "cat", "clamp", "cumsum", "div.no_rounding_mode", "exp",
-    "gather", "index_select", "log_softmax", "matmul", "mean", "mul", "nn.functional.gelu",
-    "nn.functional.layer_norm", "nn.functional.linear", "nn.functional.relu", "nn.functional.silu",
-    "permute", "pow", "reshape", "rsqrt", "sigmoid", "softmax", "sum", "tanh", "transpose", "where",
+    "abs", "add", "addmm", "amax", "argmax", "bmm", "cat", "cumsum", "div.no_rounding_mode", "einsum", "fft.rfft",
+    "gather", "index_put", "index_select", "linalg.vector_norm", "log_softmax", "masked_fill", "matmul",
+    "nn.functional.conv2d", "nn.functional.cross_entropy", "nn.functional.embedding", "nn.functional.gelu",
+    "nn.functional.linear", "nn.functional.pad.constant", "reshape", "softmax", "sort", "special.erfcx", "sum",
+    "topk", "transpose", "var_mean", "where",
 )
 
 
