@@ -16,7 +16,7 @@ import torch
 import torch.fx
 
 from torch_pjrt import _registration, _torch_private, storage
-from torch_pjrt.eager import dispatch, kernels
+from torch_pjrt.eager import kernels
 from torch_pjrt.ops import graph
 from torch_pjrt.runtime import client, programs, rng
 
@@ -66,22 +66,42 @@ class CompiledGraph:
         self.programs: dict[Any, programs.Program] = {}
 
     def _program(self, signature: tuple) -> tuple[programs.Program, list[Any]]:
-        """The program for one input signature, and the layouts of its outputs (known once traced)."""
+        """The program for one input signature, and the layouts of its outputs (known once traced).
+
+        The program takes the flat storages of the pjrt inputs (each once) and reads every input
+        through its view inside the jit, so no eager reshape or gather runs per call; outputs come
+        back as flat storages, and mutated inputs as their storages' new flat arrays.
+        """
         found = self.programs.get(signature)
         if found is None:
             gm, extra = self.gm, tuple(node for _, node in self.mutations)
             described = self.outputs
-            statics = {i: entry[1] for i, entry in enumerate(signature) if entry[0] == "static"}
+            mutated = [index for index, _ in self.mutations]
             layouts: list[Any] = []
 
-            def run(arrays: list[Any], key: Any) -> Any:
-                inputs = list(arrays)
-                for index, value in sorted(statics.items()):
-                    inputs.insert(index, value)
+            def run(flats: list[Any], hosts: list[Any], key: Any) -> Any:
+                host_values = iter(hosts)
+                inputs = []
+                for entry in signature:
+                    if entry[0] == "pjrt":
+                        _, slot, view, storage_dtype = entry
+                        inputs.append(storage.read_view(flats[slot], storage_dtype, view))
+                    elif entry[0] == "host":
+                        inputs.append(next(host_values))
+                    else:
+                        inputs.append(entry[1])
                 keys = None
                 if key is not None:
                     keys = graph.KeySource(client.jax_module().random.wrap_key_data(key, impl="threefry2x32"))
                 outputs, updates = graph.evaluate(gm, inputs, keys, extra)
+                new_flats = list(flats)
+                host_updates = []
+                for index, value in zip(mutated, updates):
+                    if signature[index][0] != "pjrt":
+                        host_updates.append(value)
+                        continue
+                    _, slot, view, storage_dtype = signature[index]
+                    new_flats[slot] = storage.write_view(new_flats[slot], storage_dtype, view, value)
                 outputs = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
                 tensors = []
                 layouts.clear()
@@ -91,51 +111,52 @@ class CompiledGraph:
                         continue
                     sizes = tuple(value.shape)
                     strides = storage.strides_in_order(sizes, out.order) if out.order else None
-                    layouts.append((sizes, strides))
-                    tensors.append(storage.pack(value, sizes, strides) if strides else value)
-                return tensors, updates
+                    strides = strides or storage.contiguous_strides(sizes)
+                    layouts.append((storage.torch_dtype(value.dtype), sizes, strides))
+                    tensors.append(storage.pack(value, sizes, strides))
+                written = sorted({signature[index][1] for index in mutated if signature[index][0] == "pjrt"})
+                return tensors, [new_flats[slot] for slot in written], host_updates
 
             found = self.programs[signature] = (programs.Program(run, "compiled_graph"), layouts)
         return found
 
     def __call__(self, *args: Any) -> Any:
-        arrays: list[Any] = []
+        flats: list[Any] = []
+        stores: list[storage.DeviceStorage] = []
+        slots: dict[int, int] = {}
+        hosts: list[Any] = []
         signature: list[Any] = []
         device = None
         for value in args:
-            if isinstance(value, torch.Tensor):
-                if value.device.type == "pjrt":
-                    device = device or value.device
-                    arrays.append(dispatch.read(value))
-                else:
-                    arrays.append(kernels.host_array(value))
-                signature.append((tuple(value.shape), value.dtype, value.device.type))
+            if isinstance(value, torch.Tensor) and value.device.type == "pjrt":
+                device = device or value.device
+                st = storage.storage_of(value)
+                slot = slots.get(id(st))
+                if slot is None:
+                    slot = slots[id(st)] = len(stores)
+                    stores.append(st)
+                    flats.append(st.materialize())
+                signature.append(("pjrt", slot, storage.view_of(value), st.dtype))
+            elif isinstance(value, torch.Tensor):
+                hosts.append(kernels.host_array(value))
+                signature.append(("host", tuple(value.shape), value.dtype))
             else:
                 signature.append(("static", value))
         device = device or torch.device("pjrt", 0)
         key = rng.state(device.index).next_key() if self.random else None
         program, layouts = self._program(tuple(signature))
-        tensors, updates = program.call(arrays, key)
-        for (index, _), value in zip(self.mutations, updates):
-            kernels.copy_(args[index], _as_tensor(value, device))
+        tensors, written, host_updates = program.call(flats, hosts, key)
+        pjrt_mutations = [index for index, _ in self.mutations if signature[index][0] == "pjrt"]
+        for slot, flat in zip(sorted({signature[index][1] for index in pjrt_mutations}), written):
+            stores[slot].array = flat
+        host_mutations = [index for index, _ in self.mutations if signature[index][0] != "pjrt"]
+        for index, value in zip(host_mutations, host_updates):
+            args[index].copy_(kernels.host_tensor(client.to_host(value)))
         produced = iter(tensors)
-        results = []
-        for out, layout in zip(self.outputs, layouts):
-            if layout is None:
-                results.append(out.constant)
-            else:
-                results.append(_as_tensor(next(produced), device, *layout))
-        return results
-
-
-def _as_tensor(value: Any, device: torch.device, shape: Any = None, strides: Any = None) -> Any:
-    """A program output as a pjrt tensor: packed 1-D storage with known strides, or a logical array."""
-    if not hasattr(value, "dtype"):
-        return value
-    dtype = storage.torch_dtype(value.dtype)
-    if strides is not None:
-        return storage.new_tensor(value, dtype, device, shape, strides)
-    return storage.new_tensor(value.reshape(-1), dtype, device, tuple(value.shape))
+        return [
+            out.constant if layout is None else storage.new_tensor(next(produced), layout[0], device, *layout[1:])
+            for out, layout in zip(self.outputs, layouts)
+        ]
 
 
 def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
