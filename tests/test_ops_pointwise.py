@@ -237,6 +237,7 @@ def test_complex() -> None:
     check(lambda a: (a.abs(), a.exp(), a.sqrt(), a.log(), torch.sgn(a), torch.angle(a), a.sin(), a.tanh()),
           z, atol=1e-5, rtol=1e-5)
     check(lambda a, b: (a == b, a != b, torch.isnan(a)), z, w)
+    check(torch.logaddexp, z * 3, w * 3, atol=1e-5, rtol=1e-5)
     parts = torch.tensor([NAN, INF, -INF, 1.5])
     check(torch.nan_to_num, torch.complex(parts, parts.flip(0)))
 

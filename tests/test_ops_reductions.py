@@ -107,6 +107,7 @@ def test_edge_shapes() -> None:
 def test_complex() -> None:
     z = torch.randn(4, 5, dtype=torch.complex128)
     check(lambda a: (a.sum(1), a.mean(), a.prod(0), a.var(1), a.std(), torch.linalg.vector_norm(a), a.cumsum(1)), z)
+    check(lambda a: (a.logsumexp(0), torch.logcumsumexp(a, 1)), z * 3)
 
 
 def test_non_contiguous() -> None:

@@ -366,10 +366,22 @@ def _nextafter(x: Any, y: Any) -> Any:
     return jnp.nextafter(x, y)
 
 
+def logaddexp(x: Any, y: Any) -> Any:
+    """log(e^x + e^y); complex operands as PyTorch: pivot on the larger real part, principal log1p."""
+    if not is_complex(x):
+        return jnp.logaddexp(x, y)
+    swap = jnp.real(y) < jnp.real(x)
+    low, high = jnp.where(swap, y, x), jnp.where(swap, x, y)
+    value = jnp.log1p(jnp.exp(low - high)) + high
+    infinite = ~jnp.isfinite(jnp.real(low)) & (jnp.real(low) == jnp.real(high))
+    value = jnp.where(infinite, jnp.where(jnp.real(low) < 0, high, jnp.log(jnp.exp(low) + jnp.exp(high))), value)
+    return jnp.where(jnp.isnan(jnp.real(low)) | jnp.isnan(jnp.imag(low)), complex(math.nan, math.nan), value)
+
+
 FLOAT_BINARY: dict[Any, Callable] = {
     aten.atan2.default: jnp.arctan2, aten.hypot.default: jnp.hypot,
     aten.copysign.Tensor: jnp.copysign, aten.copysign.Scalar: jnp.copysign,
-    aten.logaddexp.default: jnp.logaddexp, aten.logaddexp2.default: jnp.logaddexp2,
+    aten.logaddexp.default: logaddexp, aten.logaddexp2.default: jnp.logaddexp2,
     aten.xlogy.Tensor: _xlogy, aten.xlogy.Scalar_Other: _xlogy, aten.xlogy.Scalar_Self: _xlogy,
     aten.special_xlog1py.default: _xlog1py, aten.special_xlog1py.other_scalar: _xlog1py,
     aten.special_xlog1py.self_scalar: _xlog1py, aten.special_zeta.default: jss.zeta,

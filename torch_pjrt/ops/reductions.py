@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from torch_pjrt import storage
+from torch_pjrt.ops import pointwise
 from torch_pjrt.ops.registry import register
 
 aten = torch.ops.aten
@@ -162,8 +163,8 @@ def norm_dim_dtype(self: Any, p: float | None, dim: Any, keepdim: bool, *, dtype
 
 
 def _logsumexp(x: Any, dims: tuple[int, ...], keepdim: bool) -> Any:
-    """Shifted by the max, with infinite maxima left unshifted (all -inf gives -inf)."""
-    shift = jnp.max(x, axis=dims, keepdims=True) if x.size else jnp.zeros((1,) * x.ndim, x.dtype)
+    """Shifted by the max (of the real part, for complex), with infinite maxima left unshifted."""
+    shift = jnp.max(jnp.real(x), axis=dims, keepdims=True) if x.size else jnp.zeros((1,) * x.ndim, x.real.dtype)
     shift = jnp.where(jnp.isinf(shift), 0, shift)
     total = jnp.log(jnp.sum(jnp.exp(x - shift), axis=dims, keepdims=True)) + shift
     return total if keepdim else jnp.squeeze(total, dims)
@@ -273,9 +274,23 @@ def cumprod(self: Any, dim: int, *, dtype: torch.dtype | None = None) -> Any:
     return _along(jnp.cumprod, dim, accumulate(self, dtype))
 
 
+def _cumulative_logaddexp(x: Any, axis: int) -> Any:
+    """Complex values fold left one step at a time like PyTorch, so the branch of the log matches."""
+    if np.dtype(x.dtype).kind != "c":
+        return jax.lax.cumlogsumexp(x, axis=axis)
+
+    def step(total: Any, value: Any) -> tuple[Any, Any]:
+        total = pointwise.logaddexp(total, value)
+        return total, total
+
+    moved = jnp.moveaxis(x, axis, 0)
+    _, folded = jax.lax.scan(step, jnp.full(moved.shape[1:], -jnp.inf, x.dtype), moved)
+    return jnp.moveaxis(folded, 0, axis)
+
+
 @register(aten.logcumsumexp.default)
 def logcumsumexp(self: Any, dim: int) -> Any:
-    return _along(jax.lax.cumlogsumexp, dim, _opmath(self))
+    return _along(_cumulative_logaddexp, dim, _opmath(self))
 
 
 def _running_extreme(x: Any, dim: int, better: Callable) -> tuple[Any, Any]:
