@@ -131,20 +131,17 @@ def _fused_program(nodes: list[tuple[Any, tuple[Any, ...]]], wanted: tuple[tuple
 
 _programs = programs.ProgramCache()
 _seen: list[tuple[list[Any], list[str]]] = []
-_local = threading.local()
+# One pending graph for the process: autograd runs backward ops on its own device threads, and
+# forward, backward and optimizer ops of a step belong in one program.
+_pending = PendingGraph()
 
 
 def graph() -> PendingGraph:
-    pending = getattr(_local, "graph", None)
-    if pending is None:
-        pending = _local.graph = PendingGraph()
-    return pending
+    return _pending
 
 
 def flush(reason: str) -> None:
-    pending = getattr(_local, "graph", None)
-    if pending is not None:
-        pending.flush(reason)
+    _pending.flush(reason)
 
 
 def concrete(value: Any) -> Any:
