@@ -44,7 +44,20 @@ def jax_module() -> Any:
         jax.config.update("jax_compilation_cache_dir", os.path.join(folder, "xla"))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+        jax.monitoring.register_event_listener(_count_cache_event)
     return jax
+
+
+_CACHE_EVENTS = {
+    "/jax/compilation_cache/cache_hits": "persistent_cache_hits",
+    "/jax/compilation_cache/cache_misses": "persistent_cache_misses",
+}
+
+
+def _count_cache_event(event: str, **_: object) -> None:
+    name = _CACHE_EVENTS.get(event)
+    if name is not None:
+        metrics.bump(name)
 
 
 @functools.cache

@@ -15,6 +15,11 @@ COUNTER_NAMES = (
     "transfers_to_host",
     "bytes_to_device",
     "bytes_to_host",
+    "persistent_cache_hits",
+    "persistent_cache_misses",
+    "fused_programs",
+    "fused_ops",
+    "fused_compiles",
 )
 
 _counts: Counter = Counter()
