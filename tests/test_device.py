@@ -82,7 +82,9 @@ def test_round_trip_every_dtype(dtype: torch.dtype) -> None:
 
 def test_transfers_non_blocking_and_pinned_source() -> None:
     a = torch.randn(4, 4)
-    assert torch.equal(a.to("pjrt", non_blocking=True).cpu(), a)
+    pinned = a.pin_memory()
+    assert pinned.is_pinned() and not a.is_pinned()
+    assert torch.equal(pinned.to("pjrt", non_blocking=True).cpu(), a)
     assert torch.equal(a.to("pjrt").to("cpu", non_blocking=True), a)
 
 

@@ -6,6 +6,8 @@
 // their own registration). Streams and events are trivial: pjrt ops are ordered by jax.
 
 #include <ATen/core/Generator.h>
+#include <c10/core/CPUAllocator.h>
+#include <c10/core/impl/alloc_cpu.h>
 #include <ATen/detail/PrivateUse1HooksInterface.h>
 #include <c10/core/GeneratorImpl.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
@@ -18,6 +20,7 @@
 #include <limits>
 #include <map>
 #include <mutex>
+#include <unordered_set>
 
 namespace torch_pjrt {
 namespace {
@@ -193,6 +196,50 @@ struct PjrtGenerator final : public c10::GeneratorImpl {
   uint64_t offset_ = 0;
 };
 
+// "Pinned" host memory for pin_memory(): ordinary host memory whose blocks are remembered, so
+// is_pinned() tells them apart. PJRT copies from any host buffer; the CPU platform needs nothing more.
+struct PinnedAllocator final : public c10::Allocator {
+  c10::DataPtr allocate(size_t bytes) override {
+    void* data = bytes ? c10::alloc_cpu(bytes) : nullptr;
+    if (data != nullptr) {
+      std::lock_guard<std::mutex> lock(mutex());
+      blocks().insert(data);
+    }
+    return {data, data, &release, c10::Device(c10::DeviceType::CPU)};
+  }
+
+  c10::DeleterFnPtr raw_deleter() const override {
+    return &release;
+  }
+
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    default_copy_data(dest, src, count);
+  }
+
+  static bool owns(const void* data) {
+    std::lock_guard<std::mutex> lock(mutex());
+    return blocks().count(const_cast<void*>(data)) > 0;
+  }
+
+  static void release(void* data) {
+    {
+      std::lock_guard<std::mutex> lock(mutex());
+      blocks().erase(data);
+    }
+    c10::free_cpu(data);
+  }
+
+  static std::mutex& mutex() {
+    static std::mutex instance;
+    return instance;
+  }
+
+  static std::unordered_set<void*>& blocks() {
+    static auto* instance = new std::unordered_set<void*>();
+    return *instance;
+  }
+};
+
 struct Hooks final : public at::PrivateUse1HooksInterface {
   bool isBuilt() const override {
     return true;
@@ -253,7 +300,12 @@ struct Hooks final : public at::PrivateUse1HooksInterface {
   }
 
   at::Allocator* getPinnedMemoryAllocator() const override {
-    TORCH_CHECK(false, "the pjrt device has no pinned host memory; use ordinary CPU tensors.");
+    static PinnedAllocator allocator;
+    return &allocator;
+  }
+
+  bool isPinnedPtr(const void* data) const override {
+    return PinnedAllocator::owns(data);
   }
 
   void resizePrivateUse1Bytes(const c10::Storage& /*storage*/, size_t /*newsize*/) const override {
