@@ -333,16 +333,53 @@ def _cot_derivative(n: int) -> list[float]:
     return coefficients
 
 
+_BERNOULLI = (1 / 6, -1 / 30, 1 / 42, -1 / 30, 5 / 66, -691 / 2730, 7 / 6, -3617 / 510, 43867 / 798, -174611 / 330)
+
+
+def _polygamma_positive(n: int, x: Any) -> Any:
+    """psi_n(x), x > 0, n >= 1: shift by 10 + n with the recurrence, then the asymptotic series
+    (Bernoulli terms to B_20), all terms of one sign so float32 keeps full precision."""
+    shift = 10 + n
+    sign = (-1) ** (n + 1)
+    head = sum(1 / (x + k) ** (n + 1) for k in range(shift)) * math.factorial(n)
+    z = x + shift
+    tail = math.factorial(n - 1) / z**n + math.factorial(n) / (2 * z ** (n + 1))
+    for k, bernoulli in enumerate(_BERNOULLI, start=1):
+        tail = tail + bernoulli * math.factorial(2 * k + n - 1) / math.factorial(2 * k) / z ** (2 * k + n)
+    return sign * (head + tail)
+
+
+_POLYGAMMA_SHIFT_LIMIT = 10_000
+
+
+def _polygamma_shifted(n: int, x: Any) -> Any:
+    """psi_n(x) for -10^4 < x <= 0: psi_n(x + m) plus the recurrence terms (-1)^(n+1) n! / (x + k)^(n+1),
+    k < m = ceil(-x) + 1; x + k is exact, so values near the poles stay accurate (unlike reflection)."""
+    steps = jnp.where(x <= 0, jnp.ceil(-x) + 1, 0).astype(np.int32)
+
+    def add(k: Any, total: Any) -> Any:
+        return total + jnp.where(k < steps, 1 / (x + k.astype(x.dtype)) ** (n + 1), 0)
+
+    terms = jax.lax.fori_loop(0, jnp.max(steps, initial=0), add, jnp.zeros_like(x))
+    return _polygamma_positive(n, x + steps.astype(x.dtype)) + (-1) ** (n + 1) * math.factorial(n) * terms
+
+
 @register(aten.polygamma.default)
 def polygamma(n: int, self: Any) -> Any:
-    """Negative x by reflection: psi_n(x) = (-1)^n psi_n(1 - x) - pi^(n+1) d^n cot(pi x) / pi^n."""
+    """x <= -10^4 by reflection: psi_n(x) = (-1)^n psi_n(1 - x) - pi^(n+1) d^n cot(pi x) / pi^n.
+    Non-positive integers are poles (PyTorch: (-1)^(n+1) inf for n >= 2)."""
     (x,) = promote(self, kind=KIND.INT_TO_FLOAT)
     if n == 0:
         return _digamma(x)
-    positive = jss.polygamma(n, jnp.where(x > 0, x, 1 - x))
+    positive = _polygamma_positive(n, jnp.where(x > 0, x, 1 - x))
     cot = 1 / jnp.tan(math.pi * x)
     polynomial = sum(coefficient * cot**k for k, coefficient in enumerate(_cot_derivative(n)) if coefficient)
-    return jnp.where(x > 0, positive, (-1) ** n * positive - math.pi ** (n + 1) * polynomial)
+    reflected = (-1) ** n * positive - math.pi ** (n + 1) * polynomial
+    near = (x <= 0) & (x > -_POLYGAMMA_SHIFT_LIMIT)
+    shifted = _polygamma_shifted(n, jnp.where(near, x, 0.5))
+    value = jnp.where(x > 0, positive, jnp.where(near, shifted, reflected))
+    pole = (x <= 0) & (x == jnp.floor(x))
+    return jnp.where(pole & (n >= 2), (-1) ** (n + 1) * jnp.inf, value)
 
 
 @register(aten.mvlgamma.default)
@@ -362,8 +399,10 @@ def _xlog1py(x: Any, y: Any) -> Any:
     return jnp.where(jnp.isnan(y), y, jnp.where(x == 0, 0, x * jnp.log1p(y)))
 
 
-def _nextafter(x: Any, y: Any) -> Any:
-    return jnp.nextafter(x, y)
+def _zeta(x: Any, q: Any) -> Any:
+    """Hurwitz zeta with PyTorch's domain: a pole at x = 1 and at q in 0, -1, ...; NaN for x < 1."""
+    value = jnp.where((q <= 0) & (q == jnp.floor(q)), jnp.inf, jss.zeta(x, q))
+    return jnp.where(x == 1, jnp.inf, jnp.where(x < 1, jnp.nan, value))
 
 
 def logaddexp(x: Any, y: Any) -> Any:
@@ -384,8 +423,8 @@ FLOAT_BINARY: dict[Any, Callable] = {
     aten.logaddexp.default: logaddexp, aten.logaddexp2.default: jnp.logaddexp2,
     aten.xlogy.Tensor: _xlogy, aten.xlogy.Scalar_Other: _xlogy, aten.xlogy.Scalar_Self: _xlogy,
     aten.special_xlog1py.default: _xlog1py, aten.special_xlog1py.other_scalar: _xlog1py,
-    aten.special_xlog1py.self_scalar: _xlog1py, aten.special_zeta.default: jss.zeta,
-    aten.special_zeta.other_scalar: jss.zeta, aten.special_zeta.self_scalar: jss.zeta,
+    aten.special_xlog1py.self_scalar: _xlog1py, aten.special_zeta.default: _zeta,
+    aten.special_zeta.other_scalar: _zeta, aten.special_zeta.self_scalar: _zeta,
     aten.igamma.default: jss.gammainc, aten.igammac.default: jss.gammaincc,
 }
 
