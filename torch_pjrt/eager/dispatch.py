@@ -128,9 +128,12 @@ def plan_for(op: OpOverload) -> OpPlan | None:
 
 # --- the per-call argument scan ------------------------------------------------------------
 
+# Ops whose CPU tensor arguments PyTorch accepts alongside device tensors (indices, per-tensor scalars).
 CPU_TENSORS_ALLOWED = frozenset(
     {torch.ops.aten.index.Tensor, torch.ops.aten.index_put.default, torch.ops.aten.index_put_.default,
-     torch.ops.aten._index_put_impl_.default}
+     torch.ops.aten._index_put_impl_.default, torch.ops.aten._foreach_addcmul.Tensor,
+     torch.ops.aten._foreach_addcmul_.Tensor, torch.ops.aten._foreach_addcdiv.Tensor,
+     torch.ops.aten._foreach_addcdiv_.Tensor}
 )
 
 
@@ -252,10 +255,10 @@ def _meta_value(kind: Arg, value: Any, described: Any) -> Any:
 
 
 def _meta_from(tensor: torch.Tensor, described: Any) -> torch.Tensor:
-    """A meta tensor for a pjrt argument, or for a CPU one (a 0-dim scalar or an index)."""
+    """A meta tensor for a pjrt argument or a 0-dim CPU scalar; a CPU one for CPU indices and scalar lists."""
     if isinstance(described, Leaf):
         return _meta_tensor(described.view)
-    return torch.empty(described[2], dtype=described[1], device="meta")
+    return torch.empty(described[2], dtype=described[1], device="meta" if not described[2] else "cpu")
 
 
 def _run_meta(plan: OpPlan, values: list[Any], described: list[Any]) -> tuple[Any, list[Any]]:

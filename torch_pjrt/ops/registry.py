@@ -163,14 +163,23 @@ class MissingLowering(NotImplementedError):
         self.op = op
 
 
+_decomposing: set[OpOverload] = set()
+
+
 def decomposed(op: OpOverload, decomposition: Callable) -> Callable:
     """A lowering that traces PyTorch's decomposition on meta tensors and lowers that graph."""
 
     def lower(*args: Any, rng: Any = None, **kwargs: Any) -> Any:
         from torch_pjrt.ops import graph
 
-        keys = graph.KeySource(rng) if rng is not None else None
-        return graph.lower_callable(decomposition, args, kwargs, keys)
+        if op in _decomposing:
+            raise MissingLowering(op)  # its decomposition leads back to itself
+        _decomposing.add(op)
+        try:
+            keys = graph.KeySource(rng) if rng is not None else None
+            return graph.lower_callable(decomposition, args, kwargs, keys)
+        finally:
+            _decomposing.discard(op)
 
     lower.__name__ = f"decomposed_{op.name()}"
     return lower

@@ -52,8 +52,8 @@ def report() -> str:
         lines.append(f"{name:<28}{shown:>12}")
     if op_counts:
         lines += ["", "ops executed (top 20)", "-" * 40]
-        lines += [f"{op:<36}{n:>6}" for op, n in op_counts.most_common(20)]
+        lines += [f"{str(op):<36}{n:>6}" for op, n in op_counts.most_common(20)]
     if fallback_ops:
         lines += ["", "ops run on CPU (fallback)", "-" * 40]
-        lines += [f"{op:<36}{n:>6}" for op, n in fallback_ops.most_common()]
+        lines += [f"{str(op):<36}{n:>6}" for op, n in fallback_ops.most_common()]
     return "\n".join(lines)
