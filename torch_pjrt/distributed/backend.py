@@ -12,13 +12,15 @@ Cost: one device->host and one host->device copy per tensor, plus gloo's TCP tra
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import _create_work_from_future
+from torch.utils import _pytree as pytree
 
 from torch_pjrt.distributed import fsdp
 
@@ -26,6 +28,7 @@ NAME = "pjrt"
 RedOpType = dist.ReduceOp.RedOpType
 # Reductions gloo lacks, done as a SUM on the host plus a local step.
 SUM_BASED = (RedOpType.AVG, RedOpType.PREMUL_SUM)
+RELEASE_WAIT_S, RELEASE_POLL_S = 5.0, 1e-5
 
 
 # --- host staging --------------------------------------------------------------------------------
@@ -44,6 +47,17 @@ def _write_back(targets: Sequence[torch.Tensor], staged: Sequence[torch.Tensor])
     for target, host in zip(targets, staged, strict=True):
         if target is not host:
             target.copy_(host)
+
+
+def _await_release(tensors: Sequence[torch.Tensor], counts: Sequence[int]) -> None:
+    """Wait (GIL released) until gloo's worker dropped its references to `tensors`.
+
+    Dropping them needs the GIL; a gloo group destroyed while its worker still holds one (e.g. at
+    exit, under the GIL) would join that worker forever.
+    """
+    deadline = time.monotonic() + RELEASE_WAIT_S
+    while any(t._use_count() > n for t, n in zip(tensors, counts)) and time.monotonic() < deadline:
+        time.sleep(RELEASE_POLL_S)
 
 
 def _done(result: Any) -> dist.Work:
@@ -124,8 +138,12 @@ class ProcessGroupPjrt(dist.ProcessGroup):
     def timeout(self) -> timedelta:
         return self._timeout
 
-    def _run(self, call: Callable[[], dist.Work]) -> None:
-        call().wait()
+    def _run(self, method: str, *args: Any) -> None:
+        """Run one gloo collective to completion, and until gloo's thread has let go of its tensors."""
+        held = [leaf for leaf in pytree.tree_leaves(args) if isinstance(leaf, torch.Tensor)]
+        before = [t._use_count() for t in held]
+        getattr(self._gloo, method)(*args).wait()
+        _await_release(held, before)
 
     def _reduce_like(
         self, method: str, tensors: Sequence[torch.Tensor], options: Any, *extra: Any
@@ -135,7 +153,7 @@ class ProcessGroupPjrt(dist.ProcessGroup):
         if _op_type(options.reduceOp) in SUM_BASED:
             host = _private_copies(host, tensors)
         op = _prepare(options.reduceOp, host)
-        self._run(lambda: getattr(self._gloo, method)(*extra, host, _with_op(options, op)))
+        self._run(method, *extra, host, _with_op(options, op))
         _finish(options.reduceOp, host, self.size())
         return host
 
@@ -196,7 +214,7 @@ class ProcessGroupPjrt(dist.ProcessGroup):
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
         opts = opts or dist.BroadcastOptions()
         host = _stage(tensors)
-        self._run(lambda: self._gloo.broadcast(host, opts))
+        self._run("broadcast", host, opts)
         if self.rank() != opts.rootRank:
             _write_back(tensors, host)
         return _done(tensors)
@@ -207,14 +225,14 @@ class ProcessGroupPjrt(dist.ProcessGroup):
         opts = opts or dist.AllgatherOptions()
         host_outputs = _stage_lists(output_lists)
         host_inputs = _stage(inputs)
-        self._run(lambda: self._gloo.allgather(host_outputs, host_inputs, opts))
+        self._run("allgather", host_outputs, host_inputs, opts)
         _write_back(_flatten_lists(output_lists), _flatten_lists(host_outputs))
         return _done(output_lists)
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> dist.Work:
         opts = opts or dist.AllgatherOptions()
         host_output, host_input = _stage([output])[0].contiguous(), _stage([input])[0].contiguous()
-        self._run(lambda: self._gloo._allgather_base(host_output, host_input, opts))
+        self._run("_allgather_base", host_output, host_input, opts)
         _write_back([output], [host_output])
         return _done([output])
 
@@ -238,7 +256,7 @@ class ProcessGroupPjrt(dist.ProcessGroup):
         opts = opts or dist.GatherOptions()
         host_outputs = _stage_lists(output_lists)
         host_inputs = _stage(inputs)
-        self._run(lambda: self._gloo.gather(host_outputs, host_inputs, opts))
+        self._run("gather", host_outputs, host_inputs, opts)
         _write_back(_flatten_lists(output_lists), _flatten_lists(host_outputs))
         return _done(output_lists)
 
@@ -248,7 +266,7 @@ class ProcessGroupPjrt(dist.ProcessGroup):
         opts = opts or dist.ScatterOptions()
         host_outputs = _stage(outputs)
         host_inputs = _stage_lists(input_lists)
-        self._run(lambda: self._gloo.scatter(host_outputs, host_inputs, opts))
+        self._run("scatter", host_outputs, host_inputs, opts)
         _write_back(outputs, host_outputs)
         return _done(outputs)
 
@@ -262,9 +280,7 @@ class ProcessGroupPjrt(dist.ProcessGroup):
     ) -> dist.Work:
         opts = opts or dist.AllToAllOptions()
         host_output, host_input = _stage([output])[0].contiguous(), _stage([input])[0].contiguous()
-        self._run(
-            lambda: self._gloo.alltoall_base(host_output, host_input, output_split_sizes, input_split_sizes, opts)
-        )
+        self._run("alltoall_base", host_output, host_input, output_split_sizes, input_split_sizes, opts)
         _write_back([output], [host_output])
         return _done([output])
 
@@ -281,17 +297,17 @@ class ProcessGroupPjrt(dist.ProcessGroup):
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> dist.Work:
         host = [t.contiguous() for t in _stage(tensors)]
-        self._run(lambda: self._gloo.send(host, dst, tag))
+        self._run("send", host, dst, tag)
         return _done(tensors)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> dist.Work:
         host = _stage(tensors)
-        self._run(lambda: self._gloo.recv(host, src, tag))
+        self._run("recv", host, src, tag)
         _write_back(tensors, host)
         return _done(tensors)
 
     def barrier(self, opts: Any = None) -> dist.Work:
-        self._run(lambda: self._gloo.barrier(opts or dist.BarrierOptions()))
+        self._run("barrier", opts or dist.BarrierOptions())
         return _done([])
 
     # torch 2.13 names for the single-tensor collectives.
