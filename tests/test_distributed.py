@@ -77,10 +77,13 @@ def main_job(tmp_path_factory: pytest.TempPathFactory) -> list[Any]:
 
 @pytest.fixture(scope="module")
 def one_device_job(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[Any]]:
-    """Two ranks both on pjrt:0, with init_process_group("cpu:gloo,pjrt:pjrt"); saves a checkpoint."""
+    """Two ranks both on pjrt:0, init_process_group("cpu:gloo,pjrt:pjrt"), fused eager mode; saves a checkpoint."""
     folder = str(tmp_path_factory.mktemp("dist1"))
-    scenarios = ["all_reduce", "cpu_tensors", "tensor_parallel", "checkpoint_save"]
-    env = {"CHECKPOINT_DIR": folder, "TORCH_PJRT_CPU_DEVICES": "1", "DIST_BACKEND": "cpu:gloo,pjrt:pjrt"}
+    scenarios = ["all_reduce", "cpu_tensors", "ddp", "tensor_parallel", "checkpoint_save"]
+    env = {
+        "CHECKPOINT_DIR": folder, "TORCH_PJRT_CPU_DEVICES": "1", "DIST_BACKEND": "cpu:gloo,pjrt:pjrt",
+        "TORCH_PJRT_EAGER_MODE": "defer_and_fuse",
+    }
     return folder, launch(folder, scenarios, DIST_TIMEOUT="30", **env)
 
 
@@ -101,9 +104,9 @@ def test_tensor_parallel_on_second_device(main_job: list[Any]) -> None:
     _outcome(main_job, "tensor_parallel")
 
 
-@pytest.mark.parametrize("scenario", ["all_reduce", "cpu_tensors", "tensor_parallel"])
-def test_explicit_backend_one_device(one_device_job: tuple[str, list[Any]], scenario: str) -> None:
-    """cpu:gloo,pjrt:pjrt serves both kinds of tensors; TP MLP and attention equal the unsharded ones."""
+@pytest.mark.parametrize("scenario", ["all_reduce", "cpu_tensors", "ddp", "tensor_parallel"])
+def test_explicit_backend_fused_mode(one_device_job: tuple[str, list[Any]], scenario: str) -> None:
+    """cpu:gloo,pjrt:pjrt serves both kinds of tensors in fused mode; TP MLP and attention equal unsharded."""
     _outcome(one_device_job[1], scenario)
 
 
