@@ -24,7 +24,7 @@ from typing import Any
 from torch_pjrt import storage
 from torch_pjrt.runtime import metrics, programs
 
-MAX_NODES = int(os.environ.get("TORCH_PJRT_FUSE_MAX_NODES", "4000"))
+MAX_NODES = int(os.environ.get("TORCH_PJRT_FUSE_MAX_NODES", "1000"))
 DEBUG_RECOMPILE = os.environ.get("TORCH_PJRT_DEBUG_RECOMPILE", "") not in ("", "0")
 
 flush_reasons: Counter = Counter()
