@@ -19,7 +19,7 @@ import pytest
 WORKER = os.path.join(os.path.dirname(__file__), "distributed", "worker.py")
 COLLECTIVES = (
     "all_reduce", "all_reduce_views", "async", "broadcast", "all_gather", "reduce_scatter", "all_to_all",
-    "reduce_gather_scatter", "send_recv", "coalescing", "functional", "cpu_tensors",
+    "reduce_gather_scatter", "send_recv", "coalescing", "functional", "compiled", "cpu_tensors",
 )
 TRAINING = ("ddp", "fsdp", "fsdp_mixed_precision", "dtensor")
 # The autograd engine's thread for pjrt:1 creates tensors on pjrt:0: torch.pjrt.current_device() is

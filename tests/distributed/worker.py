@@ -232,6 +232,25 @@ def scenario_functional(device: torch.device) -> None:
     same(scattered, _reference_all_reduce(host, dist.ReduceOp.SUM).chunk(world())[rank()], "funcol reduce_scatter")
 
 
+def scenario_compiled(device: torch.device) -> None:
+    """Functional collectives inside torch.compile(backend="pjrt", fullgraph=True) equal eager ones."""
+    import torch.distributed._functional_collectives as funcol
+
+    group = dist.group.WORLD
+
+    def step(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        summed = funcol.all_reduce(x * 2, "sum", group)
+        gathered = funcol.all_gather_tensor(summed, 0, group)
+        scattered = funcol.reduce_scatter_tensor(gathered, "avg", 0, group)
+        return scattered + 1, gathered, funcol.all_to_all_single(x, None, None, group)
+
+    compiled = torch.compile(step, backend="pjrt", fullgraph=True)
+    for salt in range(2):
+        host = sample((4, 3), torch.float32, salt=salt)
+        for got, want in zip(compiled(host.to(device)), step(host.to(device))):
+            same(got, want.cpu(), "compiled functional collectives", atol=1e-6, rtol=1e-6)
+
+
 def scenario_cpu_tensors(device: torch.device) -> None:
     """The default group also serves CPU tensors (cpu:gloo through the same group)."""
     host = sample((3,), torch.float32)

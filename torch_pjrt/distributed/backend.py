@@ -321,4 +321,6 @@ class ProcessGroupPjrt(dist.ProcessGroup):
 def create(store: dist.Store, rank: int, size: int, timeout: timedelta) -> ProcessGroupPjrt:
     """The creator c10d calls for `init_process_group("pjrt")` and `new_group(backend="pjrt")`."""
     fsdp.install()
+    from torch_pjrt.distributed import lowerings  # noqa: F401 (compiled functional collectives)
+
     return ProcessGroupPjrt(store, rank, size, timeout)
