@@ -230,7 +230,8 @@ def shipped(entries: dict[str, dict[str, Any]], totals: dict[str, Any]) -> dict[
         entry = entries[key]
         dtypes: dict[str, dict[str, str]] = {}
         details: dict[str, str] = {}
-        for (dtype, direction), row in sorted(entry["cells"].items()):
+        order = list(DTYPES) + ["*"]
+        for (dtype, direction), row in sorted(entry["cells"].items(), key=lambda item: order.index(item[0][0])):
             dtypes.setdefault(dtype, {})[direction] = row["status"]
             if row["status"] in FAILING and row.get("detail"):
                 details[f"{dtype} {direction}"] = row["detail"][:160]
