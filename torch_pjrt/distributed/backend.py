@@ -185,12 +185,13 @@ class ProcessGroupPjrt(dist.ProcessGroup):
         return _done(tensors)
 
     def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> dist.Work:
-        """An allreduce of the whole input on the host, then this rank's slice (gloo has no RS of its own)."""
         opts = opts or dist.ReduceScatterOptions()
-        single = dist.AllreduceOptions()
-        single.reduceOp, single.timeout = opts.reduceOp, opts.timeout
-        (host,) = self._reduce_like("allreduce", [input.detach().cpu().contiguous()], single)
-        output.copy_(host.reshape(self.size(), -1)[self.rank()].view(output.shape))
+        (host_input,) = _private_copies([input.detach().cpu().contiguous()], [input])
+        host_output = torch.empty(output.shape, dtype=output.dtype)
+        op = _prepare(opts.reduceOp, [host_input])
+        self._run("_reduce_scatter_base", host_output, host_input, _with_op(opts, op))
+        _finish(opts.reduceOp, [host_output], self.size())
+        output.copy_(host_output)
         return _done([output])
 
     def reduce_scatter(
@@ -198,8 +199,9 @@ class ProcessGroupPjrt(dist.ProcessGroup):
     ) -> dist.Work:
         opts = opts or dist.ReduceScatterOptions()
         for output, inputs in zip(outputs, input_lists, strict=True):
-            stacked = torch.stack([t.detach().cpu() for t in inputs])
-            self._reduce_scatter_base(output, stacked, opts)
+            flat = torch.empty(output.numel(), dtype=output.dtype)
+            self._reduce_scatter_base(flat, torch.cat([t.detach().cpu().reshape(-1) for t in inputs]), opts)
+            output.copy_(flat.view(output.shape))
         return _done(outputs)
 
     def reduce_scatter_tensor_coalesced(
