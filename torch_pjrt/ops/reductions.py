@@ -325,12 +325,12 @@ def cummin(self: Any, dim: int) -> tuple[Any, Any]:
 
 
 def _softmax_along(x: Any, axis: int) -> Any:
-    shifted = jnp.exp(x - jnp.max(x, axis=axis, keepdims=True))
+    shifted = jnp.exp(x - jnp.max(x, axis=axis, keepdims=True, initial=-jnp.inf))
     return shifted / jnp.sum(shifted, axis=axis, keepdims=True)
 
 
 def _log_softmax_along(x: Any, axis: int) -> Any:
-    shifted = x - jnp.max(x, axis=axis, keepdims=True)
+    shifted = x - jnp.max(x, axis=axis, keepdims=True, initial=-jnp.inf)
     return shifted - jnp.log(jnp.sum(jnp.exp(shifted), axis=axis, keepdims=True))
 
 
