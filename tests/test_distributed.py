@@ -119,9 +119,10 @@ def test_checkpoint_resumes_on_another_world_size(one_device_job: tuple[str, lis
 
 
 def test_failing_rank_does_not_hang(tmp_path: Any) -> None:
-    """A rank that dies makes its peer's collective fail within the timeout, instead of a hang."""
+    """A late rank makes its peer's collective fail at the timeout; a dead one makes it fail at once."""
     start = time.monotonic()
-    outcomes = launch(str(tmp_path), ["fail"], timeout=120, DIST_TIMEOUT="10")
+    outcomes = launch(str(tmp_path), ["timeout", "fail"], timeout=120, DIST_TIMEOUT="4")
+    _outcome(outcomes, "timeout")
     assert outcomes[1][0] == 3
     survivor = outcomes[0][1].get("fail", "")
     assert survivor != "ok" and survivor, f"rank 0 should have failed: {outcomes[0][2][-2000:]}"

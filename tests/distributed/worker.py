@@ -11,6 +11,7 @@ import copy
 import json
 import os
 import sys
+import time
 import traceback
 from datetime import timedelta
 from typing import Any
@@ -444,6 +445,22 @@ def scenario_checkpoint_load(device: torch.device) -> None:
 
 
 # --- failures -----------------------------------------------------------------------------------
+
+
+def scenario_timeout(device: torch.device) -> None:
+    """Rank 1 skips a collective; rank 0's all_reduce fails after the group's timeout, not later."""
+    limit = float(os.environ["DIST_TIMEOUT"])
+    if rank() == 1:
+        time.sleep(limit + 4)
+        return
+    start = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(4, device=device))
+    except RuntimeError:
+        elapsed = time.monotonic() - start
+        assert elapsed < limit + 3, f"the collective failed only after {elapsed:.1f}s (timeout {limit}s)"
+        return
+    raise AssertionError("all_reduce completed without its peer")
 
 
 def scenario_fail(device: torch.device) -> None:
