@@ -24,9 +24,6 @@ COLLECTIVES = (
 TRAINING = ("ddp", "fsdp", "fsdp_mixed_precision", "dtensor")
 # The autograd engine's thread for pjrt:1 creates tensors on pjrt:0: torch.pjrt.current_device() is
 # a Python thread-local that the engine's device guard does not set (core issue, see the report).
-AUTOGRAD_THREAD_DEVICE = pytest.mark.xfail(reason="core: current_device() in autograd threads is 0", strict=False)
-
-
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -99,7 +96,6 @@ def test_training(main_job: list[Any], scenario: str) -> None:
     _outcome(main_job, scenario)
 
 
-@AUTOGRAD_THREAD_DEVICE
 def test_tensor_parallel_on_second_device(main_job: list[Any]) -> None:
     _outcome(main_job, "tensor_parallel")
 

@@ -69,7 +69,16 @@ def device_count() -> int:
     return len(_client().devices())
 
 
+def _native_guard() -> bool:
+    from torch_pjrt import native
+
+    return native.installed()
+
+
 def current_device() -> int:
+    """The calling thread's device; with the native guard, the one autograd's device threads set too."""
+    if _native_guard():
+        return torch.accelerator.current_device_index()
     return getattr(_local, "index", 0)
 
 
@@ -78,7 +87,10 @@ def set_device(device: Any) -> None:
     if index < 0:
         return
     _client().device_for(index)
-    _local.index = index
+    if _native_guard():
+        torch.accelerator.set_device_index(index)
+    else:
+        _local.index = index
 
 
 class device:  # noqa: N801 (mirrors torch.cuda.device)
@@ -95,7 +107,7 @@ class device:  # noqa: N801 (mirrors torch.cuda.device)
 
     def __exit__(self, *exc: object) -> None:
         if self.index >= 0:
-            _local.index = self.previous
+            set_device(self.previous)
 
 
 def synchronize(device: Any = None) -> None:
