@@ -91,6 +91,15 @@ def test_bad_input(capsys: pytest.CaptureFixture, args: list[str], message: str)
     assert message in capsys.readouterr().err
 
 
+def test_plot_draws_step_time_and_loss(tmp_path: object, capsys: pytest.CaptureFixture) -> None:
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "bench.png"
+    assert main(["bench", "--preset", "gpt", "--size", "tiny", "--steps", "3", "--devices", "cpu,pjrt",
+                 "--no-progress", "--plot", str(path)]) == 0
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 5000
+    assert f"plot written to {path}" in capsys.readouterr().err
+
+
 def test_plot_needs_matplotlib(capsys: pytest.CaptureFixture) -> None:
     import importlib.util
 
