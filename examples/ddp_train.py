@@ -9,11 +9,10 @@ the "pjrt" c10d backend, so every rank ends each step with the same weights.
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 import torch.distributed as dist
-from gpt import GPT, batches, corpus_bytes, train_step
+from gpt import GPT, batches, corpus_bytes, train_on_ranks
 from torch.nn.parallel import DistributedDataParallel
 
 import torch_pjrt.distributed
@@ -37,13 +36,7 @@ def main() -> None:
     model = DistributedDataParallel(GPT(context=args.sequence).to(device))
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     data = batches(corpus_bytes(), args.batch, args.sequence, args.steps)
-    for step, (tokens, targets) in enumerate(data):
-        start = time.perf_counter()
-        local = tokens.chunk(world)[rank].to(device), targets.chunk(world)[rank].to(device)
-        loss = train_step(model, optimizer, *local).detach()
-        dist.all_reduce(loss, op=dist.ReduceOp.AVG)
-        if rank == 0:
-            print(f"step {step:3d}  loss {loss.item():.4f}  {1000 * (time.perf_counter() - start):7.1f} ms")
+    train_on_ranks(model, optimizer, data, device)
     if rank == 0:
         print(f"{world} ranks on {dist.get_backend()} / {device}: done")
     dist.destroy_process_group()

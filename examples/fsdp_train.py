@@ -10,11 +10,10 @@ reduction stay in float32.
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 import torch.distributed as dist
-from gpt import GPT, batches, corpus_bytes, train_step
+from gpt import GPT, batches, corpus_bytes, train_on_ranks
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -47,13 +46,7 @@ def main() -> None:
     fully_shard(model, mesh=mesh, mp_policy=policy)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     data = batches(corpus_bytes(), args.batch, args.sequence, args.steps)
-    for step, (tokens, targets) in enumerate(data):
-        start = time.perf_counter()
-        local = tokens.chunk(world)[rank].to(device), targets.chunk(world)[rank].to(device)
-        loss = train_step(model, optimizer, *local).detach()
-        dist.all_reduce(loss, op=dist.ReduceOp.AVG)
-        if rank == 0:
-            print(f"step {step:3d}  loss {loss.item():.4f}  {1000 * (time.perf_counter() - start):7.1f} ms")
+    train_on_ranks(model, optimizer, data, device)
     if rank == 0:
         shard = next(model.parameters()).to_local()
         print(f"{world} ranks, FSDP2 on {device}: done (rank 0 holds {tuple(shard.shape)} of the embedding)")

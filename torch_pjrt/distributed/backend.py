@@ -221,15 +221,18 @@ class ProcessGroupPjrt(dist.ProcessGroup):
             _write_back(tensors, host)
         return _done(tensors)
 
+    def _into_lists(self, name: str, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
+                    opts: Any) -> dist.Work:
+        """A collective that fills lists of output tensors (allgather, gather) through host copies."""
+        host_outputs = _stage_lists(output_lists)
+        self._run(name, host_outputs, _stage(inputs), opts)
+        _write_back(_flatten_lists(output_lists), _flatten_lists(host_outputs))
+        return _done(output_lists)
+
     def allgather(
         self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
     ) -> dist.Work:
-        opts = opts or dist.AllgatherOptions()
-        host_outputs = _stage_lists(output_lists)
-        host_inputs = _stage(inputs)
-        self._run("allgather", host_outputs, host_inputs, opts)
-        _write_back(_flatten_lists(output_lists), _flatten_lists(host_outputs))
-        return _done(output_lists)
+        return self._into_lists("allgather", output_lists, inputs, opts or dist.AllgatherOptions())
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> dist.Work:
         opts = opts or dist.AllgatherOptions()
@@ -255,12 +258,7 @@ class ProcessGroupPjrt(dist.ProcessGroup):
     def gather(
         self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
     ) -> dist.Work:
-        opts = opts or dist.GatherOptions()
-        host_outputs = _stage_lists(output_lists)
-        host_inputs = _stage(inputs)
-        self._run("gather", host_outputs, host_inputs, opts)
-        _write_back(_flatten_lists(output_lists), _flatten_lists(host_outputs))
-        return _done(output_lists)
+        return self._into_lists("gather", output_lists, inputs, opts or dist.GatherOptions())
 
     def scatter(
         self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts: Any = None
