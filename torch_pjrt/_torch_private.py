@@ -160,10 +160,6 @@ def exclude_key(key: str) -> Any:
     return torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key)))
 
 
-def is_in_bad_fork() -> bool:
-    return False
-
-
 def dynamo_skip_packages(*names: str) -> None:
     """Keep Dynamo from compiling these packages' frames (our kernels and jax run under compiled code)."""
     from torch._dynamo import trace_rules

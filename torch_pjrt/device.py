@@ -222,10 +222,6 @@ def get_device_properties(device: Any = None) -> DeviceProperties:
     return DeviceProperties(str(name), client.platform(), index, total, source)
 
 
-def get_device_capability(device: Any = None) -> tuple[int, int]:
-    return (0, 0)
-
-
 def memory_allocated(device: Any = None) -> int:
     """Bytes held by live pjrt tensors' storages on the device."""
     from torch_pjrt import storage

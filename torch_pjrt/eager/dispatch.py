@@ -14,7 +14,7 @@ import dataclasses
 import enum
 import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -566,15 +566,6 @@ def make_kernel(plan: OpPlan) -> Callable[..., Any]:
 
     kernel.__name__ = f"pjrt_{plan.op.name()}"
     return kernel
-
-
-def clear_cache() -> None:
-    _cache.clear()
-
-
-def device_arrays(tensors: Sequence[torch.Tensor]) -> list[Any]:
-    """Logical jax arrays of tensors (their views read out)."""
-    return [read(t) for t in tensors]
 
 
 @functools.cache

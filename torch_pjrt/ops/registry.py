@@ -151,10 +151,6 @@ def lookup(op: OpOverload) -> Lowering | None:
     return None
 
 
-def has_lowering(op: OpOverload) -> bool:
-    return lookup(op) is not None
-
-
 class MissingLowering(NotImplementedError):
     """An ATen op that the table cannot lower (raised at trace time)."""
 

@@ -52,6 +52,3 @@ class ProgramCache:
     def put(self, key: Hashable, entry: Any) -> Any:
         self.entries[key] = entry
         return entry
-
-    def clear(self) -> None:
-        self.entries.clear()
