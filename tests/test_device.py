@@ -62,6 +62,8 @@ def test_device_module_mirrors_cuda() -> None:
     assert torch.bfloat16 in torch.pjrt.get_amp_supported_dtype()
     with pytest.raises(RuntimeError, match="pjrt:7 does not exist"):
         torch.pjrt.set_device(7)
+    with pytest.raises(RuntimeError, match="no CUDA compute capability"):
+        torch.pjrt.get_device_capability()
 
 
 def test_generated_methods() -> None:

@@ -222,6 +222,19 @@ def get_device_properties(device: Any = None) -> DeviceProperties:
     return DeviceProperties(str(name), client.platform(), index, total, source)
 
 
+def get_device_capability(device: Any = None) -> tuple[int, int]:
+    """The CUDA compute capability of a pjrt device on the cuda platform (what jaxlib reports)."""
+    handle = _client().device_for(_index(device))
+    capability = getattr(handle, "compute_capability", None)
+    if not capability:
+        raise RuntimeError(
+            f"pjrt:{_index(device)} is a {_client().platform()} device: it has no CUDA compute capability; "
+            "check torch.pjrt.get_device_properties() instead."
+        )
+    major, _, minor = str(capability).partition(".")
+    return int(major), int(minor or 0)
+
+
 def memory_allocated(device: Any = None) -> int:
     """Bytes held by live pjrt tensors' storages on the device."""
     from torch_pjrt import storage
