@@ -8,29 +8,16 @@ the "pjrt" c10d backend, so every rank ends each step with the same weights.
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 import torch.distributed as dist
-from gpt import GPT, batches, corpus_bytes, train_on_ranks
+from gpt import GPT, batches, corpus_bytes, join_process_group, rank_arguments, train_on_ranks
 from torch.nn.parallel import DistributedDataParallel
-
-import torch_pjrt.distributed
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--batch", type=int, default=8, help="global batch, split across ranks")
-    parser.add_argument("--sequence", type=int, default=64)
-    parser.add_argument("--lr", type=float, default=3e-3)
+    parser = rank_arguments(__doc__)
     args = parser.parse_args()
-
-    torch_pjrt.distributed.register()
-    dist.init_process_group()
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch_pjrt.distributed.local_device()
-    torch.pjrt.set_device(device)
+    rank, world, device = join_process_group()
 
     torch.manual_seed(0)
     model = DistributedDataParallel(GPT(context=args.sequence).to(device))

@@ -9,31 +9,18 @@ reduction stay in float32.
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 import torch.distributed as dist
-from gpt import GPT, batches, corpus_bytes, train_on_ranks
+from gpt import GPT, batches, corpus_bytes, join_process_group, rank_arguments, train_on_ranks
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-import torch_pjrt.distributed
-
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--batch", type=int, default=8, help="global batch, split across ranks")
-    parser.add_argument("--sequence", type=int, default=64)
-    parser.add_argument("--lr", type=float, default=3e-3)
+    parser = rank_arguments(__doc__)
     parser.add_argument("--bf16", action="store_true", help="bfloat16 compute, float32 reduction")
     args = parser.parse_args()
-
-    torch_pjrt.distributed.register()
-    dist.init_process_group()
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch_pjrt.distributed.local_device()
-    torch.pjrt.set_device(device)
+    rank, world, device = join_process_group()
     mesh = init_device_mesh("pjrt", (world,))
 
     torch.manual_seed(0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import math
 
 import torch
@@ -84,6 +85,28 @@ def train_step(
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     optimizer.step()
     return loss.detach()
+
+
+def rank_arguments(description: str) -> argparse.ArgumentParser:
+    """The options every distributed example takes."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--batch", type=int, default=8, help="global batch, split across ranks")
+    parser.add_argument("--sequence", type=int, default=64)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    return parser
+
+
+def join_process_group() -> tuple[int, int, torch.device]:
+    """Join the torchrun job as ordinary PyTorch code does; each rank takes its local pjrt device."""
+    import torch.distributed as dist
+
+    import torch_pjrt.distributed
+
+    dist.init_process_group()
+    device = torch_pjrt.distributed.local_device()
+    torch.pjrt.set_device(device)
+    return dist.get_rank(), dist.get_world_size(), device
 
 
 def train_on_ranks(model: nn.Module, optimizer: torch.optim.Optimizer, data: list, device: torch.device) -> None:
