@@ -6,6 +6,7 @@ import copy
 import os
 import sys
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -133,3 +134,17 @@ def test_export_stablehlo() -> None:
     exported = torch.export.export(model, (torch.randn(3, 4),))
     assert "stablehlo." in torch_pjrt.export_stablehlo(exported)
     assert "stablehlo.sine" in torch_pjrt.export_stablehlo(lambda x: torch.sin(x) + 1, (torch.randn(2),))
+
+
+def test_changing_shapes_stay_correct_and_warn_past_the_budget() -> None:
+    """Dynamo turns a changing length dynamic; each length is still exact, and past the budget a warning
+    names the input, the dimension and the user's line."""
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return (x.sin() * 2).sum(-1)
+
+    compiled = torch.compile(fn, backend="pjrt")
+    with pytest.warns(UserWarning, match=r"dim 1 \(9 sizes\).*test_compile.py.*in fn"):
+        for length in range(1, 12):
+            x = torch.randn(3, length)
+            torch.testing.assert_close(compiled(x.to("pjrt")).cpu(), fn(x), atol=1e-5, rtol=1e-5)

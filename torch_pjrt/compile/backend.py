@@ -9,6 +9,8 @@ into the input tensors after the program runs.
 
 from __future__ import annotations
 
+import os
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -21,6 +23,8 @@ from torch_pjrt.ops import graph
 from torch_pjrt.runtime import client, programs, rng
 
 aten = torch.ops.aten
+# Compiles of one graph for distinct input shapes before a warning names what keeps changing.
+RECOMPILE_BUDGET = int(os.environ.get("TORCH_PJRT_RECOMPILE_BUDGET", "8"))
 
 
 def _input_mutations(gm: torch.fx.GraphModule) -> list[tuple[int, torch.fx.Node]]:
@@ -118,7 +122,29 @@ class CompiledGraph:
                 return tensors, [new_flats[slot] for slot in written], host_updates
 
             found = self.programs[signature] = (programs.Program(run, "compiled_graph"), layouts)
+            if len(self.programs) == RECOMPILE_BUDGET + 1:
+                warnings.warn(self._recompile_message(), stacklevel=2)
         return found
+
+    def _recompile_message(self) -> str:
+        """Which input and dimension kept changing, and the user's line, for the budget warning."""
+        names = [n.name for n in self.gm.graph.nodes if n.op == "placeholder"]
+        shapes: dict[tuple[int, int], set[int]] = {}
+        for signature in self.programs:
+            for position, entry in enumerate(signature):
+                sizes = entry[2].sizes if entry[0] == "pjrt" else entry[1] if entry[0] == "host" else ()
+                for dim, size in enumerate(sizes):
+                    shapes.setdefault((position, dim), set()).add(size)
+        changing = [f"{names[p]} dim {d} ({len(v)} sizes)" for (p, d), v in shapes.items() if len(v) > 1]
+        trace = next((n.meta["stack_trace"] for n in self.gm.graph.nodes if n.meta.get("stack_trace")), "")
+        frames = [line.strip() for line in trace.splitlines()]
+        files = [i for i, line in enumerate(frames) if line.startswith("File ")]
+        line = " ".join(frames[files[-1]:files[-1] + 2]) if files else "an unknown line"
+        return (
+            f"torch_pjrt: a compiled graph has been compiled for {len(self.programs)} input shapes "
+            f"(budget {RECOMPILE_BUDGET}, TORCH_PJRT_RECOMPILE_BUDGET); changing: {', '.join(changing) or 'none'}; "
+            f"at {line}. Pad such inputs to a few fixed sizes to bound the compiles."
+        )
 
     def __call__(self, *args: Any) -> Any:
         flats: list[Any] = []

@@ -32,7 +32,10 @@ def conform(value: Any, meta: Any) -> Any:
         want = storage.numpy_dtype(meta.dtype)
         if value.dtype != want:
             value = value.astype(want)
-        if tuple(value.shape) != tuple(meta.shape):
+        expected = tuple(meta.shape)
+        if any(isinstance(size, torch.SymInt) for size in expected):
+            return value  # a dynamic graph: the traced array has the concrete size
+        if tuple(value.shape) != expected:
             if value.size == meta.numel():
                 return value.reshape(tuple(meta.shape))
             raise RuntimeError(
