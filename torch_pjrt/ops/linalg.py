@@ -109,23 +109,14 @@ def _float(a: Any) -> Any:
 # --- products ----------------------------------------------------------------------------------
 
 
-@register(aten.mm.default)
+@register(aten.mm.default, aten.bmm.default)
 def mm(self: Any, mat2: Any) -> Any:
+    """Matrix and batched matrix products alike: _matmul contracts the last two dims."""
     return _matmul(self, mat2)
 
 
-@register(aten.mm.dtype)
+@register(aten.mm.dtype, aten.bmm.dtype)
 def mm_dtype(self: Any, mat2: Any, out_dtype: Any) -> Any:
-    return _matmul(self, mat2)
-
-
-@register(aten.bmm.default)
-def bmm(self: Any, mat2: Any) -> Any:
-    return _matmul(self, mat2)
-
-
-@register(aten.bmm.dtype)
-def bmm_dtype(self: Any, mat2: Any, out_dtype: Any) -> Any:
     return _matmul(self, mat2)
 
 
