@@ -123,6 +123,15 @@ def test_cholesky():
     check(lambda a: torch.cholesky_inverse(torch.linalg.cholesky(a)), a[0], **TOL)
 
 
+@pytest.mark.filterwarnings("ignore:torch.cholesky is deprecated")
+def test_empty_matrices_factorise():
+    """0x0 matrices have an empty diagonal: info is 0, as LAPACK says."""
+    empty = torch.randn(2, 0, 0)
+    check(torch.linalg.inv_ex, empty)
+    check(torch.linalg.cholesky_ex, empty)
+    check(torch.cholesky, empty)
+
+
 @pytest.mark.parametrize("mode", ["reduced", "complete", "r"])
 def test_qr(mode):
     check(lambda a: torch.linalg.qr(a, mode=mode), torch.randn(2, 5, 3), **TOL)

@@ -66,11 +66,17 @@ def _lu(a: Any) -> tuple[Any, Any, Any]:
     return lu, (pivots + 1).astype(jnp.int32), permutation
 
 
+def _first_true(mask: Any) -> Any:
+    """LAPACK's info convention: 1-based index of the first True along the last axis, else 0
+    (0 too for an empty axis, where argmax has nothing to reduce)."""
+    if mask.shape[-1] == 0:
+        return jnp.zeros(mask.shape[:-1], jnp.int32)
+    return jnp.where(jnp.any(mask, axis=-1), jnp.argmax(mask, axis=-1) + 1, 0).astype(jnp.int32)
+
+
 def _singular_info(lu: Any) -> Any:
     """LAPACK getrf's info: 1-based index of the first zero pivot of U, else 0."""
-    zero = jnp.diagonal(lu, axis1=-2, axis2=-1) == 0
-    first = jnp.argmax(zero, axis=-1) + 1
-    return jnp.where(jnp.any(zero, axis=-1), first, 0).astype(jnp.int32)
+    return _first_true(jnp.diagonal(lu, axis1=-2, axis2=-1) == 0)
 
 
 def _permutation_from_pivots(pivots: Any, m: int) -> Any:
@@ -212,8 +218,7 @@ def linalg_cholesky_ex(self: Any, *, upper: bool = False, check_errors: bool = F
     A = _float(self)
     hermitian = jnp.tril(A) + _mH(jnp.tril(A, -1))
     L = lax.linalg.cholesky(hermitian, symmetrize_input=False)
-    bad = jnp.isnan(jnp.diagonal(L, axis1=-2, axis2=-1))
-    info = jnp.where(jnp.any(bad, axis=-1), jnp.argmax(bad, axis=-1) + 1, 0).astype(jnp.int32)
+    info = _first_true(jnp.isnan(jnp.diagonal(L, axis1=-2, axis2=-1)))
     L = jnp.tril(jnp.where(jnp.isnan(L), 0, L))
     return (_mH(L) if upper else L), info
 
