@@ -179,6 +179,17 @@ def test_pooling_forward_backward(index: int) -> None:
     check_grad(POOLS[index], torch.randn(2, 3, 7, 9))
 
 
+@pytest.mark.parametrize("fn,shape", [
+    (lambda x: F.adaptive_avg_pool1d(x, 5), (0, 8, 8)),
+    (lambda x: F.adaptive_avg_pool2d(x, (5, 3)), (0, 3, 7, 8)),
+    (lambda x: F.adaptive_avg_pool3d(x, (2, 5, 3)), (0, 2, 3, 7, 8)),
+    (lambda x: F.unfold(x, (2, 3), dilation=(1, 2), padding=1, stride=2), (0, 1, 5, 5)),
+])
+def test_window_ops_on_empty_batch(fn: Any, shape: tuple) -> None:
+    """A zero-size batch gives a zero-size result (the window reshape must not divide by zero)."""
+    check_grad(fn, torch.randn(shape))
+
+
 def test_max_pool_indices_and_unbatched() -> None:
     x = torch.randn(3, 8, 8)
     check(lambda t: F.max_pool2d(t, 3, 2, 1, return_indices=True), x)
@@ -264,6 +275,8 @@ PADS = [
     ((2, 3, 6), (3, 1), "replicate"),
     ((2, 3, 6, 5), (1, 2, 3, 4), "replicate"),
     ((1, 2, 4, 4, 4), (1, 1, 2, 0, 0, 3), "replicate"),
+    ((2, 3, 4, 4), (-4, 5, 0, 0), "replicate"),
+    ((2, 3, 4, 4), (5, -4, -4, 3), "replicate"),
 ]
 
 

@@ -510,7 +510,7 @@ def _window_layout(array: Any, lead: int, rank: int) -> Any:
     """(..., o1, k1, ..., or, kr) -> (..., o1, ..., or, k1*...*kr)."""
     perm = list(range(lead)) + [lead + 2 * d for d in range(rank)] + [lead + 2 * d + 1 for d in range(rank)]
     array = array.transpose(perm)
-    return array.reshape(array.shape[: lead + rank] + (-1,))
+    return array.reshape(array.shape[: lead + rank] + (math.prod(array.shape[lead + rank:]),))
 
 
 def _windows(x: Any, positions: Sequence[np.ndarray], valid: Sequence[np.ndarray], fill: Any) -> Any:
@@ -756,7 +756,8 @@ def im2col(self: Any, kernel_size: Sequence[int], dilation: Sequence[int], paddi
     windows = _windows(self, positions, _in_bounds(positions, sizes), 0)
     lead = self.ndim - 2
     columns = jnp.moveaxis(windows, -1, lead)
-    return columns.reshape(self.shape[:lead - 1] + (-1, math.prod(columns.shape[-2:])))
+    rows = self.shape[lead - 1] * columns.shape[lead]
+    return columns.reshape(self.shape[:lead - 1] + (rows, math.prod(columns.shape[-2:])))
 
 
 @register(aten.col2im.default)
@@ -1098,7 +1099,13 @@ def reflection_pad(self: Any, padding: Sequence[int]) -> Any:
 
 @register(aten.replication_pad1d.default, aten.replication_pad2d.default, aten.replication_pad3d.default)
 def replication_pad(self: Any, padding: Sequence[int]) -> Any:
-    return _mode_pad(self, padding, "edge")
+    """Output j reads input clamp(j - before, 0, size - 1), as PyTorch's kernel: a negative width crops first,
+    and a dim cropped away entirely still repeats the input's edge (not an empty axis)."""
+    for axis, (lo, hi) in enumerate(_pad_widths(self.ndim, padding)):
+        if lo or hi:
+            size = self.shape[axis]
+            self = jnp.take(self, np.clip(np.arange(size + lo + hi) - lo, 0, size - 1), axis=axis)
+    return self
 
 
 @register(aten.reflection_pad1d_backward.default, aten.reflection_pad2d_backward.default,
