@@ -19,6 +19,17 @@ SKIPS: dict[str, dict[str, str]] = {
     # indices are still compared in float32 and float64.
     "sort": {dtype: TIES for dtype in ("bool", "bfloat16", "float16")},
     "topk": {dtype: TIES for dtype in ("bool", "bfloat16", "float16", "int32", "int64")},
+    "argsort": {dtype: TIES for dtype in ("bool", "bfloat16", "float16")},
+    "kthvalue": {dtype: TIES for dtype in ("int32", "int64")},
+    # The samples read storage outside their view (base[5:15] with storage_offset 0 or 10); a copy to any device
+    # carries only the view, so CPU and pjrt inputs differ (PyTorch's test_compare_cpu skips it too).
+    # tests/test_ops_shape.py checks such views made on the device.
+    "as_strided.partial_views": {"*": "the samples read storage outside the view, which a device copy does not carry"},
+    # PyTorch's |x| > 5 branch of J0 and Y1 evaluates Cephes' QQ polynomial without its leading coefficient 1
+    # (p1evl), off by up to ~3e-7; pjrt matches the true value (tests/test_ops_pointwise.py checks float64
+    # against the exact power series).
+    "special.bessel_j0": {"float64": "the CPU reference is off by up to 3e-7 for |x| > 5 (a PyTorch bug)"},
+    "special.bessel_y1": {"float64": "the CPU reference is off by up to 3e-7 for x > 5 (a PyTorch bug)"},
 }
 
 
