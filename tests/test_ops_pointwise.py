@@ -397,3 +397,60 @@ def test_prims_delegating_to_other_families() -> None:
     u, s, vh = (t.cpu() for t in prims.svd(m.to("pjrt"), full_matrices=False))
     torch.testing.assert_close(u @ torch.diag(s) @ vh, m, atol=1e-5, rtol=1e-5)
     check(lambda a, b: prims.as_strided_scatter(a, b, [2, 2], [3, 1], 1), uniform((10,), -1, 1), uniform((2, 2), -1, 1))
+
+
+def test_trigamma_rounds_like_pytorch_near_poles() -> None:
+    """float32 trigamma near the negative poles follows PyTorch's formula (its rounding of pi x), forward and
+    as digamma's derivative."""
+    x = uniform((64,), -9, 6)
+    check(lambda a: torch.polygamma(1, a), x, atol=1e-5, rtol=1.3e-6)
+    check(_grad(torch.digamma), x, atol=1e-5, rtol=1.3e-6)
+
+
+def test_erfinv_accurate_near_one() -> None:
+    """Within float32 rounding of CPU up to |x| -> 1, where the derivative exp(erfinv(x)^2) magnifies errors."""
+    x = torch.cat([uniform((200,), -1, 1), 1 - uniform((100,), 0, 1e-3), -1 + uniform((100,), 0, 1e-3)])
+    check(torch.erfinv, x, atol=1e-6, rtol=5e-7)
+    check(_grad(torch.erfinv), uniform((200,), -0.999, 0.999), atol=1e-5, rtol=2e-6)
+    check(torch.erfinv, torch.cat([uniform((100,), -1, 1, torch.float64), torch.tensor([0.0, -0.0, 1, -1, 2.0])]),
+          atol=1e-15, rtol=1e-15, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int64])
+def test_cross_rounds_products_like_pytorch(dtype: torch.dtype) -> None:
+    make = (lambda s: integers(s, dtype=dtype)) if dtype == torch.int64 else (lambda s: uniform(s, -9, 9, dtype))
+    check(lambda a, b: torch.linalg.cross(a, b), make((40, 3)), make((40, 3)), atol=0, rtol=0)
+    check(lambda a, b: torch.cross(a, b, dim=1), make((4, 3, 5)), make((1, 3, 5)), atol=0, rtol=0)
+
+
+def _bessel_series(order: int, x: float) -> float:
+    """J_n or Y_n (order 0 or 1 with Y for order 1) by their power series in 60-digit decimals: the reference
+    for float64, where PyTorch's own values are off by ~3e-7 past |x| = 5."""
+    from decimal import Decimal, getcontext
+
+    getcontext().prec = 60
+    half = Decimal(abs(x)) / 2
+    harmonic = [Decimal(0)]
+    for k in range(1, 100):
+        harmonic.append(harmonic[-1] + Decimal(1) / k)
+    j0 = j1 = y_sum = Decimal(0)
+    for k in range(90):
+        j0 += (-1) ** k * half ** (2 * k) / math.factorial(k) ** 2
+        term = half ** (2 * k + 1) / (math.factorial(k) * math.factorial(k + 1))
+        j1 += (-1) ** k * term
+        y_sum += (-1) ** k * (harmonic[k] + harmonic[k + 1]) * term
+    if order == 0:
+        return float(j0)
+    pi = Decimal("3.141592653589793238462643383279502884197169399375105820974944")
+    gamma = Decimal("0.577215664901532860606512090082402431042159335939923598805767")
+    return float(2 / pi * (half.ln() + gamma) * j1 - 1 / (pi * half) - y_sum / pi)
+
+
+def test_bessel_j0_y1_float64_against_series() -> None:
+    x = uniform((24,), 0.5, 12, torch.float64)
+    j0 = torch.special.bessel_j0(x.to("pjrt")).cpu()
+    y1 = torch.special.bessel_y1(x.to("pjrt")).cpu()
+    expected_j0 = torch.tensor([_bessel_series(0, v) for v in x.tolist()], dtype=torch.float64)
+    expected_y1 = torch.tensor([_bessel_series(1, v) for v in x.tolist()], dtype=torch.float64)
+    torch.testing.assert_close(j0, expected_j0, atol=1e-13, rtol=1e-12)
+    torch.testing.assert_close(y1, expected_y1, atol=1e-13, rtol=1e-12)

@@ -240,6 +240,29 @@ def round_decimals(self: Any, *, decimals: int = 0) -> Any:
     return jnp.round(x / scale) * scale
 
 
+def _rounded_like(x: Any, dtype: Any) -> Any:
+    """x (computed in float32) rounded to a half-precision dtype's format and kept in float32: the
+    rounding PyTorch does between ops, which XLA may otherwise skip inside a fusion."""
+    if not jnp.issubdtype(dtype, jnp.floating) or jnp.finfo(dtype).bits >= 32:
+        return x
+    info = jnp.finfo(dtype)
+    return jax.lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+
+
+@register(aten.linalg_cross.default)
+def linalg_cross(self: Any, other: Any, *, dim: int = -1) -> Any:
+    """a_i b_j - a_j b_i with each product rounded to the result dtype first, as PyTorch's kernel does."""
+    result = np.result_type(*promote(self, other, exact=True))
+    a, b = jnp.broadcast_arrays(*promote(self, other))
+    axis = dim % a.ndim
+
+    def product(i: int, j: int) -> Any:
+        return _rounded_like(jax.lax.index_in_dim(a, i, axis) * jax.lax.index_in_dim(b, j, axis), result)
+
+    parts = [product(1, 2) - product(2, 1), product(2, 0) - product(0, 2), product(0, 1) - product(1, 0)]
+    return jnp.concatenate(parts, axis)
+
+
 # --- transcendental and special functions ----------------------------------------------------
 
 
@@ -258,6 +281,16 @@ def _sigmoid(x: Any) -> Any:
 def _digamma(x: Any) -> Any:
     """PyTorch: digamma(+-0) = -+inf."""
     return jnp.where(x == 0, jnp.copysign(jnp.inf, -x), jax.lax.digamma(x))
+
+
+def _erfinv(y: Any) -> Any:
+    """XLA's erfinv (up to 6e-6 off in float32 near +-1) refined by one Newton step. Past |x| = 1 the
+    residual is taken on erfc against 1 - |y| (exact), where erf's rounding near 1 would swamp it."""
+    x = jss.erfinv(y)
+    magnitude = jnp.abs(x)
+    residual = jnp.where(magnitude > 0.5, jnp.sign(y) * (jss.erfc(magnitude) - (1 - jnp.abs(y))), y - jss.erf(x))
+    step = residual / (2 / math.sqrt(math.pi) * jnp.exp(-x * x))
+    return jnp.where(jnp.isfinite(x) & (y != 0), x + step, x)
 
 
 def _i0(x: Any) -> Any:
@@ -297,7 +330,7 @@ FLOAT_UNARY: dict[Any, Callable] = {
     aten.sinh.default: jnp.sinh, aten.cosh.default: jnp.cosh, aten.tanh.default: jnp.tanh,
     aten.asinh.default: jnp.arcsinh, aten.acosh.default: jnp.arccosh, aten.atanh.default: jnp.arctanh,
     aten.sigmoid.default: _sigmoid, aten.erf.default: jss.erf, aten.erfc.default: jss.erfc,
-    aten.erfinv.default: jss.erfinv, aten.lgamma.default: jax.lax.lgamma, aten.digamma.default: _digamma,
+    aten.erfinv.default: _erfinv, aten.lgamma.default: jax.lax.lgamma, aten.digamma.default: _digamma,
     aten.i0.default: _i0, aten.special_i0e.default: jss.i0e, aten.special_i1.default: jss.i1,
     aten.special_i1e.default: jss.i1e, aten.special_ndtri.default: jss.ndtri, aten.special_ndtr.default: jss.ndtr,
     aten.special_log_ndtr.default: jss.log_ndtr, aten.special_erfcx.default: jss.erfcx,
@@ -364,13 +397,32 @@ def _polygamma_shifted(n: int, x: Any) -> Any:
     return _polygamma_positive(n, x + steps.astype(x.dtype)) + (-1) ** (n + 1) * math.factorial(n) * terms
 
 
+def _trigamma(x: Any) -> Any:
+    """psi_1 by PyTorch's own formula: reflection through sin(pi x) below 1/2, six recurrence steps, then
+    the asymptotic series. pi x rounds in the computation dtype, so near the poles float32 loses digits
+    exactly as on CPU and CUDA (the reference the device is held to)."""
+    reflect = x < 0.5
+    sin_pi_x = jnp.sin(math.pi * x)
+    correction = jnp.where(reflect, -(math.pi * math.pi) / (sin_pi_x * sin_pi_x), 0)
+    z = jnp.where(reflect, 1 - x, x)
+    series = jnp.zeros_like(x)
+    for _ in range(6):
+        series = series + 1 / (z * z)
+        z = z + 1
+    inverse_square = 1 / (z * z)
+    tail = (1 + 1 / (2 * z) + inverse_square * (1 / 6 - inverse_square * (1 / 30 - inverse_square * (1 / 42)))) / z
+    return jnp.where(reflect, -1, 1) * (correction + series + tail)
+
+
 @register(aten.polygamma.default)
 def polygamma(n: int, self: Any) -> Any:
-    """x <= -10^4 by reflection: psi_n(x) = (-1)^n psi_n(1 - x) - pi^(n+1) d^n cot(pi x) / pi^n.
+    """n >= 2: x <= -10^4 by reflection: psi_n(x) = (-1)^n psi_n(1 - x) - pi^(n+1) d^n cot(pi x) / pi^n.
     Non-positive integers are poles (PyTorch: (-1)^(n+1) inf for n >= 2)."""
     (x,) = promote(self, kind=KIND.INT_TO_FLOAT)
     if n == 0:
         return _digamma(x)
+    if n == 1:
+        return _trigamma(x)
     positive = _polygamma_positive(n, jnp.where(x > 0, x, 1 - x))
     cot = 1 / jnp.tan(math.pi * x)
     polynomial = sum(coefficient * cot**k for k, coefficient in enumerate(_cot_derivative(n)) if coefficient)
