@@ -264,3 +264,15 @@ def test_allocation_lowerings_serve_traced_graphs() -> None:
     result = graph.lower_callable(fn, (), {})
     assert result.shape == (2, 3)
     assert float(result.sum()) == 18.0
+
+
+def test_dtype_the_device_cannot_hold_is_not_implemented():
+    """complex32 has no XLA element type: a clear NotImplementedError (still a TypeError), never a wrong copy."""
+    x = torch.ones(3, device="pjrt")
+    conversions = (lambda: x.chalf(), lambda: x.to(torch.complex32),
+                   lambda: torch.zeros(2, dtype=torch.complex32, device="pjrt"))
+    for convert in conversions:
+        with pytest.raises(NotImplementedError, match="complex32"):
+            convert()
+        with pytest.raises(TypeError, match="complex32"):
+            convert()

@@ -38,6 +38,11 @@ TORCH_TO_NUMPY: dict[torch.dtype, Any] = {
 }
 
 
+class UnsupportedDtype(TypeError, NotImplementedError):
+    """A dtype pjrt tensors cannot hold (complex32, float8, ...): a TypeError for a bad argument, and a
+    NotImplementedError like everything else the device does not do."""
+
+
 def numpy_dtype(dtype: torch.dtype) -> Any:
     """The numpy/jax dtype holding a torch dtype's elements (bfloat16 through ml_dtypes)."""
     if dtype is torch.bfloat16:
@@ -47,7 +52,7 @@ def numpy_dtype(dtype: torch.dtype) -> Any:
     try:
         return np.dtype(TORCH_TO_NUMPY[dtype])
     except KeyError:
-        raise TypeError(
+        raise UnsupportedDtype(
             f"pjrt tensors cannot hold {dtype}; use one of "
             + ", ".join(str(d) for d in [*TORCH_TO_NUMPY, torch.bfloat16])
             + "."
