@@ -66,6 +66,29 @@ def test_batched_products():
     check(lambda c, x, y: torch.addbmm(c, x, y, beta=0.3, alpha=2), torch.randn(3, 5), x, y, **TOL)
 
 
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_integer_products_truncate_beta_alpha(dtype):
+    """CPU converts beta=0.6, alpha=0.2 to the integer type (0) before scaling."""
+    ints = lambda *shape: torch.randint(-9, 9, shape, dtype=dtype)
+    scales = {"beta": 0.6, "alpha": 1.7}
+    check(lambda c, m, v: torch.addmv(c, m, v, **scales), ints(4), ints(4, 5), ints(5))
+    check(lambda c, x, y: torch.baddbmm(c, x, y, **scales), ints(2, 3, 5), ints(2, 3, 4), ints(2, 4, 5))
+    check(lambda c, x, y: torch.addbmm(c, x, y, **scales), ints(3, 5), ints(2, 3, 4), ints(2, 4, 5))
+    check(lambda c, a, b: torch.addr(c, a, b, beta=2, alpha=-3), ints(4, 5), ints(4), ints(5))
+    with pytest.raises(RuntimeError):
+        torch.addr(*(t.to("pjrt") for t in (ints(4, 5), ints(4), ints(5))), **scales)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_products_round_like_cpu(dtype):
+    """addbmm rounds after each batch and scales self in float32; addr rounds each step."""
+    x, y = (torch.randn(5, 5, 5) * 3).to(dtype), (torch.randn(5, 5, 10) * 3).to(dtype)
+    check(lambda c, x, y: torch.addbmm(c, x, y, beta=0.6, alpha=0.2), torch.randn(1).to(dtype), x, y)
+    check(lambda c, x, y: torch.addbmm(c, x, y), torch.randn(5, 10).to(dtype), x, y)
+    v, w = (torch.randn(5) * 3).to(dtype), (torch.randn(10) * 3).to(dtype)
+    check(lambda c, v, w: torch.addr(c, v, w, beta=0.6, alpha=0.2), torch.randn(5, 10).to(dtype), v, w)
+
+
 def test_vector_products():
     m, v, w = torch.randn(4, 5), torch.randn(5), torch.randn(4)
     check(torch.mv, m, v, **TOL)

@@ -38,10 +38,20 @@ def _matmul(a: Any, b: Any) -> Any:
     return jnp.matmul(a, b, precision=HIGHEST, preferred_element_type=_accumulator(a, b))
 
 
+def _integral_scalars(dtype: Any, beta: Any, alpha: Any) -> tuple[Any, Any]:
+    """PyTorch converts beta and alpha to an integer result's type first: 0.6 scales by 0."""
+    if jnp.issubdtype(dtype, jnp.integer):
+        return jnp.asarray(beta).astype(dtype), jnp.asarray(alpha).astype(dtype)
+    return beta, alpha
+
+
 def _scaled_sum(self: Any, product: Any, beta: Any, alpha: Any) -> Any:
     """beta * self + alpha * product, where beta == 0 ignores self (NaN included), as in BLAS."""
     if self.dtype == jnp.bool_:
         return (jnp.logical_and(self, beta != 0)) | (jnp.logical_and(product, alpha != 0))
+    beta, alpha = _integral_scalars(self.dtype, beta, alpha)
+    if product.dtype == jnp.float32 and self.dtype in (jnp.bfloat16, jnp.float16):
+        self = self.astype(jnp.float32)  # a half-type gemm scales its input in float32 too
     scaled = jnp.where(beta == 0, jnp.zeros((), self.dtype), self * beta)
     return scaled + product * alpha
 
@@ -98,6 +108,13 @@ def _lu_solve(lu: Any, permutation: Any, b: Any, adjoint: bool = False) -> Any:
                                     transpose_a=True, conjugate_a=True)
     inverse = jnp.argsort(permutation, axis=-1)
     return jnp.take_along_axis(y, inverse[..., None], axis=-2)
+
+
+def _hermitian(A: Any, lower: bool = True) -> Any:
+    """The Hermitian matrix that one triangle of A describes: LAPACK reads only that triangle."""
+    if lower:
+        return jnp.tril(A) + _mH(jnp.tril(A, -1))
+    return jnp.triu(A) + _mH(jnp.triu(A, 1))
 
 
 def _triangular_solve(a: Any, b: Any, upper: bool, left: bool, unitriangular: bool,
@@ -161,9 +178,18 @@ def _int_mm(self: Any, mat2: Any) -> Any:
 
 @register(aten.addbmm.default)
 def addbmm(self: Any, batch1: Any, batch2: Any, *, beta: Any = 1, alpha: Any = 1) -> Any:
-    product = jnp.einsum("bij,bjk->ik", batch1, batch2, precision=HIGHEST,
-                         preferred_element_type=_accumulator(batch1, batch2))
-    return _scaled_sum(self, product, beta, alpha)
+    """Accumulated one batch at a time in the result's dtype, as PyTorch's loop of addmm_ does, so the
+    rounding (of every half-precision partial sum too) is CPU's."""
+    products = _matmul(batch1, batch2)
+    start = jnp.broadcast_to(self, products.shape[1:])
+    if products.shape[0] == 0:
+        return _scaled_sum(start, jnp.zeros_like(start), beta, alpha)
+    first = _scaled_sum(start, products[0], beta, alpha).astype(self.dtype)
+
+    def accumulate(total: Any, product: Any) -> tuple[Any, None]:
+        return _scaled_sum(total, product, 1, alpha).astype(self.dtype), None
+
+    return lax.scan(accumulate, first, products[1:])[0]
 
 
 @register(aten.addmv.default)
@@ -173,9 +199,12 @@ def addmv(self: Any, mat: Any, vec: Any, *, beta: Any = 1, alpha: Any = 1) -> An
 
 @register(aten.addr.default)
 def addr(self: Any, vec1: Any, vec2: Any, *, beta: Any = 1, alpha: Any = 1) -> Any:
-    outer = jnp.logical_and(vec1[:, None], vec2[None, :]) if vec1.dtype == jnp.bool_ else (
-        vec1[:, None] * vec2[None, :])
-    return _scaled_sum(self, outer, beta, alpha)
+    """beta * self + (alpha * vec1) * vec2 in that order, each step rounded in the dtype as on CPU."""
+    if vec1.dtype == jnp.bool_:
+        return _scaled_sum(self, jnp.logical_and(vec1[:, None], vec2[None, :]), beta, alpha)
+    beta, alpha = _integral_scalars(self.dtype, beta, alpha)
+    outer = (vec1 * alpha)[:, None] * vec2[None, :]
+    return jnp.where(beta == 0, jnp.zeros((), outer.dtype), beta * self) + outer
 
 
 @register(aten.mv.default)
@@ -215,9 +244,7 @@ def linalg_inv_ex(A: Any, *, check_errors: bool = False) -> tuple[Any, Any]:
 @register(aten.linalg_cholesky_ex.default)
 def linalg_cholesky_ex(self: Any, *, upper: bool = False, check_errors: bool = False) -> tuple[Any, Any]:
     """Reads the lower triangle only; info is the order of the first non-positive leading minor."""
-    A = _float(self)
-    hermitian = jnp.tril(A) + _mH(jnp.tril(A, -1))
-    L = lax.linalg.cholesky(hermitian, symmetrize_input=False)
+    L = lax.linalg.cholesky(_hermitian(_float(self)), symmetrize_input=False)
     info = _first_true(jnp.isnan(jnp.diagonal(L, axis1=-2, axis2=-1)))
     L = jnp.tril(jnp.where(jnp.isnan(L), 0, L))
     return (_mH(L) if upper else L), info
@@ -261,8 +288,8 @@ def _linalg_svd(A: Any, full_matrices: bool = False, compute_uv: bool = True, *,
 
 @register(aten._linalg_eigh.default)
 def _linalg_eigh(A: Any, UPLO: str = "L", compute_v: bool = True) -> tuple[Any, Any]:
-    A = _float(A)
-    w, v = jnp.linalg.eigh(A, UPLO=UPLO, symmetrize_input=False)
+    A = _hermitian(_float(A), lower=UPLO == "L")
+    w, v = jnp.linalg.eigh(A, symmetrize_input=False)
     return w, (v if compute_v else jnp.zeros((0,), A.dtype))
 
 
@@ -441,11 +468,12 @@ def _cdist_backward(grad: Any, x1: Any, x2: Any, p: float, cdist: Any) -> Any:
 
 @register(aten.linalg_pinv.atol_rtol_tensor)
 def linalg_pinv(self: Any, *, atol: Any = None, rtol: Any = None, hermitian: bool = False) -> Any:
-    """Singular values below max(atol, rtol * largest) are dropped, PyTorch's rule."""
+    """Singular values below max(atol, rtol * largest) are dropped, PyTorch's rule; hermitian reads
+    the lower triangle only, as LAPACK's eigh does."""
     A = _float(self)
     m, n = A.shape[-2:]
     if hermitian:
-        w, v = jnp.linalg.eigh(A)
+        w, v = jnp.linalg.eigh(_hermitian(A), symmetrize_input=False)
         s = jnp.abs(w)
         left, right = v * jnp.sign(w)[..., None, :], _mH(v)
     else:
