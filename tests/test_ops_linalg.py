@@ -202,7 +202,26 @@ def test_cross_pinv_matrix_exp():
     check(torch.linalg.cross, torch.randn(4, 3), torch.randn(4, 3), **TOL)
     check(torch.linalg.pinv, torch.randn(5, 3), **TOL)
     check(lambda a: torch.linalg.pinv(a, hermitian=True), _spd(), **TOL)
+    check(lambda a: torch.linalg.pinv(a, hermitian=True), torch.randn(2, 4, 4), **TOL)  # reads the lower triangle
+    check(lambda a: torch.linalg.eigh(a, UPLO="U").eigenvalues, torch.randn(2, 4, 4), **TOL)
     check(torch.linalg.matrix_exp, torch.randn(2, 3, 3) / 3, **TOL)
+
+
+def test_matrix_exp_every_degree():
+    """One batch mixing 1-norms for each Taylor degree (1 to 18) and for scaling and squaring."""
+    scales = torch.tensor([1e-17, 1e-9, 1e-5, 1e-2, 0.1, 0.5, 1.0, 3.0, 30.0], dtype=torch.float64)
+    a = torch.randn(9, 4, 4, dtype=torch.float64) * scales[:, None, None] / 4
+    check(torch.linalg.matrix_exp, a, rtol=1e-12, atol=1e-12)
+    check(lambda a: _grads(torch.linalg.matrix_exp, a), a[5:8], rtol=1e-12, atol=1e-12)
+    check(torch.linalg.matrix_exp, a.float(), rtol=1e-4, atol=1e-3)
+
+
+def test_matrix_exp_half_types_run_in_float32():
+    """PyTorch's CPU kernel returns inf/nan for half types; pjrt gives exp rounded to the type."""
+    a = torch.randn(2, 3, 3) / 2
+    for dtype in (torch.bfloat16, torch.float16):
+        expected = torch.linalg.matrix_exp(a.to(dtype).float()).to(dtype)
+        torch.testing.assert_close(torch.linalg.matrix_exp(a.to(dtype).to("pjrt")).cpu(), expected)
 
 
 @pytest.mark.filterwarnings("ignore:torch.cholesky is deprecated")

@@ -422,9 +422,112 @@ def cholesky_inverse(self: Any, upper: bool = False) -> Any:
     return cholesky_solve(eye, self, upper)
 
 
+# Matrix exponential: PyTorch's method (Bader, Blanes and Casas, "Computing the matrix exponential
+# with an optimized Taylor polynomial approximation", Mathematics 7(12), 2019): a Taylor polynomial of
+# degree 1, 2, 4, 8 or 12 chosen by the 1-norm, else degree 18 with scaling and squaring. Same method,
+# same coefficients, same order of operations: values round like CPU's (jax's Pade expm differs by
+# far more than float32's tolerance on matrices of norm ~30).
+
+# The largest 1-norm each degree (1, 2, 4, 8, 12, 18) serves, for single and double precision.
+_EXPM_THETAS = {
+    np.float32: (1.192092800768788e-07, 5.978858893805233e-04, 5.116619363445086e-02, 5.800524627688768e-01,
+                 1.461661507209034e+00, 3.010066362817634e+00),
+    np.float64: (2.220446049250313e-16, 2.580956802971767e-08, 3.397168839976962e-04, 4.991228871115323e-02,
+                 2.996158913811580e-01, 1.090863719290036e+00),
+}
+# Degree 12: rows B_i = sum_j b_ij A^j over (I, A, A^2, A^3); T12 = B0 + (B1 + B2 + B3^2) (B2 + B3^2).
+_EXPM_T12 = (
+    (9.0198e-16, 0.46932117595418237389, -0.20099424927047284052, -0.04623946134063071740),
+    (5.31597895759871264183, 1.19926790417132231573, 0.01179296240992997031, 0.01108844528519167989),
+    (0.18188869982170434744, 0.05502798439925399070, 0.09351590770535414968, 0.00610700528898058230),
+    (-2.0861320e-13, -0.13181061013830184015, -0.02027855540589259079, -0.00675951846863086359),
+)
+# Degree 18: rows over (I, A, A^2, A^3, A^6); with A9 = B0 B4 + B3, T18 = B1 + (B2 + A9) A9.
+_EXPM_T18 = (
+    (0.0, -1.00365581030144618291e-01, -8.02924648241156932449e-03, -8.92138498045729985177e-04, 0.0),
+    (0.0, 3.97849749499645077844e-01, 1.36783778460411720168e+00, 4.98289622525382669416e-01,
+     -6.37898194594723280150e-04),
+    (-1.09676396052962061844e+01, 1.68015813878906206114e+00, 5.71779846478865511061e-02,
+     -6.98210122488052056106e-03, 3.34975017086070470649e-05),
+    (-9.04316832390810593223e-02, -6.76404519071381882256e-02, 6.75961301770459654925e-02,
+     2.95552570429315521194e-02, -1.39180257516060693404e-05),
+    (0.0, 0.0, -9.23364619367118555360e-02, -1.69364939002081722752e-02, -1.40086798182036094347e-05),
+)
+
+
+def _combination(terms: list[Any], coefficients: Any) -> Any:
+    """sum_j c_j * terms_j, accumulated left to right (PyTorch's _compute_linear_combination)."""
+    total = coefficients[0] * terms[0]
+    for c, term in zip(coefficients[1:], terms[1:]):
+        total = total + c * term
+    return total
+
+
+def _expm_t8_coefficients(real: type) -> tuple[float, ...]:
+    """(x1, x2, x3, x4, x5, x6, x7, y2) of the degree-8 scheme, each rounded to `real` as it is formed."""
+    r = lambda v: float(real(v))
+    root, x3 = r(np.sqrt(177.0)), r(2 / 3)
+    return (r(x3 * ((1 + root) / 88)), r(x3 * ((1 + root) / 352)), x3, r((-271 + 29 * root) / (315 * x3)),
+            r((-11 + 11 * root) / (1260 * x3)), r((-99 + 11 * root) / (5040 * x3)),
+            r((89 - root) / (5040 * x3)), r((857 - 58 * root) / 630))
+
+
+def _expm_taylor(a: Any, degree: int, real: type) -> Any:
+    """The degree-`degree` Taylor approximation of exp for one matrix."""
+    c = lambda *values: [jnp.asarray(v, real) for v in values]
+    eye = jnp.eye(a.shape[-1], dtype=a.dtype)
+    if degree == 1:
+        return eye + a
+    a2 = _matmul(a, a)
+    if degree == 2:
+        return eye + a + a2 / 2
+    if degree == 4:
+        tail = _matmul(a2, _combination([eye, a, a2], c(1 / 2, 1 / 6, 1 / 24)))
+        return _combination([eye, a, a2, tail], c(1, 1, 0, 1))
+    if degree == 8:
+        x1, x2, x3, x4, x5, x6, x7, y2 = c(*_expm_t8_coefficients(real))
+        a4 = _matmul(a2, _combination([a, a2], [x1, x2]))
+        a8 = _matmul(_combination([a2, a4], [x3, c(1)[0]]), _combination([eye, a, a2, a4], [x4, x5, x6, x7]))
+        return _combination([eye, a, a2, a4, a8], [*c(1, 1), y2, *c(0, 1)])
+    powers = [eye, a, a2, _matmul(a, a2)]
+    if degree == 12:
+        b = [_combination(powers, c(*row)) for row in _EXPM_T12]
+        b2 = b[2] + _matmul(b[3], b[3])
+        return b[0] + _matmul(b[1] + b2, b2)
+    powers.append(_matmul(powers[3], powers[3]))
+    b = [_combination(powers, c(*row)) for row in _EXPM_T18]
+    a9 = b[3] + _matmul(b[0], b[4])
+    return b[1] + _matmul(b[2] + a9, a9)
+
+
+def _expm_one(a: Any) -> Any:
+    """exp of one matrix: the lowest degree whose theta bounds its 1-norm, else degree 18 on a / 2^s
+    squared s times."""
+    real = np.float32 if a.dtype in (jnp.float32, jnp.complex64) else np.float64
+    thetas = jnp.asarray(_EXPM_THETAS[real], real)
+    norm = jnp.max(jnp.sum(jnp.abs(a), axis=-2), axis=-1).astype(real)
+    branch = jnp.sum(norm > thetas[:-1]) + (norm == thetas[-2])
+    squarings = jnp.maximum(jnp.ceil(jnp.log2(norm / thetas[-1])), 0)
+    squarings = jnp.where(branch == 5, jnp.nan_to_num(squarings), 0).astype(jnp.int32)
+
+    def scaled_and_squared(a: Any) -> Any:
+        power = _expm_taylor(a / (2.0 ** squarings).astype(real), 18, real)
+        return lax.fori_loop(0, squarings, lambda _, m: _matmul(m, m), power)
+
+    branches = [lambda a, d=d: _expm_taylor(a, d, real) for d in (1, 2, 4, 8, 12)] + [scaled_and_squared]
+    return lax.switch(branch, branches, a)
+
+
 @register(aten.linalg_matrix_exp.default)
 def linalg_matrix_exp(self: Any) -> Any:
-    return jax.scipy.linalg.expm(_float(self))
+    """Half types run in float32 (PyTorch's CPU kernel reads its coefficient tables as the wrong type
+    there and returns inf/nan)."""
+    a = self.astype(jnp.float32) if self.dtype in (jnp.bfloat16, jnp.float16) else _float(self)
+    n = a.shape[-1]
+    if n <= 1:
+        return jnp.exp(a)
+    flat = a.reshape((-1, n, n))
+    return jax.vmap(_expm_one)(flat).reshape(a.shape)
 
 
 def _pairwise(x1: Any, x2: Any) -> Any:
