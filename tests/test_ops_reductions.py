@@ -151,3 +151,45 @@ def _grad(fn: object) -> object:
         "log_softmax", "cumsum", "cumprod", "logcumsumexp", "cummax"])
 def test_gradients(fn: object) -> None:
     check(_grad(fn), randn(3, 4, 5), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8,
+                                   torch.uint8, torch.int32, torch.int64, torch.bool])
+def test_hash_tensor(dtype: torch.dtype) -> None:
+    if dtype.is_floating_point:
+        x = randn(3, 2, 4, dtype=dtype)
+        x[0, 0, :4] = torch.tensor([1e-40, -0.0, NAN, -INF]).to(dtype)  # subnormal (float32), signed zero, NaN, inf
+    elif dtype == torch.bool:
+        x = torch.rand(3, 2, 4) > 0.5
+    else:
+        x = torch.randint(0 if dtype == torch.uint8 else -100, 100, (3, 2, 4), dtype=dtype)
+    check(lambda a: (torch.hash_tensor(a), torch.hash_tensor(a, 1), torch.hash_tensor(a, (0, -1), keepdim=True)), x)
+
+
+def test_histogram() -> None:
+    x, w = randn(40), torch.rand(40)
+    check(lambda a: tuple(torch.histogram(a, 7)), x)
+    check(lambda a, b: tuple(torch.histogram(a, 5, range=(-1.0, 1.5), weight=b, density=True)), x, w)
+    check(lambda a: tuple(torch.histogram(a, torch.tensor([-2.0, -0.5, 0.0, 0.3, 2.0], device=a.device))), x)
+    check(lambda a: tuple(torch.histogram(a, 4)), torch.full((6,), 3.0, dtype=torch.float64))  # a zero-width range
+    check(lambda a: tuple(torch.histogram(a, 4)), torch.empty(0))
+    check(lambda a: tuple(torch.histogram(a, 4)), torch.tensor([0.0, 0.25, 0.5, 1.0]))  # points on the edges
+
+
+def test_histogramdd() -> None:
+    points, w = randn(30, 3), torch.rand(30)
+    check(lambda a: (lambda h: (h.hist, *h.bin_edges))(torch.histogramdd(a, [3, 2, 4])), points)
+    check(lambda a, b: torch.histogramdd(a, [2, 3, 2], range=[-1.0, 1.0, -2.0, 0.0, 0.0, 3.0], weight=b,
+                                         density=True).hist, points, w)
+    edges = [torch.tensor([-3.0, 0.0, 3.0]), torch.tensor([-1.0, 0.5, 1.0]), torch.tensor([-2.0, 2.0])]
+    check(lambda a, *e: torch.histogramdd(a, list(e)).hist, points, *edges)
+
+
+def test_histogram_argument_errors() -> None:
+    x = torch.randn(5, device="pjrt")
+    with pytest.raises(RuntimeError, match="bins must be > 0"):
+        torch.histogram(x, 0)
+    with pytest.raises(RuntimeError, match="min should not exceed max"):
+        torch.histogram(x, 3, range=(2.0, 1.0))
+    with pytest.raises(RuntimeError, match="same shape as the input"):
+        torch.histogram(x, 3, weight=torch.ones(4, device="pjrt"))

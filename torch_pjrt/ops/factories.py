@@ -56,7 +56,7 @@ def _to(value: Any, dtype: torch.dtype) -> Any:
     return jnp.asarray(value).astype(storage.numpy_dtype(dtype))
 
 
-def _two_ended(start: Any, end: Any, step: Any, steps: int) -> Any:
+def two_ended(start: Any, end: Any, step: Any, steps: int) -> Any:
     """Points counted from `start` for the first half and from `end` for the second (exact ends)."""
     index = jnp.arange(steps, dtype=jnp.int64)
     dtype = jnp.result_type(start, end, step)
@@ -112,7 +112,7 @@ def _linspace_values(start: Any, end: Any, steps: int, dtype: torch.dtype) -> An
     compute = jnp.float64 if is_integral(dtype) else start.dtype
     start, end = start.astype(compute), end.astype(compute)
     step = (end - start) / jnp.asarray(steps - 1, compute)
-    return _two_ended(start, end, step, steps).astype(storage.numpy_dtype(dtype))
+    return two_ended(start, end, step, steps).astype(storage.numpy_dtype(dtype))
 
 
 @register(aten.linspace.default, aten.linspace.Tensor_Tensor, aten.linspace.Tensor_Scalar,
@@ -137,7 +137,7 @@ def _logspace_values(start: Any, end: Any, steps: int, base: float, dtype: torch
         if is_integral(dtype):
             low, high = low.astype(jnp.int64), high.astype(jnp.int64)
         step = (high - low).astype(jnp.float64) / max(steps - 1, 1)
-        exponents = _two_ended(low.astype(jnp.float64), high.astype(jnp.float64), step, steps)
+        exponents = two_ended(low.astype(jnp.float64), high.astype(jnp.float64), step, steps)
     return jnp.power(jnp.float64(base), exponents).astype(storage.numpy_dtype(dtype))
 
 

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from torch_pjrt import storage
-from torch_pjrt.ops import pointwise
+from torch_pjrt.ops import factories, pointwise
 from torch_pjrt.ops.registry import register
 
 aten = torch.ops.aten
@@ -252,6 +252,202 @@ def all(self: Any, dim: Any = None, keepdim: bool = False) -> Any:  # noqa: A001
 @register(aten.count_nonzero.default, aten.count_nonzero.dim_IntList)
 def count_nonzero(self: Any, dim: Any = None) -> Any:
     return jnp.sum((self != 0).astype(np.int64), axis=axes(self, dim))
+
+
+def _float64_bits(x: Any) -> Any:
+    """The bits of each float as the float64 PyTorch widens it to, built from integer fields: a float
+    convert on the device may flush subnormals to zero. NaNs come out quiet, as a hardware widening makes them."""
+    info = jnp.finfo(x.dtype)
+    if info.bits == 64:
+        return jax.lax.bitcast_convert_type(x, np.uint64)
+    bits = jax.lax.bitcast_convert_type(x, np.dtype(f"uint{info.bits}")).astype(np.uint64)
+    sign = bits >> (info.bits - 1)
+    exponent = ((bits >> info.nmant) & ((1 << info.nexp) - 1)).astype(np.int64)
+    mantissa = bits & ((1 << info.nmant) - 1)
+    bias = (1 << (info.nexp - 1)) - 1
+    top = 63 - jax.lax.clz(mantissa).astype(np.int64)
+    subnormal_shift = (52 - top).astype(np.uint64)
+    wide_exponent = jnp.where(exponent == 0, top - info.nmant + 1 - bias + 1023, exponent - bias + 1023)
+    wide_mantissa = jnp.where(exponent == 0, (mantissa << subnormal_shift) & ((1 << 52) - 1),
+                              mantissa << (52 - info.nmant))
+    special = exponent == (1 << info.nexp) - 1
+    wide_exponent = jnp.where(special, 2047, jnp.where((exponent == 0) & (mantissa == 0), 0, wide_exponent))
+    wide_mantissa = jnp.where(special & (mantissa != 0), wide_mantissa | (1 << 51), wide_mantissa)
+    return (sign << 63) | (wide_exponent.astype(np.uint64) << 52) | wide_mantissa
+
+
+@register(aten.hash_tensor.default)
+def hash_tensor(self: Any, dim: Any = (), *, keepdim: bool = False, mode: int = 0) -> Any:
+    """Mode 0, PyTorch's only one: xor of every element's bits as float64 (floats) or int64 (integers)."""
+    if mode != 0:
+        raise NotImplementedError(f"hash_tensor: mode {mode} (PyTorch defines mode 0 only)")
+    kind = np.dtype(self.dtype).kind
+    if kind == "f" or np.dtype(self.dtype).name == "bfloat16":
+        bits = _float64_bits(self)
+    else:
+        bits = jax.lax.bitcast_convert_type(self.astype(np.int64), np.uint64)
+    dims = axes(self, dim)
+    hashed = jax.lax.reduce(bits, np.uint64(0), jax.lax.bitwise_xor, dims)
+    return jnp.expand_dims(hashed, dims) if keepdim else hashed
+
+
+# --- histograms ------------------------------------------------------------------------------
+# Bin counts are fixed by the arguments, so every histogram has a static shape; only the outer edges of
+# bins given as counts come from the data (its min and max per dimension). PyTorch refuses a NaN or
+# infinite data range, a check that needs the values on the host: here such a range gives NaN edges.
+
+
+def _outer_edges(column: Any, low: float | None, high: float | None) -> tuple[Any, Any]:
+    """PyTorch's choice of outer edges: the range if given, else the data's min and max ([0, 1] when empty),
+    widened by 1/2 either side when they coincide."""
+    if low is None:
+        if column.size == 0:
+            low, high = jnp.asarray(0, column.dtype), jnp.asarray(1, column.dtype)
+        else:
+            low, high = jnp.min(column), jnp.max(column)
+    else:
+        if low == high:
+            low, high = low - 0.5, high + 0.5
+        return jnp.asarray(low, column.dtype), jnp.asarray(high, column.dtype)
+    equal = low == high
+    return jnp.where(equal, low - 0.5, low), jnp.where(equal, high + 0.5, high)
+
+
+def _uniform_edges(points: Any, bins: Sequence[int], bounds: Sequence[float] | None) -> list[Any]:
+    """Edges of `bins[d] + 1` points per dimension, by linspace in the input's dtype like PyTorch."""
+    edges = []
+    for d, count in enumerate(bins):
+        low, high = _outer_edges(points[:, d], *((bounds[2 * d], bounds[2 * d + 1]) if bounds else (None, None)))
+        edges.append(factories.two_ended(low, high, (high - low) / count, count + 1))
+    return edges
+
+
+def _histogram_nd(points: Any, edges: Sequence[Any], weight: Any, density: bool) -> Any:
+    """Counts (or weight sums) of points (N, D) in the bins between consecutive edges per dimension; a
+    point on a dimension's last edge falls in its last bin, one outside any dimension's edges in none."""
+    shape = tuple(e.shape[0] - 1 for e in edges)
+    flat = jnp.zeros((points.shape[0],), np.int64)
+    inside = jnp.ones((points.shape[0],), bool)
+    for d, e in enumerate(edges):
+        column = points[:, d]
+        index = jnp.clip(jnp.searchsorted(e, column, side="right") - 1, 0, shape[d] - 1)
+        inside = inside & (column >= e[0]) & (column <= e[-1])
+        flat = flat * shape[d] + index
+    values = jnp.ones_like(points[:, 0]) if weight is None else weight.reshape(-1).astype(points.dtype)
+    hist = jnp.zeros((math.prod(shape),), points.dtype).at[flat].add(jnp.where(inside, values, 0))
+    hist = hist.reshape(shape)
+    if density:
+        hist = hist / jnp.sum(hist)
+        for d, e in enumerate(edges):
+            hist = hist / jnp.diff(e).reshape(tuple(-1 if k == d else 1 for k in range(len(edges))))
+    return hist
+
+
+def _points(self: Any, dims: int) -> Any:
+    return self.reshape(-1, dims)
+
+
+def _fail(message: str) -> None:
+    raise RuntimeError(message)
+
+
+def _check_histogram(self: Any, bins: Sequence[Any], bounds: Sequence[float] | None, weight: Any) -> None:
+    """PyTorch's argument checks, on meta tensors (its histogram kernels exist on CPU only)."""
+    dims = self.shape[-1] if self.dim() else 1
+    if not (self.dtype.is_floating_point and self.dtype.itemsize >= 4):
+        raise NotImplementedError(f'"histogramdd" not implemented for {self.dtype}')
+    if len(bins) != dims:
+        _fail("histogramdd: The size of bins must be equal to the innermost dimension of the input.")
+    for d, b in enumerate(bins):
+        if not isinstance(b, torch.Tensor):
+            if b <= 0:
+                _fail(f"torch.histogram(): bins must be > 0, but got {b} for dimension {d}")
+        elif b.dtype != self.dtype:
+            _fail(f"torch.histogramdd: input tensor and bins tensors should have the same dtype, but got input with "
+                  f"dtype {self.dtype} and bins for dimension {d} with dtype {b.dtype}")
+        elif b.dim() != 1:
+            _fail(f"torch.histogramdd: bins tensor should have one dimension, but got {b.dim()} dimensions in the "
+                  f"bins tensor for dimension {d}")
+    for d in range(len(bounds or ()) // 2):
+        low, high = bounds[2 * d], bounds[2 * d + 1]
+        if not (math.isfinite(low) and math.isfinite(high)):
+            _fail(f"torch.histogramdd: dimension {d}'s range [{low}, {high}] is not finite")
+        if low > high:
+            _fail(f"torch.histogramdd: min should not exceed max, but got min {low} max {high} for dimension {d}")
+    if weight is not None and weight.numel() * dims != self.numel():
+        _fail("torch.histogramdd: if weight tensor is provided it should have the same shape as the input tensor "
+              "excluding its innermost dimension")
+
+
+def _histogram_meta(self: Any, edges: Sequence[int]) -> Any:
+    return self.new_empty(tuple(e - 1 for e in edges))
+
+
+@torch.library.register_fake("aten::histogram.bin_ct")
+def _histogram_bin_ct_meta(self: Any, bins: int = 100, *, range: Any = None, weight: Any = None,  # noqa: A002
+                           density: bool = False) -> tuple[Any, Any]:
+    _check_histogram(self.reshape(-1, 1), [bins], range, weight)
+    return _histogram_meta(self, [bins + 1]), self.new_empty((bins + 1,))
+
+
+@torch.library.register_fake("aten::histogram.bins_tensor")
+def _histogram_bins_tensor_meta(self: Any, bins: Any, *, weight: Any = None, density: bool = False) -> tuple[Any, Any]:
+    _check_histogram(self.reshape(-1, 1), [bins], None, weight)
+    return _histogram_meta(self, [bins.numel()]), self.new_empty((bins.numel(),))
+
+
+@torch.library.register_fake("aten::_histogramdd_bin_edges")
+def _histogramdd_bin_edges_meta(self: Any, bins: Sequence[int], *, range: Any = None,  # noqa: A002
+                                weight: Any = None, density: bool = False) -> list[Any]:
+    _check_histogram(self, bins, range, weight)
+    return [self.new_empty((b + 1,)) for b in bins]
+
+
+@torch.library.register_fake("aten::_histogramdd_from_bin_cts")
+def _histogramdd_from_bin_cts_meta(self: Any, bins: Sequence[int], *, range: Any = None,  # noqa: A002
+                                   weight: Any = None, density: bool = False) -> Any:
+    _check_histogram(self, bins, range, weight)
+    return _histogram_meta(self, [b + 1 for b in bins])
+
+
+@torch.library.register_fake("aten::_histogramdd_from_bin_tensors")
+def _histogramdd_from_bin_tensors_meta(self: Any, bins: Sequence[Any], *, weight: Any = None,
+                                       density: bool = False) -> Any:
+    _check_histogram(self, bins, None, weight)
+    return _histogram_meta(self, [b.numel() for b in bins])
+
+
+@register(aten.histogram.bin_ct)
+def histogram(self: Any, bins: int = 100, *, range: Sequence[float] | None = None,  # noqa: A002
+              weight: Any = None, density: bool = False) -> tuple[Any, Any]:
+    points = _points(self, 1)
+    (edges,) = _uniform_edges(points, [bins], range)
+    return _histogram_nd(points, [edges], weight, density), edges
+
+
+@register(aten.histogram.bins_tensor)
+def histogram_bins_tensor(self: Any, bins: Any, *, weight: Any = None, density: bool = False) -> tuple[Any, Any]:
+    edges = bins.astype(self.dtype)
+    return _histogram_nd(_points(self, 1), [edges], weight, density), edges
+
+
+@register(aten._histogramdd_bin_edges.default)
+def histogramdd_bin_edges(self: Any, bins: Sequence[int], *, range: Sequence[float] | None = None,  # noqa: A002
+                          weight: Any = None, density: bool = False) -> list[Any]:
+    return _uniform_edges(_points(self, self.shape[-1]), bins, range)
+
+
+@register(aten._histogramdd_from_bin_cts.default)
+def histogramdd_from_bin_cts(self: Any, bins: Sequence[int], *, range: Sequence[float] | None = None,  # noqa: A002
+                             weight: Any = None, density: bool = False) -> Any:
+    points = _points(self, self.shape[-1])
+    return _histogram_nd(points, _uniform_edges(points, bins, range), weight, density)
+
+
+@register(aten._histogramdd_from_bin_tensors.default)
+def histogramdd_from_bin_tensors(self: Any, bins: Sequence[Any], *, weight: Any = None,
+                                 density: bool = False) -> Any:
+    return _histogram_nd(_points(self, self.shape[-1]), [b.astype(self.dtype) for b in bins], weight, density)
 
 
 # --- scans -----------------------------------------------------------------------------------
