@@ -239,6 +239,12 @@ def test_lu_unpack_legacy_cholesky_eig():
     check(residual, a, atol=1e-8, rtol=0)
 
 
+def test_geqrf():
+    check(torch.geqrf, torch.randn(2, 5, 3), **TOL)
+    check(torch.geqrf, torch.randn(3, 4, dtype=torch.complex64), **TOL)
+    check(torch.geqrf, torch.randn(2, 0, 3))
+
+
 def test_householder_product_ormqr():
     reflectors, tau = torch.geqrf(torch.randn(2, 5, 3))
     check(torch.linalg.householder_product, reflectors, tau, **TOL)

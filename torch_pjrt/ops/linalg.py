@@ -264,6 +264,20 @@ def linalg_qr(A: Any, mode: str = "reduced") -> tuple[Any, Any]:
     return q, r
 
 
+@torch.library.register_fake("aten::geqrf")
+def _geqrf_meta(self: Any) -> tuple[Any, Any]:
+    """PyTorch has no meta kernel for geqrf; shapes are the input's and (*, min(m, n))."""
+    return self.new_empty(self.shape), self.new_empty((*self.shape[:-2], min(self.shape[-2:])))
+
+
+@register(aten.geqrf.default)
+def geqrf(self: Any) -> tuple[Any, Any]:
+    """LAPACK's compact QR (Householder reflectors below the diagonal, R on and above, and tau);
+    numpy's "raw" mode gives it transposed."""
+    h, tau = jnp.linalg.qr(_float(self), mode="raw")
+    return _mT(h), tau
+
+
 @register(aten.linalg_householder_product.default)
 def linalg_householder_product(input: Any, tau: Any) -> Any:
     return lax.linalg.householder_product(input, tau.astype(input.dtype))
