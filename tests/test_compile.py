@@ -148,3 +148,89 @@ def test_changing_shapes_stay_correct_and_warn_past_the_budget() -> None:
         for length in range(1, 12):
             x = torch.randn(3, length)
             torch.testing.assert_close(compiled(x.to("pjrt")).cpu(), fn(x), atol=1e-5, rtol=1e-5)
+
+
+def _bounded(tensor: torch.Tensor, dim: int = 1, **bounds) -> torch.Tensor:
+    tensor = tensor.to("pjrt")
+    torch_pjrt.mark_dynamic(tensor, dim, **bounds)
+    return tensor
+
+
+def test_bounded_length_pads_to_buckets_with_exact_results_and_gradients() -> None:
+    """A transformer's loss and every gradient at each length equal CPU's unpadded ones, while the
+    graphs compile once per power-of-two bucket, not once per length."""
+    torch.manual_seed(0)
+    model = GPT(width=32, layers=1, heads=2, context=16)
+    on_device = copy.deepcopy(model).to("pjrt")
+
+    def loss(m: nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = m(tokens)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+    compiled = torch.compile(lambda t, y: loss(on_device, t, y), backend="pjrt")
+    before = torch_pjrt.metrics.counters()["graph_compiles"]
+    for length in (5, 7, 3, 12, 16, 9):
+        tokens, targets = torch.randint(0, 256, (3, length)), torch.randint(0, 256, (3, length))
+        got = compiled(_bounded(tokens, min=2, max=16), _bounded(targets, min=2, max=16))
+        want = loss(model, tokens, targets)
+        torch.testing.assert_close(got.cpu(), want, atol=1e-5, rtol=1e-5)
+        got.backward()
+        want.backward()
+        for (name, p), q in zip(on_device.named_parameters(), model.parameters()):
+            torch.testing.assert_close(p.grad.cpu(), q.grad, atol=2e-5, rtol=1e-4, msg=name)
+            p.grad = q.grad = None
+    # buckets 8, 4 and 16 were used: a forward and a backward graph each
+    assert torch_pjrt.metrics.counters()["graph_compiles"] - before == 6
+
+
+def test_padding_rules_for_reductions_slices_and_concatenation() -> None:
+    """Ops that would see the padding (means, softmax over the padded dim, max, var, slices from the
+    end, concatenation along it) give the unpadded result at every length."""
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        attention = torch.softmax(x @ x.transpose(1, 2), dim=-1) @ x
+        tail = torch.cat([x[:, 1:], x[:, -1:]], dim=1) - x
+        stats = torch.stack([x.mean(1), x.amax(1), x.sum(1)])
+        return attention.sum(1) + tail.sum(1) + stats.sum(0) + x[:, -1]
+
+    compiled = torch.compile(fn, backend="pjrt")
+    before = torch_pjrt.metrics.counters()["graph_compiles"]
+    for length in (3, 6, 7, 8):
+        x = torch.randn(2, length, 4)
+        torch.testing.assert_close(compiled(_bounded(x, min=3, max=8)).cpu(), fn(x), atol=1e-5, rtol=1e-5)
+    assert torch_pjrt.metrics.counters()["graph_compiles"] - before == 2
+
+
+def test_custom_buckets_and_an_unpaddable_op_falls_back_to_exact_sizes() -> None:
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return (x * 3).sum(1)
+
+    compiled = torch.compile(fn, backend="pjrt")
+    before = torch_pjrt.metrics.counters()["graph_compiles"]
+    for length in (3, 5, 9):
+        x = torch.randn(2, length)
+        got = compiled(_bounded(x, min=2, max=24, buckets=[12, 24]))
+        torch.testing.assert_close(got.cpu(), fn(x), atol=1e-5, rtol=1e-5)
+    assert torch_pjrt.metrics.counters()["graph_compiles"] - before == 1
+
+    def flipped(x: torch.Tensor) -> torch.Tensor:
+        return x.flip(1).cumsum(1)
+
+    compiled = torch.compile(flipped, backend="pjrt")
+    with pytest.warns(UserWarning, match="cannot run padded.*flip"):
+        for length in (3, 5):
+            x = torch.randn(2, length)
+            torch.testing.assert_close(compiled(_bounded(x, min=2, max=32)).cpu(), flipped(x))
+
+
+def test_training_through_a_dynamic_length_returns_sizes_to_the_backward() -> None:
+    """Without bounds each length compiles, and the sizes the forward saves for the backward are ints."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 2))
+    on_device = copy.deepcopy(model).to("pjrt")
+    compiled = torch.compile(on_device, backend="pjrt")
+    for length in (3, 4, 5):
+        x = torch.randn(2, length, 4)
+        compiled(x.to("pjrt")).sum().backward()
+        model(x).sum().backward()
+    for p, q in zip(on_device.parameters(), model.parameters()):
+        torch.testing.assert_close(p.grad.cpu(), q.grad, atol=1e-5, rtol=1e-5)

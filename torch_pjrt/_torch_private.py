@@ -178,3 +178,20 @@ _SCALAR_TYPES = {
 
 def scalar_type(number: int) -> torch.dtype:
     return _SCALAR_TYPES[number]
+
+
+def symbol_upper_bound(size: torch.SymInt, symbol: Any) -> int | None:
+    """The largest value the shape environment allows a size symbol, or None when unbounded."""
+    from torch.utils._sympy.numbers import IntInfinity
+
+    ranges = size.node.shape_env.var_to_range
+    if symbol not in ranges or isinstance(ranges[symbol].upper, IntInfinity) or not ranges[symbol].upper.is_number:
+        return None
+    return int(ranges[symbol].upper)
+
+
+def size_functions() -> dict[str, Any]:
+    """The sympy functions torch's size expressions use (FloorDiv, CeilDiv, Mod, Max, Min)."""
+    from torch.utils._sympy import functions
+
+    return {name: getattr(functions, name) for name in ("FloorDiv", "CeilDiv", "Mod", "Max", "Min")}

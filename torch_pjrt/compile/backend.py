@@ -9,6 +9,7 @@ into the input tensors after the program runs.
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 from collections.abc import Callable, Sequence
@@ -18,6 +19,7 @@ import torch
 import torch.fx
 
 from torch_pjrt import _registration, _torch_private, storage
+from torch_pjrt.compile import padding
 from torch_pjrt.eager import kernels
 from torch_pjrt.ops import graph
 from torch_pjrt.runtime import client, programs, rng
@@ -42,6 +44,7 @@ class Output:
 
     def __init__(self, value: Any) -> None:
         meta = value.meta.get("val") if isinstance(value, torch.fx.Node) else value
+        self.meta = meta
         self.is_tensor = isinstance(meta, torch.Tensor)
         self.constant = None if self.is_tensor else meta
         self.order = None
@@ -56,10 +59,15 @@ def _outputs(gm: torch.fx.GraphModule) -> list[Output]:
 
 
 class CompiledGraph:
-    """A graph compiled per input signature; called with the graph's real inputs."""
+    """A graph compiled per input signature; called with the graph's real inputs.
+
+    Graphs whose dynamic sizes are bounded (see padding.py) are compiled per bucket of those
+    sizes; others per distinct input shape, with a warning past RECOMPILE_BUDGET compiles.
+    """
 
     def __init__(self, gm: torch.fx.GraphModule) -> None:
         self.gm = gm
+        self.metas = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
         self.mutations = _input_mutations(gm)
         self.outputs = _outputs(gm)
         self.random = any(
@@ -67,70 +75,86 @@ class CompiledGraph:
             and torch.Tag.nondeterministic_seeded in n.target.tags
             for n in gm.graph.nodes
         )
-        self.programs: dict[Any, programs.Program] = {}
+        self.programs: dict[Any, tuple[programs.Program, list[Any]]] = {}
+        self.bounds = padding.bounds(gm)
+        if self.bounds and any(padding.is_symbolic(self.metas[index]) for index, _ in self.mutations):
+            self.bounds = None
+        self.symbols = sorted(self.bounds or {}, key=str)
 
-    def _program(self, signature: tuple) -> tuple[programs.Program, list[Any]]:
+    def _program(self, signature: tuple, padded: dict[Any, int] | None) -> tuple[programs.Program, list[Any]]:
         """The program for one input signature, and the layouts of its outputs (known once traced).
 
         The program takes the flat storages of the pjrt inputs (each once) and reads every input
         through its view inside the jit, so no eager reshape or gather runs per call; outputs come
-        back as flat storages, and mutated inputs as their storages' new flat arrays.
+        back as flat storages, and mutated inputs as their storages' new flat arrays. With padded
+        sizes, inputs and outputs of symbolic shape are flat buffers with their true elements first.
         """
-        found = self.programs.get(signature)
-        if found is None:
-            gm, extra = self.gm, tuple(node for _, node in self.mutations)
-            described = self.outputs
-            mutated = [index for index, _ in self.mutations]
-            layouts: list[Any] = []
+        key = (signature, None if padded is None else tuple(padded.values()))
+        found = self.programs.get(key)
+        if found is not None:
+            return found
+        gm, extra = self.gm, tuple(node for _, node in self.mutations)
+        metas, described = self.metas, self.outputs
+        mutated = [index for index, _ in self.mutations]
+        layouts: list[Any] = []
 
-            def run(flats: list[Any], hosts: list[Any], key: Any) -> Any:
-                host_values = iter(hosts)
-                inputs = []
-                for entry in signature:
-                    if entry[0] == "pjrt":
-                        _, slot, view, storage_dtype = entry
-                        inputs.append(storage.read_view(flats[slot], storage_dtype, view))
-                    elif entry[0] == "host":
-                        inputs.append(next(host_values))
-                    else:
-                        inputs.append(entry[1])
-                keys = None
-                if key is not None:
-                    keys = graph.KeySource(client.jax_module().random.wrap_key_data(key, impl="threefry2x32"))
-                outputs, updates = graph.evaluate(gm, inputs, keys, extra)
-                new_flats = list(flats)
-                host_updates = []
-                for index, value in zip(mutated, updates):
-                    if signature[index][0] != "pjrt":
-                        host_updates.append(value)
-                        continue
-                    _, slot, view, storage_dtype = signature[index]
-                    new_flats[slot] = storage.write_view(new_flats[slot], storage_dtype, view, value)
-                outputs = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
-                tensors = []
-                layouts.clear()
-                for value, out in zip(outputs, described):
-                    if not out.is_tensor or value is None:
-                        layouts.append(None)
-                        continue
-                    sizes = tuple(value.shape)
-                    strides = storage.strides_in_order(sizes, out.order) if out.order else None
-                    strides = strides or storage.contiguous_strides(sizes)
-                    layouts.append((storage.torch_dtype(value.dtype), sizes, strides))
-                    tensors.append(storage.pack(value, sizes, strides))
-                written = sorted({signature[index][1] for index in mutated if signature[index][0] == "pjrt"})
-                return tensors, [new_flats[slot] for slot in written], host_updates
+        def run(flats: list[Any], hosts: list[Any], key: Any, true: list[Any]) -> Any:
+            sizes = None if padded is None else padding.Sizes(padded, dict(zip(padded, true)))
+            host_values = iter(hosts)
+            inputs = []
+            for entry, meta in zip(signature, metas):
+                if entry[0] == "pjrt":
+                    _, slot, view, storage_dtype = entry
+                    inputs.append(storage.read_view(flats[slot], storage_dtype, view))
+                elif entry[0] == "padded":
+                    inputs.append(padding.expand(flats[entry[1]], meta, sizes))
+                elif entry[0] == "size":
+                    inputs.append(sizes.real(meta))
+                elif entry[0] == "host":
+                    inputs.append(next(host_values))
+                else:
+                    inputs.append(entry[1])
+            keys = None
+            if key is not None:
+                keys = graph.KeySource(client.jax_module().random.wrap_key_data(key, impl="threefry2x32"))
+            interpret = None if sizes is None else padding.PaddedInterpreter(sizes)
+            outputs, updates = graph.evaluate(gm, inputs, keys, extra, interpret)
+            new_flats = list(flats)
+            host_updates = []
+            for index, value in zip(mutated, updates):
+                if signature[index][0] != "pjrt":
+                    host_updates.append(value)
+                    continue
+                _, slot, view, storage_dtype = signature[index]
+                new_flats[slot] = storage.write_view(new_flats[slot], storage_dtype, view, value)
+            outputs = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
+            tensors = []
+            layouts.clear()
+            for value, out in zip(outputs, described):
+                if not out.is_tensor or value is None:
+                    layouts.append(None)
+                elif sizes is not None and padding.is_symbolic(out.meta):
+                    layouts.append((storage.torch_dtype(value.dtype), out.meta))
+                    tensors.append(padding.compact(value, out.meta, sizes))
+                else:
+                    shape = tuple(value.shape)
+                    strides = storage.strides_in_order(shape, out.order) if out.order else None
+                    strides = strides or storage.contiguous_strides(shape)
+                    layouts.append((storage.torch_dtype(value.dtype), shape, strides))
+                    tensors.append(storage.pack(value, shape, strides))
+            written = sorted({signature[index][1] for index in mutated if signature[index][0] == "pjrt"})
+            return tensors, [new_flats[slot] for slot in written], host_updates
 
-            found = self.programs[signature] = (programs.Program(run, "compiled_graph"), layouts)
-            if len(self.programs) == RECOMPILE_BUDGET + 1:
-                warnings.warn(self._recompile_message(), stacklevel=2)
+        found = self.programs[key] = (programs.Program(run, "compiled_graph", counter="graph_compiles"), layouts)
+        if padded is None and len(self.programs) == RECOMPILE_BUDGET + 1:
+            warnings.warn(self._recompile_message(), stacklevel=3)
         return found
 
     def _recompile_message(self) -> str:
         """Which input and dimension kept changing, and the user's line, for the budget warning."""
         names = [n.name for n in self.gm.graph.nodes if n.op == "placeholder"]
         shapes: dict[tuple[int, int], set[int]] = {}
-        for signature in self.programs:
+        for signature, _ in self.programs:
             for position, entry in enumerate(signature):
                 sizes = entry[2].sizes if entry[0] == "pjrt" else entry[1] if entry[0] == "host" else ()
                 for dim, size in enumerate(sizes):
@@ -143,19 +167,40 @@ class CompiledGraph:
         return (
             f"torch_pjrt: a compiled graph has been compiled for {len(self.programs)} input shapes "
             f"(budget {RECOMPILE_BUDGET}, TORCH_PJRT_RECOMPILE_BUDGET); changing: {', '.join(changing) or 'none'}; "
-            f"at {line}. Pad such inputs to a few fixed sizes to bound the compiles."
+            f"at {line}. Bound them with torch_pjrt.mark_dynamic(tensor, dim, min=, max=) so they are padded "
+            f"to a few bucket sizes."
         )
 
     def __call__(self, *args: Any) -> Any:
+        true = padding.true_sizes(self.gm, self.symbols, args) if self.bounds else None
+        if true is not None:
+            padded = {s: padding.bucket(n, self.bounds[s]) for s, n in zip(self.symbols, true)}
+            try:
+                return self._run(args, padded, true)
+            except padding.CannotPad as reason:
+                warnings.warn(
+                    f"torch_pjrt: a graph with bounded dynamic sizes cannot run padded ({reason}); it compiles "
+                    f"once per distinct size instead.", stacklevel=2,
+                )
+                self.bounds, self.symbols = None, []
+        return self._run(args, None, None)
+
+    def _run(self, args: Sequence[Any], padded: dict[Any, int] | None, true: list[int] | None) -> list[Any]:
         flats: list[Any] = []
-        stores: list[storage.DeviceStorage] = []
+        stores: list[storage.DeviceStorage | None] = []
         slots: dict[int, int] = {}
         hosts: list[Any] = []
         signature: list[Any] = []
         device = None
-        for value in args:
+        values = None if padded is None else dict(zip(padded, true))
+        for value, meta in zip(args, self.metas):
             if isinstance(value, torch.Tensor) and value.device.type == "pjrt":
                 device = device or value.device
+                if values is not None and padding.is_symbolic(meta):
+                    signature.append(("padded", len(stores)))
+                    stores.append(None)
+                    flats.append(_boundary_flat(value, math.prod(padding.evaluate_int(s, padded) for s in meta.shape)))
+                    continue
                 st = storage.storage_of(value)
                 slot = slots.get(id(st))
                 if slot is None:
@@ -164,25 +209,84 @@ class CompiledGraph:
                     flats.append(st.materialize())
                 signature.append(("pjrt", slot, storage.view_of(value), st.dtype))
             elif isinstance(value, torch.Tensor):
+                if values is not None and padding.is_symbolic(meta):
+                    raise padding.CannotPad("a host tensor of dynamic size")
                 hosts.append(kernels.host_array(value))
                 signature.append(("host", tuple(value.shape), value.dtype))
+            elif values is not None and isinstance(meta, torch.SymInt):
+                signature.append(("size",))
             else:
                 signature.append(("static", value))
         device = device or torch.device("pjrt", 0)
         key = rng.state(device.index).next_key() if self.random else None
-        program, layouts = self._program(tuple(signature))
-        tensors, written, host_updates = program.call(flats, hosts, key)
+        program, layouts = self._program(tuple(signature), padded)
+        tensors, written, host_updates = program.call(flats, hosts, key, _size_scalars(true))
         pjrt_mutations = [index for index, _ in self.mutations if signature[index][0] == "pjrt"]
         for slot, flat in zip(sorted({signature[index][1] for index in pjrt_mutations}), written):
             stores[slot].array = flat
         host_mutations = [index for index, _ in self.mutations if signature[index][0] != "pjrt"]
         for index, value in zip(host_mutations, host_updates):
             args[index].copy_(kernels.host_tensor(client.to_host(value)))
+        values = values or _symbol_values(self.gm, args)
         produced = iter(tensors)
-        return [
-            out.constant if layout is None else storage.new_tensor(next(produced), layout[0], device, *layout[1:])
-            for out, layout in zip(self.outputs, layouts)
-        ]
+        results = []
+        for out, layout in zip(self.outputs, layouts):
+            if layout is None:
+                results.append(_constant(out.constant, values))
+            elif len(layout) == 2:
+                flat = next(produced)
+                sizes = [padding.evaluate_int(s, values) for s in layout[1].shape]
+                results.append(storage.new_tensor(flat, layout[0], device, sizes, numel=flat.shape[0]))
+            else:
+                results.append(storage.new_tensor(next(produced), layout[0], device, *layout[1:]))
+        return results
+
+
+def _size_scalars(true: list[int] | None) -> list[Any]:
+    """True sizes as traced program arguments (a new size in a bucket must not recompile)."""
+    if true is None:
+        return []
+    np = client.jax_module().numpy
+    return [np.asarray(n, np.int64) for n in true]
+
+
+def _boundary_flat(tensor: torch.Tensor, padded_numel: int) -> Any:
+    """The tensor's elements in row-major order at the front of a flat array of the padded count.
+
+    A graph's own padded outputs already are such arrays; any other tensor is copied into one
+    by a small program compiled per true shape.
+    """
+    st = storage.storage_of(tensor)
+    view = storage.view_of(tensor)
+    if view.covers(math.prod(view.sizes)) and st.numel == padded_numel:
+        return st.materialize()
+    key = (view, st.dtype, st.numel, padded_numel)
+    program = _PAD_PROGRAMS.get(key)
+    if program is None:
+
+        def pad(flat: Any) -> Any:
+            values = storage.read_view(flat, st.dtype, view).reshape(-1)
+            return client.jax_module().numpy.pad(values, (0, padded_numel - values.shape[0]))
+
+        program = _PAD_PROGRAMS[key] = programs.Program(pad, "pad_input", counter="pad_compiles")
+    return program.call(st.materialize())
+
+
+_PAD_PROGRAMS: dict[Any, programs.Program] = {}
+
+
+def _symbol_values(gm: torch.fx.GraphModule, args: Sequence[Any]) -> dict[Any, int]:
+    symbols = {s for n in gm.graph.nodes if n.op == "placeholder" for v in padding.symbolic_sizes(n.meta.get("val"))
+               for s in v.node.expr.free_symbols}
+    found = padding.true_sizes(gm, sorted(symbols, key=str), args) or []
+    return dict(zip(sorted(symbols, key=str), found))
+
+
+def _constant(value: Any, values: dict[Any, int]) -> Any:
+    """A graph's non-tensor output; symbolic sizes (saved for the backward) become this call's ints."""
+    if isinstance(value, torch.SymInt):
+        return padding.evaluate_int(value.node.expr, values)
+    return value
 
 
 def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:

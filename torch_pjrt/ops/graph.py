@@ -82,9 +82,12 @@ def run_graph(gm: torch.fx.GraphModule, inputs: list[Any], rng: KeySource | None
 
 
 def evaluate(
-    gm: torch.fx.GraphModule, inputs: list[Any], rng: KeySource | None = None, extra: tuple = ()
+    gm: torch.fx.GraphModule, inputs: list[Any], rng: KeySource | None = None, extra: tuple = (),
+    interpret: Callable[[torch.fx.Node, tuple, dict, KeySource | None], Any] | None = None,
 ) -> tuple[Any, list[Any]]:
-    """The graph's output, and the values of the `extra` nodes (e.g. inputs' in-place updates)."""
+    """The graph's output, and the values of the `extra` nodes (e.g. inputs' in-place updates).
+
+    `interpret`, when given, runs every call node instead (torch.compile's padded graphs)."""
     env: dict[torch.fx.Node, Any] = {}
     feed: Iterator[Any] = iter(inputs)
     jnp = client.jax_module().numpy
@@ -101,7 +104,9 @@ def evaluate(
             env[node] = jnp.asarray(constant.detach().cpu().numpy()) if isinstance(constant, torch.Tensor) else constant
         elif node.op == "call_function":
             args, kwargs = load(node.args), load(node.kwargs)
-            if isinstance(node.target, torch._ops.OpOverload):
+            if interpret is not None:
+                env[node] = interpret(node, args, kwargs, rng)
+            elif isinstance(node.target, torch._ops.OpOverload):
                 env[node] = call_lowering(node.target, args, kwargs, rng, node.meta.get("val"))
             elif node.target is torch.ops.higher_order.with_effects:
                 env[node] = _with_effects(args, kwargs, rng)

@@ -20,6 +20,10 @@ COUNTER_NAMES = (
     "fused_programs",
     "fused_ops",
     "fused_compiles",
+    "graph_compiles",
+    "graph_compiles_seconds",
+    "pad_compiles",
+    "pad_compiles_seconds",
 )
 
 _counts: Counter = Counter()
