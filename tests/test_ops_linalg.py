@@ -239,6 +239,25 @@ def test_lu_unpack_legacy_cholesky_eig():
     check(residual, a, atol=1e-8, rtol=0)
 
 
+@pytest.mark.parametrize("driver", ["gels", "gelsy", "gelsd", "gelss"])
+def test_lstsq_drivers(driver):
+    """Tall, wide and broadcast batches; a vector right-hand side; every output's shape per driver."""
+    lstsq = lambda a, b: torch.linalg.lstsq(a, b, driver=driver)
+    check(lstsq, torch.randn(2, 5, 3, dtype=torch.float64), torch.randn(2, 5, 4, dtype=torch.float64))
+    check(lstsq, torch.randn(1, 3, 5, dtype=torch.float64), torch.randn(2, 3, 2, dtype=torch.float64))
+    check(lstsq, torch.randn(2, 4, 3), torch.randn(2, 4), **TOL)
+    check(lambda a, b: _grads(lambda x: lstsq(x, b).solution, a), torch.randn(5, 3, dtype=torch.float64),
+          torch.randn(5, 2, dtype=torch.float64))
+
+
+def test_lstsq_rank_deficient_gives_minimum_norm_solution():
+    a = torch.randn(5, 3, dtype=torch.float64)
+    a[:, 2] = a[:, 0]
+    b = torch.randn(5, 2, dtype=torch.float64)
+    check(lambda a, b: torch.linalg.lstsq(a, b, driver="gelsd")[::2], a, b)
+    check(lambda a, b: torch.linalg.lstsq(a, b, rcond=0.5, driver="gelss")[::2], a, b)
+
+
 def test_geqrf():
     check(torch.geqrf, torch.randn(2, 5, 3), **TOL)
     check(torch.geqrf, torch.randn(3, 4, dtype=torch.complex64), **TOL)

@@ -407,6 +407,90 @@ def _linalg_solve_ex(A: Any, B: Any, *, left: bool = True, check_errors: bool = 
     return (x[..., 0] if vector else x), lu, pivots, _singular_info(lu)
 
 
+_LSTSQ_DRIVERS = ("gels", "gelsy", "gelsd", "gelss")
+
+
+def _lstsq_driver(driver: str | None) -> str:
+    """PyTorch's default driver is gelsy on every device but CUDA."""
+    if driver is not None and driver not in _LSTSQ_DRIVERS:
+        raise RuntimeError(f"torch.linalg.lstsq: parameter `driver` should be one of {_LSTSQ_DRIVERS}")
+    return driver or "gelsy"
+
+
+def _real_dtype(dtype: torch.dtype) -> torch.dtype:
+    return {torch.complex64: torch.float32, torch.complex128: torch.float64}.get(dtype, dtype)
+
+
+@torch.library.register_fake("aten::linalg_lstsq")
+def _linalg_lstsq_meta(self: Any, b: Any, rcond: float | None = None, *,
+                       driver: str | None = None) -> tuple[Any, Any, Any, Any]:
+    """PyTorch has no meta kernel for lstsq. Residuals exist for m > n except with gelsy, rank except
+    with gels, singular values with gelsd and gelss (CPU's shapes)."""
+    driver = _lstsq_driver(driver)
+    if not (self.dim() >= 2 and self.dim() - b.dim() in (0, 1)):
+        raise RuntimeError("torch.linalg.lstsq: input.dim() must be greater or equal to other.dim() and "
+                           "(input.dim() - other.dim()) <= 1")
+    vector = b.dim() == self.dim() - 1
+    k = 1 if vector else b.shape[-1]
+    m, n = self.shape[-2:]
+    batch = torch.broadcast_shapes(self.shape[:-2], b.shape[:-1 if vector else -2])
+    real = _real_dtype(self.dtype)
+    solution = self.new_empty((*batch, n) if vector else (*batch, n, k))
+    residuals = self.new_empty((*batch, k) if m > n and driver != "gelsy" else (0,), dtype=real)
+    rank = self.new_empty(self.shape[:-2] if driver != "gels" else (0,), dtype=torch.int64)
+    singular = (*self.shape[:-2], min(m, n)) if driver in ("gelsd", "gelss") else (0,)
+    return solution, residuals, rank, self.new_empty(singular, dtype=real)
+
+
+def _lstsq_qr(A: Any, B: Any) -> tuple[Any, Any]:
+    """gels: QR of A (m >= n) or of A^H (m < n), full rank assumed; (solution, the rows of Q^H B
+    whose squared sum is the residual)."""
+    m, n = A.shape[-2:]
+    if m >= n:
+        q, r = jnp.linalg.qr(A, mode="complete")
+        c = _matmul(_mH(q), B)
+        return _triangular_solve(r[..., :n, :], c[..., :n, :], True, True, False), c[..., n:, :]
+    q, r = jnp.linalg.qr(_mH(A), mode="reduced")
+    r, B = _broadcast_batch(r, B)
+    y = lax.linalg.triangular_solve(r, B, left_side=True, lower=False, transpose_a=True, conjugate_a=True)
+    return _matmul(q, y), B[..., :0, :]
+
+
+def _lstsq_svd(A: Any, B: Any, rcond: float) -> tuple[Any, Any, Any, Any]:
+    """gelsy, gelsd, gelss: the minimum-norm solution, singular values up to rcond * largest dropped;
+    (solution, the rows of U^H B whose squared sum is the residual, rank, singular values)."""
+    k = min(A.shape[-2:])
+    u, s, vh = jnp.linalg.svd(A, full_matrices=True)
+    keep = s > rcond * jnp.max(s, axis=-1, keepdims=True, initial=0)
+    c = _matmul(_mH(u), B)
+    inverse = jnp.where(keep, 1 / jnp.where(keep, s, 1), 0).astype(A.dtype)
+    solution = _matmul(_mH(vh[..., :k, :]), inverse[..., None] * c[..., :k, :])
+    return solution, c[..., k:, :], jnp.sum(keep, axis=-1).astype(jnp.int64), s
+
+
+@register(aten.linalg_lstsq.default)
+def linalg_lstsq(self: Any, b: Any, rcond: float | None = None, *,
+                 driver: str | None = None) -> tuple[Any, Any, Any, Any]:
+    """Residuals come for m > n with every driver but gelsy. CPU returns an empty tensor instead when
+    gelsd/gelss find a matrix rank deficient (a value-dependent shape no compiled program can have):
+    there this returns the residual of the minimum-norm solution."""
+    driver = _lstsq_driver(driver)
+    A = _float(self)
+    m, n = A.shape[-2:]
+    vector = b.ndim == A.ndim - 1
+    B = (b[..., None] if vector else b).astype(A.dtype)
+    empty_real = jnp.zeros((0,), jnp.real(A).dtype)
+    if driver == "gels":
+        (solution, rows), rank, singular = _lstsq_qr(A, B), jnp.zeros((0,), jnp.int64), empty_real
+    else:
+        default = float(np.finfo(np.dtype(empty_real.dtype)).eps) * max(m, n)
+        solution, rows, rank, singular = _lstsq_svd(A, B, default if rcond is None else rcond)
+    residuals = jnp.sum(jnp.abs(rows) ** 2, axis=-2) if m > n and driver != "gelsy" else empty_real
+    if driver not in ("gelsd", "gelss"):
+        singular = empty_real
+    return (solution[..., 0] if vector else solution), residuals, rank, singular
+
+
 @register(aten.linalg_solve_triangular.default)
 def linalg_solve_triangular(self: Any, B: Any, *, upper: bool, left: bool = True,
                             unitriangular: bool = False) -> Any:
