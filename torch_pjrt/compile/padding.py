@@ -19,6 +19,7 @@ returned tensor is an ordinary view of a larger storage.
 from __future__ import annotations
 
 import bisect
+import builtins
 import math
 import operator
 from collections.abc import Sequence
@@ -48,10 +49,14 @@ def mark_dynamic(
     buckets: Sequence[int] | None = None,
 ) -> None:
     """Mark `tensor.shape[dim]` dynamic within [min, max]; compiled graphs pad it to `buckets`
-    (default: powers of two up to max, and max), so they compile once per bucket."""
+    (default: powers of two up to max, and max), so they compile once per bucket.
+
+    Sizes 0 and 1 stay unmarked: Dynamo specialises them, so each gets a graph of its own."""
     if max is None and buckets is not None:
         raise ValueError("torch_pjrt.mark_dynamic: buckets need a max; pass max= as well.")
-    torch._dynamo.mark_dynamic(tensor, dim, min=min, max=max)
+    if tensor.shape[dim] < 2:
+        return
+    torch._dynamo.mark_dynamic(tensor, dim, min=None if min is None else builtins.max(min, 2), max=max)
     if buckets is not None:
         ladder = tuple(sorted(set(int(b) for b in buckets)))
         if ladder[-1] < max:
