@@ -204,6 +204,7 @@ def test_cross_pinv_matrix_exp():
     check(lambda a: torch.linalg.pinv(a, hermitian=True), _spd(), **TOL)
     check(lambda a: torch.linalg.pinv(a, hermitian=True), torch.randn(2, 4, 4), **TOL)  # reads the lower triangle
     check(lambda a: torch.linalg.eigh(a, UPLO="U").eigenvalues, torch.randn(2, 4, 4), **TOL)
+    check(torch.linalg.pinv, torch.randn(5, 5, dtype=torch.complex64), **TOL)
     check(torch.linalg.matrix_exp, torch.randn(2, 3, 3) / 3, **TOL)
 
 
