@@ -193,3 +193,29 @@ def test_histogram_argument_errors() -> None:
         torch.histogram(x, 3, range=(2.0, 1.0))
     with pytest.raises(RuntimeError, match="same shape as the input"):
         torch.histogram(x, 3, weight=torch.ones(4, device="pjrt"))
+
+
+def _segment_grads(reduce: str, **kwargs: object):
+    def run(data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        leaf = data.detach().clone().requires_grad_()
+        moved = {k: v.to(data.device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+        out = torch.segment_reduce(leaf, reduce, **moved)
+        weight = torch.linspace(0.5, 1.5, out.numel()).reshape(out.shape).to(out.device)
+        return out, torch.autograd.grad((out * weight).nansum(), leaf)[0]
+
+    return run
+
+
+@pytest.mark.parametrize("reduce", ["sum", "mean", "max", "min", "prod"])
+def test_segment_reduce(reduce: str) -> None:
+    data = torch.tensor([2.0, 2.0, 1.0, 0.0, 3.0, 0.0, 0.0, 5.0, NAN, 4.0, 1.5])  # ties, zeros, a NaN
+    lengths = torch.tensor([3, 0, 2, 3, 2, 1])
+    check(_segment_grads(reduce, lengths=lengths), data, equal_nan=True)
+    check(_segment_grads(reduce, lengths=lengths, initial=2.0), data, equal_nan=True)
+    check(_segment_grads(reduce, offsets=torch.tensor([1, 4, 4, 9])), data, equal_nan=True)  # some left out
+    batched = randn(2, 7, 3)
+    check(_segment_grads(reduce, lengths=torch.tensor([[2, 5], [0, 7]]), axis=1), batched, equal_nan=True)
+    for dtype in (torch.bfloat16, torch.float16):
+        halves = randn(2, 9, dtype=dtype)
+        check(lambda a: torch.segment_reduce(a, reduce, lengths=torch.tensor([[4, 5], [9, 0]], device=a.device),
+                                             axis=1), halves, atol=0, rtol=0, equal_nan=True)

@@ -240,7 +240,7 @@ def round_decimals(self: Any, *, decimals: int = 0) -> Any:
     return jnp.round(x / scale) * scale
 
 
-def _rounded_like(x: Any, dtype: Any) -> Any:
+def rounded_like(x: Any, dtype: Any) -> Any:
     """x (computed in float32) rounded to a half-precision dtype's format and kept in float32: the
     rounding PyTorch does between ops, which XLA may otherwise skip inside a fusion."""
     if not jnp.issubdtype(dtype, jnp.floating) or jnp.finfo(dtype).bits >= 32:
@@ -257,7 +257,7 @@ def linalg_cross(self: Any, other: Any, *, dim: int = -1) -> Any:
     axis = dim % a.ndim
 
     def product(i: int, j: int) -> Any:
-        return _rounded_like(jax.lax.index_in_dim(a, i, axis) * jax.lax.index_in_dim(b, j, axis), result)
+        return rounded_like(jax.lax.index_in_dim(a, i, axis) * jax.lax.index_in_dim(b, j, axis), result)
 
     parts = [product(1, 2) - product(2, 1), product(2, 0) - product(0, 2), product(0, 1) - product(1, 0)]
     return jnp.concatenate(parts, axis)

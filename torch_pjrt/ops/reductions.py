@@ -450,6 +450,107 @@ def histogramdd_from_bin_tensors(self: Any, bins: Sequence[Any], *, weight: Any 
     return _histogram_nd(_points(self, self.shape[-1]), [b.astype(self.dtype) for b in bins], weight, density)
 
 
+# --- segment reductions ----------------------------------------------------------------------
+# PyTorch's checks that lengths are non-negative and cover the axis exactly need their values on the
+# host and are not made; elements outside every [offsets[s], offsets[s+1]) are left out, as on CPU.
+
+
+def _segments(data: Any, lengths: Any, offsets: Any, indices: Any, axis: int) -> tuple[Any, Any, Any, tuple]:
+    """data as rows (elements x trailing), the segment of each row (B*S where it belongs to none), every
+    segment's element count, and the output shape."""
+    if indices is not None:
+        raise RuntimeError("segment_reduce(): indices based reduction is not supported yet.")
+    axis = axis % data.ndim
+    if offsets is None:
+        ends = jnp.cumsum(lengths.astype(np.int64), axis=-1)
+        offsets = jnp.concatenate([jnp.zeros_like(ends[..., :1]), ends], axis=-1)
+    lead, size, trailing = data.shape[:axis], data.shape[axis], data.shape[axis + 1:]
+    batches, count = math.prod(lead), offsets.shape[-1] - 1
+    bounds = offsets.reshape(batches, count + 1).astype(np.int64)
+    positions = jnp.arange(size, dtype=np.int64)
+    segment = jax.vmap(lambda row: jnp.searchsorted(row, positions, side="right"))(bounds) - 1
+    inside = (segment >= 0) & (segment < count)
+    ids = jnp.where(inside, segment + count * jnp.arange(batches)[:, None], batches * count).reshape(-1)
+    rows = data.reshape(batches * size, math.prod(trailing))
+    sizes = jnp.diff(bounds, axis=-1).reshape(-1)
+    return rows, ids, sizes, (*lead, count, *trailing)
+
+
+def _rounded_fold(kind: str, rows: Any, ids: Any, segments: int, start: Any, dtype: Any) -> Any:
+    """Each segment's sum or product folded from `start` element by element in order, rounding every step to
+    `dtype` (a half type) as PyTorch's CPU kernel accumulates: a float32 total would round once and differ."""
+    combine = jnp.multiply if kind == "prod" else jnp.add
+    first = jnp.concatenate([jnp.ones((1,), bool), ids[1:] != ids[:-1]])
+    start = jnp.asarray(start, rows.dtype)
+
+    def step(total: Any, row: tuple[Any, Any]) -> tuple[Any, Any]:
+        value, fresh = row
+        total = pointwise.rounded_like(combine(jnp.where(fresh, start, total), value), dtype)
+        return total, total
+
+    _, running = jax.lax.scan(step, jnp.zeros_like(rows[0]), (rows, first))
+    last = jax.ops.segment_max(jnp.arange(rows.shape[0]), ids, num_segments=segments)
+    return jnp.where((last >= 0)[:, None], running[jnp.clip(last, 0)], start)
+
+
+def _segment_total(kind: str, rows: Any, ids: Any, segments: int) -> Any:
+    reduce = {"sum": jax.ops.segment_sum, "mean": jax.ops.segment_sum, "max": jax.ops.segment_max,
+              "min": jax.ops.segment_min, "prod": jax.ops.segment_prod}[kind]
+    return reduce(rows, ids, num_segments=segments)
+
+
+@register(aten.segment_reduce.default)
+def segment_reduce(data: Any, reduce: str, *, lengths: Any = None, indices: Any = None, offsets: Any = None,
+                   axis: int = 0, unsafe: bool = False, initial: Any = None) -> Any:
+    """`initial` joins every segment's reduction (a mean counts only the elements); an empty segment gives
+    `initial`, else the reduction's identity (NaN for a mean)."""
+    rows, ids, sizes, shape = _segments(_opmath(data), lengths, offsets, indices, axis)
+    segments = sizes.shape[0]
+    if np.dtype(data.dtype).name in _HALF and reduce in ("sum", "mean", "prod"):
+        start = (1 if reduce == "prod" else 0) if initial is None else initial
+        total = _rounded_fold(reduce, rows, ids, segments, start, data.dtype)
+    else:
+        total = _segment_total(reduce, rows, ids, segments)
+        if initial is not None:
+            combine = {"sum": jnp.add, "mean": jnp.add, "max": jnp.maximum, "min": jnp.minimum, "prod": jnp.multiply}
+            total = combine[reduce](total, jnp.asarray(initial, total.dtype))
+    if reduce == "mean":
+        count = sizes[:, None].astype(total.dtype)
+        total = jnp.where(count == 0, jnp.nan if initial is None else total, total / jnp.maximum(count, 1))
+    return total.reshape(shape)
+
+
+@register(aten._segment_reduce_backward.default)
+def segment_reduce_backward(grad: Any, output: Any, data: Any, reduce: str, *, lengths: Any = None,
+                            offsets: Any = None, axis: int = 0, initial: Any = None) -> Any:
+    """PyTorch's gradients: a max/min's shared evenly by the elements equal to it (NaN counting as equal), a
+    product's as output / x, or for a zero or NaN x the product of the others (with `initial`)."""
+    rows, ids, sizes, _ = _segments(_opmath(data), lengths, offsets, None, axis)
+    segments = sizes.shape[0]
+    # one dropped row past the segments: elements outside every segment gather zeros
+    pad = lambda x: jnp.concatenate([x.reshape(segments, -1), jnp.zeros_like(x.reshape(segments, -1)[:1])])
+    g, out = pad(_opmath(grad))[ids], pad(_opmath(output))[ids]
+    if reduce == "sum":
+        result = g
+    elif reduce == "mean":
+        result = g / jnp.maximum(pad(sizes.astype(g.dtype))[ids], 1)
+    elif reduce in ("max", "min"):
+        hit = (rows == out) | (jnp.isnan(rows) & jnp.isnan(out))
+        ties = jax.ops.segment_sum(hit.astype(g.dtype), ids, num_segments=segments)
+        result = jnp.where(hit, g / pad(jnp.maximum(ties, 1))[ids], 0)
+    else:
+        special = (rows == 0) | jnp.isnan(rows)
+        count = lambda mask: pad(jax.ops.segment_sum(mask.astype(np.int64), ids, num_segments=segments))[ids] - mask
+        zeros, nans = count(rows == 0), count(jnp.isnan(rows))
+        regular = jax.ops.segment_prod(jnp.where(special, 1, rows), ids, num_segments=segments)
+        if initial is not None:
+            regular = regular * jnp.asarray(initial, regular.dtype)
+        regular = pad(regular)[ids]
+        others = jnp.where(nans > 0, jnp.nan, jnp.where(zeros > 0, 0 * regular, regular))
+        result = jnp.where(special, g * others, g * out / jnp.where(special, 1, rows))
+    return result.reshape(data.shape)
+
+
 # --- scans -----------------------------------------------------------------------------------
 
 
