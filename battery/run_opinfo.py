@@ -20,6 +20,7 @@ float32 and float64. Random entries are checked for shape, dtype and device only
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import queue
@@ -205,10 +206,14 @@ def _reference(fn: Callable[[], Any], random: bool) -> tuple[Any, bool]:
 
 
 def run_forward(op: Any, sample: Any, random: bool, record: Callable[[Any], Any] | None = None) -> None:
-    """One forward sample; the CPU run may go through `record` (collects the aten ops it calls)."""
+    """One forward sample; `record` (collects the aten ops it calls) gets a CPU run of its own, since
+    under a dispatch mode some CPU kernels take other paths (complex pinv gives other values)."""
     moved = on_pjrt(sample)
     call = lambda s: s.output_process_fn_grad(op(s.input, *s.args, **s.kwargs))
-    expected, values = _reference(lambda: record(lambda: call(sample)) if record else call(sample), random)
+    if record:
+        with contextlib.suppress(Exception):
+            record(lambda: call(sample))
+    expected, values = _reference(lambda: call(sample), random)
     compare(call(moved), expected, values=values)
 
 
