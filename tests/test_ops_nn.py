@@ -242,6 +242,14 @@ def test_grid_sample(mode: str, padding_mode: str) -> None:
                torch.randn(2, 3, 5, 6), torch.rand(2, 4, 7, 2) * 2.6 - 1.3, atol=1e-4, rtol=1e-3)
 
 
+@pytest.mark.parametrize("mode,padding_mode", [("bilinear", "zeros"), ("bilinear", "border"),
+                                               ("bilinear", "reflection"), ("nearest", "zeros")])
+@pytest.mark.parametrize("align", [False, True])
+def test_grid_sample_3d(mode: str, padding_mode: str, align: bool) -> None:
+    check_grad(lambda x, g: F.grid_sample(x, g, mode=mode, padding_mode=padding_mode, align_corners=align),
+               torch.randn(2, 3, 4, 5, 6), torch.rand(2, 3, 4, 5, 3) * 2.6 - 1.3, atol=1e-4, rtol=1e-3)
+
+
 # --- embedding and padding --------------------------------------------------------------------------
 
 
@@ -439,6 +447,19 @@ def test_losses_bfloat16() -> None:
     target = torch.randint(0, 5, (4,))
     check(lambda a, b, t: (F.mse_loss(a, b), F.cross_entropy(a, t), F.smooth_l1_loss(a, b)), x, y, target,
           atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
+def test_soft_margin_loss_half_overflows_like_cpu(reduction: str) -> None:
+    """exp(-x t) is stored in float16 by PyTorch: large margins give inf (and NaN gradients), not a finite loss."""
+    x = torch.tensor([-12.0, 0.5, 3.0, 11.5, -0.25], dtype=torch.float16)
+    t = torch.tensor([1.0, -1.0, 1.0, -1.0, 1.0], dtype=torch.float16)
+    check(lambda a, b: F.soft_margin_loss(a, b, reduction=reduction), x, t, atol=1e-3, rtol=2e-3)
+    grad = torch.rand(5 if reduction == "none" else (), dtype=torch.float16)
+    check(lambda g, a, b: aten.soft_margin_loss_backward(g, a, b, {"none": 0, "mean": 1, "sum": 2}[reduction]),
+          grad, x, t, atol=1e-3, rtol=2e-3, equal_nan=True)
+    check_grad(lambda a, b: F.soft_margin_loss(a, b, reduction=reduction), torch.randn(4, 5),
+               torch.randn(4, 5).sign(), grads=(0,))
 
 
 # --- modules that reach several of these ops --------------------------------------------------------

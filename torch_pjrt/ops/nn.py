@@ -1014,55 +1014,70 @@ def _pad_coordinate(coord: Any, size: int, padding_mode: int, align_corners: boo
     return coord
 
 
-def _sample(input: Any, iy: Any, ix: Any, weights: Any) -> Any:
-    """Sum over taps (last dim) of weights * input[n, :, iy, ix], out-of-bounds taps reading zero.
+def _sample(input: Any, indices: Sequence[Any], weights: Any) -> Any:
+    """Sum over taps (last dim) of weights * input[n, :, i_1, ..., i_r], out-of-bounds taps reading zero.
 
-    iy, ix, weights: (N, Ho, Wo, taps); one gather for all taps.
+    indices (one per spatial dim, outermost first) and weights: (N, *out, taps); one gather for all taps.
     """
-    n, c, height, width = input.shape
-    inside = (iy >= 0) & (iy < height) & (ix >= 0) & (ix < width)
-    flat = jnp.clip(iy, 0, height - 1) * width + jnp.clip(ix, 0, width - 1)
+    n, c, *sizes = input.shape
+    inside = jnp.ones(weights.shape, jnp.bool_)
+    flat = jnp.zeros(weights.shape, jnp.int64)
+    for index, size in zip(indices, sizes):
+        inside = inside & (index >= 0) & (index < size)
+        flat = flat * size + jnp.clip(index, 0, size - 1)
     values = jnp.take_along_axis(input.reshape(n, c, -1), flat.reshape(n, 1, -1), axis=2)
     values = values.reshape((n, c) + flat.shape[1:])
     return jnp.sum(values * jnp.where(inside, weights, 0)[:, None], axis=-1)
 
 
-def _grid_sample_2d(input: Any, grid: Any, interpolation_mode: int, padding_mode: int, align_corners: bool) -> Any:
+def _grid_coordinates(input: Any, grid: Any, align_corners: bool) -> list[Any]:
+    """Source coordinates per spatial dim, outermost first (the grid's last axis lists them innermost first)."""
+    sizes = input.shape[2:]
+    rank = len(sizes)
+    return [_unnormalize(grid[..., rank - 1 - d], size, align_corners) for d, size in enumerate(sizes)]
+
+
+def _grid_sample_bicubic(input: Any, grid: Any, padding_mode: int, align_corners: bool) -> Any:
     height, width = input.shape[-2:]
-    x = _unnormalize(grid[..., 0], width, align_corners)
-    y = _unnormalize(grid[..., 1], height, align_corners)
-    if interpolation_mode == BICUBIC:
-        x0, y0 = jnp.floor(x), jnp.floor(y)
-        cubic = _cubic_filter(CUBIC_A, jnp)
-        taps = [(j, i) for j in range(4) for i in range(4)]
-        iy = jnp.stack([_pad_coordinate(y0 - 1 + j, height, padding_mode, align_corners) for j, _ in taps], -1)
-        ix = jnp.stack([_pad_coordinate(x0 - 1 + i, width, padding_mode, align_corners) for _, i in taps], -1)
-        weights = jnp.stack([cubic(x - x0 + 1 - i) * cubic(y - y0 + 1 - j) for j, i in taps], -1)
-        return _sample(input, iy.astype(jnp.int64), ix.astype(jnp.int64), weights)
-    x = _pad_coordinate(x, width, padding_mode, align_corners)
-    y = _pad_coordinate(y, height, padding_mode, align_corners)
-    if interpolation_mode == NEAREST:
-        iy, ix = jnp.round(y).astype(jnp.int64), jnp.round(x).astype(jnp.int64)
-        return _sample(input, iy[..., None], ix[..., None], jnp.ones(iy.shape + (1,), input.dtype))
+    y, x = _grid_coordinates(input, grid, align_corners)
     x0, y0 = jnp.floor(x), jnp.floor(y)
-    fx, fy = x - x0, y - y0
-    x0, y0 = x0.astype(jnp.int64), y0.astype(jnp.int64)
-    iy = jnp.stack([y0, y0, y0 + 1, y0 + 1], -1)
-    ix = jnp.stack([x0, x0 + 1, x0, x0 + 1], -1)
-    weights = jnp.stack([(1 - fx) * (1 - fy), fx * (1 - fy), (1 - fx) * fy, fx * fy], -1)
-    return _sample(input, iy, ix, weights)
+    cubic = _cubic_filter(CUBIC_A, jnp)
+    taps = [(j, i) for j in range(4) for i in range(4)]
+    iy = jnp.stack([_pad_coordinate(y0 - 1 + j, height, padding_mode, align_corners) for j, _ in taps], -1)
+    ix = jnp.stack([_pad_coordinate(x0 - 1 + i, width, padding_mode, align_corners) for _, i in taps], -1)
+    weights = jnp.stack([cubic(x - x0 + 1 - i) * cubic(y - y0 + 1 - j) for j, i in taps], -1)
+    return _sample(input, [iy.astype(jnp.int64), ix.astype(jnp.int64)], weights)
 
 
-@register(aten.grid_sampler_2d.default)
-def grid_sampler_2d(input: Any, grid: Any, interpolation_mode: int, padding_mode: int, align_corners: bool) -> Any:
-    return _grid_sample_2d(_up(input), _up(grid), interpolation_mode, padding_mode, align_corners)
+def _grid_sample(input: Any, grid: Any, interpolation_mode: int, padding_mode: int, align_corners: bool) -> Any:
+    """grid_sampler_2d and _3d: (bi/tri)linear over the 2^rank neighbours, or the nearest (half to even)."""
+    if interpolation_mode == BICUBIC:
+        return _grid_sample_bicubic(input, grid, padding_mode, align_corners)
+    coords = [_pad_coordinate(c, size, padding_mode, align_corners)
+              for c, size in zip(_grid_coordinates(input, grid, align_corners), input.shape[2:])]
+    if interpolation_mode == NEAREST:
+        indices = [jnp.round(c).astype(jnp.int64)[..., None] for c in coords]
+        return _sample(input, indices, jnp.ones(indices[0].shape, input.dtype))
+    lows = [jnp.floor(c) for c in coords]
+    fracs = [c - low for c, low in zip(coords, lows)]
+    corners = list(itertools.product((0, 1), repeat=len(coords)))
+    indices = [jnp.stack([low.astype(jnp.int64) + corner[d] for corner in corners], -1) for d, low in enumerate(lows)]
+    weights = jnp.stack([math.prod(f if b else 1 - f for f, b in zip(fracs, corner)) for corner in corners], -1)
+    return _sample(input, indices, weights)
 
 
-@register(aten.grid_sampler_2d_backward.default, wants_meta=True)
-def grid_sampler_2d_backward(grad_output: Any, input: Any, grid: Any, interpolation_mode: int, padding_mode: int,
-                             align_corners: bool, output_mask: Sequence[bool], *,
-                             out_meta: Sequence[Any] | None = None) -> tuple:
-    grads = _vjp(lambda i, g: _grid_sample_2d(i, g, interpolation_mode, padding_mode, align_corners), grad_output,
+@register(aten.grid_sampler_2d.default, aten.grid_sampler_3d.default)
+def grid_sampler(input: Any, grid: Any, interpolation_mode: int, padding_mode: int, align_corners: bool) -> Any:
+    if interpolation_mode == BICUBIC and input.ndim != 4:
+        raise RuntimeError("grid_sampler(): bicubic interpolation only supports 4D input")
+    return _grid_sample(_up(input), _up(grid), interpolation_mode, padding_mode, align_corners)
+
+
+@register(aten.grid_sampler_2d_backward.default, aten.grid_sampler_3d_backward.default, wants_meta=True)
+def grid_sampler_backward(grad_output: Any, input: Any, grid: Any, interpolation_mode: int, padding_mode: int,
+                          align_corners: bool, output_mask: Sequence[bool], *,
+                          out_meta: Sequence[Any] | None = None) -> tuple:
+    grads = _vjp(lambda i, g: grid_sampler(i, g, interpolation_mode, padding_mode, align_corners), grad_output,
                  _up(input), _up(grid))
     return _masked(grads, output_mask, out_meta)
 
@@ -1327,6 +1342,30 @@ def smooth_l1_loss(self: Any, target: Any, reduction: int = MEAN, beta: float = 
 @register(aten.smooth_l1_loss_backward.default)
 def smooth_l1_loss_backward(grad_output: Any, self: Any, target: Any, reduction: int, beta: float) -> Any:
     return _vjp(lambda x: smooth_l1_loss(x, target, reduction, beta), grad_output, _up(self))[0]
+
+
+def _rounded(value: Any, dtype: Any) -> Any:
+    """A half-precision intermediate stored as PyTorch stores it (so it can overflow to inf), computed on in float32."""
+    return _up(value.astype(dtype))
+
+
+@register(aten.soft_margin_loss.default)
+def soft_margin_loss(self: Any, target: Any, reduction: int = MEAN) -> Any:
+    """PyTorch evaluates log1p(exp(-x * t)) op by op in the input dtype: a half exp overflows to inf, as on CPU."""
+    dtype = jnp.result_type(self, target)
+    z = _rounded(-_up(self) * _up(target), dtype)
+    return _reduce(jnp.log1p(_rounded(jnp.exp(z), dtype)), reduction)
+
+
+@register(aten.soft_margin_loss_backward.default)
+def soft_margin_loss_backward(grad_output: Any, self: Any, target: Any, reduction: int) -> Any:
+    """-t z / (1 + z) * grad with z = exp(-t x), rounded op by op as PyTorch does (an overflowed z gives NaN)."""
+    dtype = jnp.result_type(self, target)
+    norm = 1.0 / self.size if reduction == MEAN else 1.0
+    t = _up(target)
+    z = _rounded(jnp.exp(_rounded(-t * _up(self), dtype)), dtype)
+    grad = _rounded(_rounded(t * z, dtype) * -norm, dtype)
+    return _rounded(grad / _rounded(z + 1, dtype), dtype) * _up(grad_output)
 
 
 @register(aten.huber_loss.default)
