@@ -122,10 +122,17 @@ def _to_pjrt(value: Any) -> Any:
     return value.detach().to("pjrt").requires_grad_(value.requires_grad)
 
 
-def on_pjrt(sample: Any) -> Any:
+# Arguments PyTorch requires on the CPU whatever the device (CUDA raises the same error for them).
+CPU_ARGUMENTS = {"tensor_split": 0}
+
+
+def on_pjrt(sample: Any, name: str = "") -> Any:
     """The sample with pjrt copies of its tensors; a "cpu" argument (the sample's device, as in `x.to("cpu")`
     or `torch.zeros(..., device="cpu")`) names pjrt instead."""
     moved = sample.transform(_to_pjrt)
+    if name in CPU_ARGUMENTS and sample.args:
+        position = CPU_ARGUMENTS[name]
+        moved.args = (*moved.args[:position], sample.args[position], *moved.args[position + 1:])
     device = lambda v: torch.device("pjrt") if isinstance(v, str) and v == "cpu" else v
     moved.args = tuple(device(v) for v in moved.args)
     moved.kwargs = {k: device(v) for k, v in moved.kwargs.items()}
@@ -208,7 +215,7 @@ def _reference(fn: Callable[[], Any], random: bool) -> tuple[Any, bool]:
 def run_forward(op: Any, sample: Any, random: bool, record: Callable[[Any], Any] | None = None) -> None:
     """One forward sample; `record` (collects the aten ops it calls) gets a CPU run of its own, since
     under a dispatch mode some CPU kernels take other paths (complex pinv gives other values)."""
-    moved = on_pjrt(sample)
+    moved = on_pjrt(sample, op.name)
     call = lambda s: s.output_process_fn_grad(op(s.input, *s.args, **s.kwargs))
     if record:
         with contextlib.suppress(Exception):
@@ -219,7 +226,7 @@ def run_forward(op: Any, sample: Any, random: bool, record: Callable[[Any], Any]
 
 def run_backward(op: Any, sample: Any, random: bool) -> None:
     """One gradient sample: d(sum of outputs)/d(inputs) on pjrt against CPU (shapes only for random ones)."""
-    moved = on_pjrt(sample)
+    moved = on_pjrt(sample, op.name)
 
     def grads(s: Any) -> tuple[Any, ...] | None:
         inputs = _differentiable((s.input, s.args, s.kwargs))

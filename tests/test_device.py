@@ -295,3 +295,16 @@ def test_two_cpu_devices() -> None:
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
+
+
+def test_resize_and_resize_as_keep_the_prefix_as_on_cpu() -> None:
+    values = torch.randn(6)
+    grown_cpu, grown = values.clone(), values.to("pjrt")
+    grown_cpu.resize_(2, 2)
+    grown.resize_(2, 2)
+    torch.testing.assert_close(grown.cpu(), grown_cpu)
+    template = torch.empty(3, 4)
+    grown_cpu.resize_as_(template)
+    grown.resize_as_(template.to("pjrt"))
+    assert grown.shape == grown_cpu.shape and grown.stride() == grown_cpu.stride()
+    torch.testing.assert_close(grown.cpu().flatten()[:6], values)

@@ -169,6 +169,13 @@ def resize_(self: torch.Tensor, size: Any, memory_format: Any = None) -> torch.T
     return self
 
 
+def resize_as_(self: torch.Tensor, the_template: torch.Tensor, memory_format: Any = None) -> torch.Tensor:
+    """resize_ to the template's shape; preserve_format takes the template's memory format, as on CPU."""
+    if memory_format == torch.preserve_format:
+        memory_format = the_template.suggest_memory_format()
+    return resize_(self, the_template.shape, memory_format)
+
+
 def set_empty(self: torch.Tensor) -> torch.Tensor:
     storage.replace_storage(self, 0, (0,), (1,))
     return self
@@ -210,6 +217,7 @@ SPECIAL: dict[Any, Any] = {
     aten.empty.memory_format: empty_memory_format,
     aten.empty_strided.default: empty_strided,
     aten.resize_.default: resize_,
+    aten.resize_as_.default: resize_as_,
     aten.set_.default: set_empty,
     aten._local_scalar_dense.default: local_scalar_dense,
     aten.equal.default: equal,
