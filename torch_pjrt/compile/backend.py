@@ -80,6 +80,7 @@ class CompiledGraph:
         if self.bounds and any(padding.is_symbolic(self.metas[index]) for index, _ in self.mutations):
             self.bounds = None
         self.symbols = sorted(self.bounds or {}, key=str)
+        self.symbolic_constants = any(isinstance(out.constant, torch.SymInt) for out in self.outputs)
 
     def _program(self, signature: tuple, padded: dict[Any, int] | None) -> tuple[programs.Program, list[Any]]:
         """The program for one input signature, and the layouts of its outputs (known once traced).
@@ -227,7 +228,8 @@ class CompiledGraph:
         host_mutations = [index for index, _ in self.mutations if signature[index][0] != "pjrt"]
         for index, value in zip(host_mutations, host_updates):
             args[index].copy_(kernels.host_tensor(client.to_host(value)))
-        values = values or _symbol_values(self.gm, args)
+        if values is None and self.symbolic_constants:
+            values = _symbol_values(self.gm, args)
         produced = iter(tensors)
         results = []
         for out, layout in zip(self.outputs, layouts):
@@ -282,7 +284,7 @@ def _symbol_values(gm: torch.fx.GraphModule, args: Sequence[Any]) -> dict[Any, i
     return dict(zip(sorted(symbols, key=str), found))
 
 
-def _constant(value: Any, values: dict[Any, int]) -> Any:
+def _constant(value: Any, values: dict[Any, int] | None) -> Any:
     """A graph's non-tensor output; symbolic sizes (saved for the backward) become this call's ints."""
     if isinstance(value, torch.SymInt):
         return padding.evaluate_int(value.node.expr, values)
