@@ -462,6 +462,34 @@ def test_soft_margin_loss_half_overflows_like_cpu(reduction: str) -> None:
                torch.randn(4, 5).sign(), grads=(0,))
 
 
+@pytest.mark.parametrize("p,weighted", [(1, False), (2, True)])
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
+def test_multi_margin_loss(p: int, weighted: bool, reduction: str) -> None:
+    """Integer inputs put some margin terms exactly at 0, where PyTorch passes no gradient."""
+    x, target = torch.randint(-2, 3, (6, 5)).float(), torch.randint(0, 5, (6,))
+    weight = torch.rand(5) + 0.5 if weighted else None
+    check_grad(lambda a, t, w: F.multi_margin_loss(a, t, p=p, margin=1.0, weight=w, reduction=reduction), x, target,
+               weight, grads=(0,))
+    check_grad(lambda a, t: F.multi_margin_loss(a, t, p=p, margin=0.5), torch.randn(5), target[0])
+
+
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
+def test_multilabel_margin_loss(reduction: str) -> None:
+    """Labels before the first -1 are targets (a repeated label counts twice); ties at the margin pass no gradient."""
+    x = torch.randint(-2, 3, (4, 5)).float()
+    target = torch.tensor([[3, 0, -1, 1, 2], [1, 1, 4, -1, 0], [-1, 2, 2, 2, 2], [0, 1, 2, 3, 4]])
+    check_grad(lambda a, t: F.multilabel_margin_loss(a, t, reduction=reduction), x, target)
+    check_grad(lambda a, t: F.multilabel_margin_loss(a, t), torch.randn(5), target[0])
+
+
+@pytest.mark.parametrize("p", [0, 0.5, 1, 2, 3.5, float("inf")])
+def test_pdist(p: float) -> None:
+    """A repeated row (zero distance, zero differences) passes no gradient, as in PyTorch's kernels."""
+    x = torch.randn(5, 4, dtype=torch.float64)
+    x[3] = x[1]
+    check_grad(lambda a: F.pdist(a, p), x)
+
+
 # --- modules that reach several of these ops --------------------------------------------------------
 
 

@@ -1379,6 +1379,136 @@ def huber_loss_backward(grad_output: Any, self: Any, target: Any, reduction: int
     return _vjp(lambda x: huber_loss(x, target, reduction, delta), grad_output, _up(self))[0]
 
 
+def _classes(self: Any) -> int:
+    """The class count of a margin loss's input (a 0-dim input is one sample of one class)."""
+    return self.shape[-1] if self.ndim else 1
+
+
+def _multi_margin(self: Any, target: Any, p: int, margin: Any, weight: Any, reduction: int) -> Any:
+    """Per sample: sum over classes i != y of max(0, margin - x_y + x_i)^p (times weight[y]), over C."""
+    classes = _classes(self)
+    x = _up(self).reshape(-1, classes)
+    t = target.reshape(-1)
+    z = margin - jnp.take_along_axis(x, t[:, None], axis=1) + x
+    h = jnp.where(z > 0, z, 0)
+    h = h * h if p == 2 else h
+    if weight is not None:
+        h = h * _up(weight)[t][:, None]
+    h = jnp.where(jnp.arange(classes) == t[:, None], 0, h)
+    return _reduce(jnp.sum(h, axis=1) / classes, reduction)
+
+
+@register(aten.multi_margin_loss.default, static_scalars=True)
+def multi_margin_loss(self: Any, target: Any, p: int = 1, margin: Any = 1, weight: Any = None,
+                      reduction: int = MEAN) -> Any:
+    if p not in (1, 2):
+        raise RuntimeError("only p == 1 and p == 2 supported")
+    return _multi_margin(self, target, p, margin, weight, reduction)
+
+
+@torch.library.register_fake("aten::multi_margin_loss_backward")
+def _multi_margin_loss_backward_meta(grad_output: Any, self: Any, target: Any, p: Any, margin: Any,
+                                     weight: Any = None, reduction: int = MEAN) -> Any:
+    """PyTorch ships no meta kernel for this backward; its result is shaped like the input."""
+    return self.new_empty(self.shape)
+
+
+@register(aten.multi_margin_loss_backward.default, static_scalars=True)
+def multi_margin_loss_backward(grad_output: Any, self: Any, target: Any, p: int, margin: Any, weight: Any = None,
+                               reduction: int = MEAN) -> Any:
+    """The vjp of the forward; a margin term exactly at 0 has no gradient, as in PyTorch's kernel."""
+    return _vjp(lambda x: _multi_margin(x, target, p, margin, weight, reduction), grad_output, _up(self))[0]
+
+
+def _multilabel_margin(self: Any, target: Any, reduction: int) -> tuple:
+    """(loss, is_target): targets are the labels before the first -1 (a repeated label counts again);
+    per sample, sum over targets j and non-targets i of max(0, 1 - x_j + x_i), over C."""
+    classes = _classes(self)
+    x = _up(self).reshape(-1, classes)
+    t = target.reshape(-1, classes)
+    listed = jnp.cumprod(t >= 0, axis=1).astype(jnp.bool_)
+    rows = jnp.arange(x.shape[0])[:, None]
+    counts = jnp.zeros(x.shape, x.dtype).at[rows, jnp.where(listed, t, 0)].add(listed.astype(x.dtype))
+    is_target = counts > 0
+    z = 1 - x[:, :, None] + x[:, None, :]
+    h = jnp.where((z > 0) & ~is_target[:, None, :], z, 0)
+    loss = jnp.sum(counts[:, :, None] * h, axis=(1, 2)) / classes
+    return _reduce(loss, reduction), is_target.astype(x.dtype)
+
+
+@register(aten.multilabel_margin_loss_forward.default)
+def multilabel_margin_loss_forward(self: Any, target: Any, reduction: int) -> tuple:
+    return _multilabel_margin(self, target, reduction)
+
+
+@torch.library.register_fake("aten::multilabel_margin_loss_backward")
+def _multilabel_margin_loss_backward_meta(grad_output: Any, self: Any, target: Any, reduction: int,
+                                          is_target: Any) -> Any:
+    """PyTorch ships no meta kernel for this backward; its result is shaped like the input."""
+    return self.new_empty(self.shape)
+
+
+@register(aten.multilabel_margin_loss_backward.default)
+def multilabel_margin_loss_backward(grad_output: Any, self: Any, target: Any, reduction: int,
+                                    is_target: Any) -> Any:
+    return _vjp(lambda x: _multilabel_margin(x, target, reduction)[0], grad_output, _up(self))[0]
+
+
+# --- distances -------------------------------------------------------------------------------------
+
+
+def _pairs(rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """Row pairs i < j in pdist's order (row-major upper triangle)."""
+    return np.triu_indices(rows, 1)
+
+
+def _p_norm(diff: Any, p: float) -> Any:
+    if p == 0:
+        return jnp.sum(diff != 0, axis=-1).astype(diff.dtype)
+    if p == math.inf:
+        return jnp.max(jnp.abs(diff), axis=-1, initial=0)
+    if p == 1:
+        return jnp.sum(jnp.abs(diff), axis=-1)
+    if p == 2:
+        return jnp.sqrt(jnp.sum(diff * diff, axis=-1))
+    return jnp.sum(jnp.abs(diff) ** p, axis=-1) ** (1 / p)
+
+
+@register(aten._pdist_forward.default, static_scalars=True)
+def _pdist_forward(self: Any, p: float = 2) -> Any:
+    """The p-norm distance of every pair of rows i < j (F.pdist)."""
+    first, second = _pairs(self.shape[0])
+    x = _up(self)
+    return _p_norm(x[first] - x[second], p)
+
+
+@register(aten._pdist_backward.default, static_scalars=True)
+def _pdist_backward(grad: Any, self: Any, p: float, pdist: Any) -> Any:
+    """PyTorch's per-p formulas: a zero distance (and, for p < 1, a zero difference) passes no gradient; for
+    p = inf every coordinate that attains the maximum gets the whole gradient."""
+    first, second = _pairs(self.shape[0])
+    x = _up(self)
+    diff = x[first] - x[second]
+    g, dist = _up(grad)[:, None], _up(pdist)[:, None]
+    if p == 0:
+        pair_grad = jnp.zeros_like(diff)
+    elif p == 1:
+        pair_grad = g * jnp.sign(diff)
+    elif p == math.inf:
+        pair_grad = g * jnp.sign(diff) * (jnp.abs(diff) == dist)
+    else:
+        safe = jnp.where(dist == 0, 1, dist)
+        if p == 2:
+            pair_grad = g * diff / safe
+        elif p < 1:
+            safe_diff = jnp.where(diff == 0, 1, jnp.abs(diff))
+            pair_grad = jnp.where(diff == 0, 0, g * jnp.sign(diff) * safe_diff ** (p - 1) / safe ** (p - 1))
+        else:
+            pair_grad = g * diff * jnp.abs(diff) ** (p - 2) / safe ** (p - 1)
+        pair_grad = jnp.where(dist == 0, 0, pair_grad)
+    return jnp.zeros_like(x).at[first].add(pair_grad).at[second].add(-pair_grad)
+
+
 # --- dropout and attention -------------------------------------------------------------------------
 
 
