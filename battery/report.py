@@ -1,12 +1,16 @@
 """Turn battery results (JSON lines from battery.run_opinfo) into docs/op-coverage.md and the shipped JSON.
 
-Usage: python -m battery.report [RESULTS...] [--md PATH] [--json PATH]
+Usage: python -m battery.report [RESULTS...] [--md PATH] [--json PATH] [--save-rows PATH.gz]
+
+docs/opinfo-results.jsonl.gz keeps the rows behind the committed report: pass it first and new
+result files after it (later rows win) to update the report without rerunning everything.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import gzip
 import json
 import os
 import re
@@ -18,6 +22,7 @@ from battery.run_opinfo import DEFAULT_OUT, DTYPES, read_rows
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MD_PATH = os.path.join(ROOT, "docs", "op-coverage.md")
 JSON_PATH = os.path.join(ROOT, "torch_pjrt", "data", "op_coverage.json")
+ROWS_PATH = os.path.join(ROOT, "docs", "opinfo-results.jsonl.gz")
 SYMBOLS = {"pass": "✓", "fail-wrong": "W", "fail-error": "E", "unsupported": "U", "crash": "C", "skip": "S"}
 FAILING = ("crash", "fail-wrong", "fail-error", "unsupported")
 MISSING = re.compile(r"no lowering for (aten::[\w.]+|prims::[\w.]+)")
@@ -249,14 +254,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("results", nargs="*", default=[DEFAULT_OUT], help="result files; later rows win")
     parser.add_argument("--md", default=MD_PATH)
     parser.add_argument("--json", default=JSON_PATH)
+    parser.add_argument("--save-rows", metavar="PATH.gz",
+                        help="also keep every row read (and the runs) in one gzip file, a base for later reports")
     args = parser.parse_args(argv)
-    entries = collect([row for path in args.results for row in read_rows(path)])
+    rows = [row for path in args.results for row in read_rows(path)]
+    entries = collect(rows)
     meta: dict[str, Any] = {"runs": []}
     for path in args.results:
         if os.path.exists(path + ".meta.json"):
             with open(path + ".meta.json") as f:
                 found = json.load(f)
             meta = {"torch": found.get("torch"), "runs": meta["runs"] + found.get("runs", [])}
+    if args.save_rows:
+        with gzip.open(args.save_rows, "wt") as f:
+            f.writelines(json.dumps(row) + "\n" for row in rows)
+        with open(args.save_rows + ".meta.json", "w") as f:
+            json.dump(meta, f, indent=1)
     totals = summary(entries)
     with open(args.md, "w") as f:
         f.write(markdown(entries, totals, meta))

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gzip
 import json
 import os
 import queue
@@ -512,9 +513,10 @@ def _replaced(row: dict[str, Any], keys: set[str], dtypes: set[str]) -> bool:
 
 
 def read_rows(path: str) -> list[dict[str, Any]]:
+    """Result rows of a JSON-lines file (gzip-compressed when the name ends in .gz)."""
     if not os.path.exists(path):
         return []
-    with open(path) as f:
+    with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
         return [json.loads(line) for line in f if line.strip()]
 
 
@@ -560,7 +562,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.report or (args.report is None and not args.ops and args.max_samples is None):
         from battery import report
 
-        report.main([args.out])
+        report.main([args.out, "--save-rows", report.ROWS_PATH])
 
 
 class Progress:
