@@ -226,8 +226,8 @@ class CompiledGraph:
         for slot, flat in zip(sorted({signature[index][1] for index in pjrt_mutations}), written):
             stores[slot].array = flat
         host_mutations = [index for index, _ in self.mutations if signature[index][0] != "pjrt"]
-        for index, value in zip(host_mutations, host_updates):
-            args[index].copy_(kernels.host_tensor(client.to_host(value)))
+        for index, value in zip(host_mutations, client.to_host_many(host_updates) if host_updates else []):
+            args[index].copy_(kernels.host_tensor(value))
         if values is None and self.symbolic_constants:
             values = _symbol_values(self.gm, args)
         produced = iter(tensors)
