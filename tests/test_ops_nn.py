@@ -197,6 +197,19 @@ def test_max_pool_indices_and_unbatched() -> None:
     check(lambda t: F.max_pool2d(t, 2), torch.randint(-50, 50, (2, 6, 6)))
 
 
+@pytest.mark.parametrize("rank,shape,kernel,output", [
+    (2, (2, 3, 9, 9), (3, 2), (4, 5)), (2, (3, 7, 8), 2, (5, 3)), (2, (2, 3, 9, 9), 6, (2, 3)), (2, (0, 2, 6, 6), 2, 3),
+    (3, (2, 3, 7, 8, 9), (2, 3, 2), (4, 4, 5)), (3, (3, 6, 7, 8), 2, (3, 4, 5)),
+])
+def test_fractional_max_pool(rank: int, shape: tuple, kernel: Any, output: Any) -> None:
+    """Given the same random samples, windows, maxima and indices match CPU (2-D samples list W before H)."""
+    pool = F.fractional_max_pool3d if rank == 3 else F.fractional_max_pool2d
+    batch = shape[0] if len(shape) == rank + 2 else 1
+    samples = torch.rand(batch, shape[-rank - 1], rank, dtype=torch.float64)
+    check_grad(lambda a, u: pool(a, kernel, output_size=output, return_indices=True, _random_samples=u),
+               torch.randn(shape, dtype=torch.float64), samples, grads=(0,))
+
+
 # --- interpolation ----------------------------------------------------------------------------------
 
 INTERPOLATIONS = [

@@ -542,8 +542,12 @@ def _max_windows(x: Any, positions: Sequence[np.ndarray], valid: Sequence[np.nda
     plane = np.array(0)
     for pos, stride in zip(positions, np.cumprod((1,) + sizes[::-1])[-2::-1]):
         plane = plane[..., None, None] + pos * stride
-    flat = jnp.asarray(_window_layout(plane, 0, rank))
-    if jnp.issubdtype(x.dtype, jnp.floating):
+    return _pick_max(windows, jnp.asarray(_window_layout(plane, 0, rank)))
+
+
+def _pick_max(windows: Any, flat: Any) -> tuple[Any, Any]:
+    """Over the last axis: the first maximum, or the last NaN, as PyTorch's kernels choose; with its flat index."""
+    if jnp.issubdtype(windows.dtype, jnp.floating):
         nan = jnp.isnan(windows)
         last_nan = windows.shape[-1] - 1 - jnp.argmax(nan[..., ::-1], axis=-1)
         choice = jnp.where(jnp.any(nan, -1), last_nan, jnp.argmax(windows, axis=-1))
@@ -617,8 +621,9 @@ def _scatter_to_plane(grad_output: Any, self: Any, indices: Any, rank: int) -> A
     """Add each output gradient into the input position its index names (the max-pool backward)."""
     lead = self.shape[:-rank]
     rows = math.prod(lead)
-    g = _up(grad_output).reshape(rows, -1)
-    idx = indices.reshape(rows, -1)
+    outputs = math.prod(grad_output.shape[len(lead):])
+    g = _up(grad_output).reshape(rows, outputs)
+    idx = indices.reshape(rows, outputs)
     grad = jnp.zeros((rows, math.prod(self.shape[-rank:])), g.dtype)
     grad = grad.at[jnp.arange(rows)[:, None], idx].add(g)
     return grad.reshape(self.shape)
@@ -742,6 +747,72 @@ def adaptive_max_pool2d_backward(grad_output: Any, self: Any, indices: Any) -> A
 
 @register(aten.adaptive_max_pool3d_backward.default)
 def adaptive_max_pool3d_backward(grad_output: Any, self: Any, indices: Any) -> Any:
+    return _scatter_to_plane(grad_output, self, indices, 3)
+
+
+def _fractional_starts(sample: Any, size: int, out: int, kernel: int) -> Any:
+    """PyTorch's pseudo-random window starts per plane: int((i + u) a) - int(u a) with a = (size - k) / (out - 1),
+    in the samples' dtype; the last window ends at the input's end."""
+    i = jnp.arange(out).astype(sample.dtype)
+    u = sample[..., None]
+    alpha = jnp.asarray(size - kernel, sample.dtype) / (out - 1) if out > 1 else jnp.zeros((), sample.dtype)
+    starts = ((i + u) * alpha).astype(jnp.int64) - (u * alpha).astype(jnp.int64)
+    return starts.at[..., -1].set(size - kernel)
+
+
+def _fractional_max_pool(self: Any, kernel_size: Sequence[int], output_size: Sequence[int], random_samples: Any,
+                         rank: int) -> tuple:
+    """Max over windows at random_samples' starts. A plane's samples name the dims (T, H, W) in 3-D but (W, H)
+    in 2-D, as PyTorch's kernels read them."""
+    unbatched = self.ndim == rank + 1
+    x = self[None] if unbatched else self
+    sizes = x.shape[2:]
+    if 0 in output_size:
+        shape = x.shape[:2] + tuple(int(o) for o in output_size)
+        values, indices = jnp.zeros(shape, x.dtype), jnp.zeros(shape, jnp.int64)
+    else:
+        flat = jnp.zeros(x.shape[:2], jnp.int64)
+        for d, (size, out, kernel) in enumerate(zip(sizes, output_size, kernel_size)):
+            sample = random_samples[..., rank - 1 - d if rank == 2 else d]
+            starts = _fractional_starts(sample, size, int(out), int(kernel))
+            positions = starts[..., None] + jnp.arange(int(kernel))
+            lead = positions.shape[:2] + (1, 1) * d
+            flat = flat[..., None, None] * size + positions.reshape(lead + positions.shape[2:])
+        planes = x.reshape(x.shape[:2] + (math.prod(sizes),))
+        windows = jnp.take_along_axis(planes, flat.reshape(flat.shape[:2] + (math.prod(flat.shape[2:]),)), axis=2)
+        layout = lambda a: _window_layout(a.reshape(flat.shape), 2, rank)
+        values, indices = _pick_max(layout(windows), layout(flat))
+    return (values[0], indices[0]) if unbatched else (values, indices)
+
+
+@register(aten.fractional_max_pool2d.default)
+def fractional_max_pool2d(self: Any, kernel_size: Sequence[int], output_size: Sequence[int],
+                          random_samples: Any) -> tuple:
+    return _fractional_max_pool(self, kernel_size, output_size, random_samples, 2)
+
+
+@register(aten.fractional_max_pool3d.default)
+def fractional_max_pool3d(self: Any, kernel_size: Sequence[int], output_size: Sequence[int],
+                          random_samples: Any) -> tuple:
+    return _fractional_max_pool(self, kernel_size, output_size, random_samples, 3)
+
+
+@register(aten.fractional_max_pool2d_backward.default)
+def fractional_max_pool2d_backward(grad_output: Any, self: Any, kernel_size: Sequence[int],
+                                   output_size: Sequence[int], indices: Any) -> Any:
+    return _scatter_to_plane(grad_output, self, indices, 2)
+
+
+@torch.library.register_fake("aten::fractional_max_pool3d_backward")
+def _fractional_max_pool3d_backward_meta(grad_output: Any, self: Any, kernel_size: Sequence[int],
+                                         output_size: Sequence[int], indices: Any) -> Any:
+    """PyTorch ships no meta kernel for this backward; its result is shaped like the input."""
+    return self.new_empty(self.shape)
+
+
+@register(aten.fractional_max_pool3d_backward.default)
+def fractional_max_pool3d_backward(grad_output: Any, self: Any, kernel_size: Sequence[int],
+                                   output_size: Sequence[int], indices: Any) -> Any:
     return _scatter_to_plane(grad_output, self, indices, 3)
 
 
