@@ -503,6 +503,30 @@ def test_pdist(p: float) -> None:
     check_grad(lambda a: F.pdist(a, p), x)
 
 
+@pytest.mark.parametrize("concatenated,as_tensors", [(False, False), (True, True), (True, False)])
+@pytest.mark.parametrize("reduction,zero_infinity", [("none", False), ("mean", True), ("sum", True)])
+def test_ctc_loss(concatenated: bool, as_tensors: bool, reduction: str, zero_infinity: bool) -> None:
+    """Repeated labels, an empty target, a short input (an impossible alignment: an inf loss and NaN gradients as
+    on CPU, or 0 with zero_infinity) and inputs shorter than the batch's longest; lengths as lists and tensors."""
+    log_probs = torch.randn(12, 5, 6, dtype=torch.float64).log_softmax(2)
+    targets = torch.tensor([[1, 1, 2, 3], [4, 5, 5, 5], [2, 0, 0, 0], [3, 4, 3, 4], [1, 2, 3, 4]])
+    input_lengths, target_lengths = [12, 10, 7, 12, 3], [4, 4, 0, 4, 4]
+    if concatenated:
+        targets = torch.cat([row[:n] for row, n in zip(targets, target_lengths)])
+    if as_tensors:
+        input_lengths, target_lengths = torch.tensor(input_lengths), torch.tensor(target_lengths)
+    check_grad(lambda lp, t: F.ctc_loss(lp, t, input_lengths, target_lengths, reduction=reduction,
+                                        zero_infinity=zero_infinity), log_probs, targets, grads=(0,),
+               equal_nan=True, **TOL)
+
+
+def test_ctc_loss_float32_and_blank() -> None:
+    log_probs = torch.randn(30, 4, 8).log_softmax(2)
+    targets = torch.randint(0, 7, (4, 9))
+    check_grad(lambda lp, t: F.ctc_loss(lp, t, [30, 28, 30, 25], [9, 5, 7, 1], blank=7), log_probs, targets,
+               grads=(0,))
+
+
 # --- modules that reach several of these ops --------------------------------------------------------
 
 

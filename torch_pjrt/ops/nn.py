@@ -1525,6 +1525,142 @@ def multilabel_margin_loss_backward(grad_output: Any, self: Any, target: Any, re
     return _vjp(lambda x: _multilabel_margin(x, target, reduction)[0], grad_output, _up(self))[0]
 
 
+def _log_add(terms: Sequence[Any]) -> Any:
+    """log(sum(exp(terms))) shifted by their maximum (0 when all are -inf), summed in order, as PyTorch's CTC."""
+    top = terms[0]
+    for term in terms[1:]:
+        top = jnp.maximum(top, term)
+    top = jnp.where(top == -jnp.inf, 0, top)
+    total = jnp.exp(terms[0] - top)
+    for term in terms[1:]:
+        total = total + jnp.exp(term - top)
+    return jnp.log(total) + top
+
+
+def _shifted(values: Any, by: int) -> Any:
+    """values[..., s + by] along the last axis, -inf past either end."""
+    pad = jnp.full(values.shape[:-1] + (abs(by),), -jnp.inf, values.dtype)
+    if by > 0:
+        return jnp.concatenate([values[..., by:], pad], axis=-1)
+    return jnp.concatenate([pad, values[..., :by]], axis=-1)
+
+
+def _ctc_labels(targets: Any, target_lengths: Any, states: int, blank: int) -> tuple[Any, Any, Any]:
+    """Blank-interleaved labels l' (N, states), the states each sample uses (s <= 2 len), and where a label may
+    be reached from two states back (a non-blank differing from the label before it)."""
+    width = (states - 1) // 2
+    lengths = jnp.asarray(target_lengths, jnp.int64)
+    positions = jnp.arange(width)
+    if targets.ndim == 2:
+        padded = jnp.pad(targets, ((0, 0), (0, max(width - targets.shape[1], 0))))[:, :width]
+    else:
+        offsets = jnp.cumsum(lengths) - lengths
+        padded = targets[jnp.clip(offsets[:, None] + positions, 0, max(targets.shape[0] - 1, 0))]
+    padded = jnp.where(positions < lengths[:, None], padded, blank).astype(jnp.int64)
+    labels = jnp.full((lengths.shape[0], states), blank, jnp.int64).at[:, 1::2].set(padded)
+    used = jnp.arange(states) <= 2 * lengths[:, None]
+    skips = (jnp.arange(states) % 2 == 1) & (labels != _shifted_labels(labels))
+    return labels, used, skips
+
+
+def _shifted_labels(labels: Any) -> Any:
+    """labels[..., s - 2], with -1 (no label) before the first two states."""
+    return jnp.concatenate([jnp.full(labels.shape[:-1] + (2,), -1, labels.dtype), labels[..., :-2]], axis=-1)
+
+
+def _ctc_emissions(log_probs: Any, labels: Any) -> Any:
+    """log_probs[t, n, l'_s] as (T, N, states)."""
+    index = jnp.broadcast_to(labels[None], (log_probs.shape[0],) + labels.shape)
+    return jnp.take_along_axis(log_probs, index, axis=2)
+
+
+@register(aten._ctc_loss.default, aten._ctc_loss.Tensor, wants_meta=True)
+def _ctc_loss(log_probs: Any, targets: Any, input_lengths: Any, target_lengths: Any, blank: int = 0,
+              zero_infinity: bool = False, *, out_meta: Sequence[Any] | None = None) -> tuple:
+    """(negative log-likelihood per sample, log_alpha (N, T, 2 max_len + 1)): Graves' forward recursion in log
+    space, term by term as PyTorch's CPU kernel; log_alpha is -inf where the kernel leaves it unwritten.
+    zero_infinity acts in the backward only (ctc_loss itself zeroes infinite losses), as in PyTorch."""
+    steps = log_probs.shape[0]
+    states = out_meta[1].shape[2] if out_meta is not None else 2 * int(np.max(target_lengths, initial=0)) + 1
+    lengths_in = jnp.asarray(input_lengths, jnp.int64)
+    lengths_out = jnp.asarray(target_lengths, jnp.int64)
+    labels, used, skips = _ctc_labels(targets, lengths_out, states, blank)
+    emit = _ctc_emissions(log_probs, labels)
+    first = jnp.where(jnp.arange(states) < jnp.where(lengths_out > 0, 2, 1)[:, None], emit[0], -jnp.inf)
+
+    def step(alpha: Any, t_emit: tuple) -> tuple:
+        t, row = t_emit
+        two_back = jnp.where(skips, _shifted(alpha, -2), -jnp.inf)
+        new = _log_add([alpha, _shifted(alpha, -1), two_back]) + row
+        new = jnp.where(used & (t < lengths_in[:, None]), new, -jnp.inf)
+        return new, new
+
+    _, rest = jax.lax.scan(step, first, (jnp.arange(1, steps), emit[1:]))
+    alphas = jnp.concatenate([first[None], rest], axis=0)
+    last = jnp.take_along_axis(alphas, jnp.clip(lengths_in - 1, 0, steps - 1)[None, :, None], axis=0)[0]
+    end = jnp.take_along_axis(last, (2 * lengths_out)[:, None], axis=1)[:, 0]
+    before = jnp.take_along_axis(last, jnp.maximum(2 * lengths_out - 1, 0)[:, None], axis=1)[:, 0]
+    likelihood = jnp.where(lengths_out == 0, end, _log_add([end, before]))
+    likelihood = jnp.where(lengths_in == 0, jnp.where(lengths_out == 0, 0, -jnp.inf), likelihood)
+    alphas = jnp.where(lengths_in[None, :, None] > 0, alphas, -jnp.inf)
+    return -likelihood, jnp.moveaxis(alphas, 0, 1)
+
+
+@torch.library.register_fake("aten::_ctc_loss_backward.Tensor")
+@torch.library.register_fake("aten::_ctc_loss_backward")
+def _ctc_loss_backward_meta(grad: Any, log_probs: Any, targets: Any, input_lengths: Any, target_lengths: Any,
+                            neg_log_likelihood: Any, log_alpha: Any, blank: int, zero_infinity: bool = False) -> Any:
+    """PyTorch ships no meta kernel for this backward; the gradient is shaped like log_probs."""
+    return log_probs.new_empty(log_probs.shape)
+
+
+@register(aten._ctc_loss_backward.default, aten._ctc_loss_backward.Tensor)
+def _ctc_loss_backward(grad: Any, log_probs: Any, targets: Any, input_lengths: Any, target_lengths: Any,
+                       neg_log_likelihood: Any, log_alpha: Any, blank: int, zero_infinity: bool = False) -> Any:
+    """PyTorch's gradient for log_probs: (exp(lp) - exp(log sum_{s: l'_s = c} alpha beta + nll - lp)) * grad, with
+    beta the backward recursion; it assumes log_probs are log-softmax outputs, as PyTorch's kernels do. Steps
+    past a sample's input length, and (with zero_infinity) impossible samples, get zero."""
+    steps, batch, classes = log_probs.shape
+    states = log_alpha.shape[2]
+    lengths_in = jnp.asarray(input_lengths, jnp.int64)
+    lengths_out = jnp.asarray(target_lengths, jnp.int64)
+    labels, used, skips = _ctc_labels(targets, lengths_out, states, blank)
+    emit = _ctc_emissions(log_probs, labels)
+    ahead_skips = _shifted(jnp.where(skips, 0, -jnp.inf).astype(log_probs.dtype), 2)
+    ends = (jnp.arange(states) == 2 * lengths_out[:, None]) | (jnp.arange(states) == 2 * lengths_out[:, None] - 1)
+
+    def step(beta: Any, t_emit: tuple) -> tuple:
+        t, row = t_emit
+        two_ahead = _shifted(beta, 2) + ahead_skips
+        new = jnp.where(used, _log_add([beta, _shifted(beta, 1), two_ahead]) + row, -jnp.inf)
+        start = jnp.where(ends, row, -jnp.inf)
+        new = jnp.where((t == lengths_in - 1)[:, None], start, jnp.where((t < lengths_in - 1)[:, None], new, -jnp.inf))
+        return new, new
+
+    init = jnp.full((batch, states), -jnp.inf, log_probs.dtype)
+    _, betas = jax.lax.scan(step, init, (jnp.arange(steps), emit), reverse=True)
+    both = jnp.moveaxis(log_alpha, 1, 0) + betas
+    both = jnp.where(used[None] & (jnp.arange(steps)[:, None, None] < lengths_in[None, :, None]), both, -jnp.inf)
+    t_index, n_index = jnp.arange(steps)[:, None], jnp.arange(batch)[None, :]
+
+    def collect(summed: Any, state: Any) -> tuple:
+        """Log-add alpha beta of one state into its label's entry (states in descending order, as PyTorch)."""
+        label = labels[:, state][None, :]
+        current, term = summed[t_index, n_index, label], both[:, :, state]
+        top = jnp.maximum(current, term)
+        added = jnp.where(current == -jnp.inf, term, jnp.log(jnp.exp(current - top) + jnp.exp(term - top)) + top)
+        return summed.at[t_index, n_index, label].set(added), None
+
+    init = jnp.full(log_probs.shape, -jnp.inf, log_probs.dtype)
+    collected, _ = jax.lax.scan(collect, init, jnp.arange(states), reverse=True)
+    nll = neg_log_likelihood[None, :, None]
+    result = (jnp.exp(log_probs) - jnp.exp(collected + nll - log_probs)) * grad[None, :, None]
+    keep = jnp.arange(steps)[:, None, None] < lengths_in[None, :, None]
+    if zero_infinity:
+        keep = keep & (nll != jnp.inf)
+    return jnp.where(keep, result, 0)
+
+
 # --- distances -------------------------------------------------------------------------------------
 
 
