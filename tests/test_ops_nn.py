@@ -143,6 +143,23 @@ def test_native_batch_norm_legit_functional_updates() -> None:
           x, mean, var, **TOL)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_batch_norm_saved_statistics_follow_meta(dtype: torch.dtype) -> None:
+    """Saved statistics have the shapes and dtypes of PyTorch's meta kernels (CUDA's convention: float32 for half
+    inputs, per-channel in eval mode, where CPU returns empty tensors), so eager agrees with torch.compile; the
+    normalized output matches CPU."""
+    x, weight = torch.randn(4, 3, 5, dtype=dtype), torch.randn(3, dtype=dtype)
+    mean, var = torch.randn(3).to(dtype), (torch.rand(3) + 0.5).to(dtype)
+    for training in (False, True):
+        args = (x, weight, weight, mean, var, training, 0.1, 1e-5)
+        meta = aten.native_batch_norm(*to_device(args, "meta"))
+        out = aten.native_batch_norm(*to_device(args))
+        assert [(o.shape, o.dtype) for o in out] == [(m.shape, m.dtype) for m in meta]
+        assert_same(out[0], aten.native_batch_norm(*args)[0], atol=1e-2, rtol=1e-2)
+        if not training:
+            assert_same(out[1:], (mean.float(), var.float().add(1e-5).rsqrt()), **TOL)
+
+
 def test_native_batch_norm_legit_in_place() -> None:
     x, mean, var = torch.randn(6, 3, 4) * 2, torch.randn(3), torch.rand(3) + 0.5
 
