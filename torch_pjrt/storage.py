@@ -1,7 +1,9 @@
 """Device storages: a tensor is (storage, sizes, strides, offset) exactly as on CPU.
 
-Each PyTorch storage of a pjrt tensor carries a `DeviceStorage` that owns one flat 1-D
-jax array of its elements. Views are PyTorch's own metadata over that storage, so
+Each PyTorch storage of a pjrt tensor carries a `DeviceStorage` that owns one jax array of
+its elements in storage order: 1-D, or shaped as the program that made it left it (its
+dims in memory order), since flattening every program output costs XLA fusion and copies;
+readers flatten it inside their programs for free. Views are PyTorch's own metadata over that storage, so
 they alias like CUDA: reading a view is a slice/transpose (or, for odd strides, a
 gather) of the flat array; writing a view is an update of the flat array.
 The read and write functions here are pure jax and run inside jitted programs.
@@ -308,10 +310,15 @@ def _block(flat: Any, offset: int, length: int) -> Any:
     return flat[offset:end]
 
 
+def flat_array(array: Any) -> Any:
+    """A storage's array as 1-D (storages may hold their elements shaped, in row-major order)."""
+    return array if array.ndim == 1 else array.reshape(-1)
+
+
 def read_view(flat: Any, storage_dtype: torch.dtype, view: View) -> Any:
     """The logical array a view shows (jax, traced)."""
     jnp = client.jax_module().numpy
-    flat = reinterpret(flat, storage_dtype, view.dtype)
+    flat = reinterpret(flat_array(flat), storage_dtype, view.dtype)
     if math.prod(view.sizes) == 0:
         return jnp.zeros(view.sizes, flat.dtype)
     plan = _dense_plan(view)
@@ -333,13 +340,15 @@ def read_view(flat: Any, storage_dtype: torch.dtype, view: View) -> Any:
 
 
 def write_view(flat: Any, storage_dtype: torch.dtype, view: View, value: Any) -> Any:
-    """The storage's flat array after writing `value` (broadcast to the view) through the view."""
+    """The storage's array after writing `value` (broadcast to the view) through the view; it keeps
+    the array's shape, so a storage updated every step keeps its programs (and donates its buffer)."""
     jnp = client.jax_module().numpy
     value = _apply_bits(jnp.broadcast_to(value.astype(numpy_dtype(view.dtype)), view.sizes), view)
-    if view.covers(flat.shape[0]) and view.dtype == storage_dtype:
-        return value.reshape(-1)
+    if view.covers(flat.size) and view.dtype == storage_dtype:
+        return value.reshape(flat.shape)
     if math.prod(view.sizes) == 0:
         return flat
+    shape, flat = flat.shape, flat_array(flat)
     typed = reinterpret(flat, storage_dtype, view.dtype)
     dims = _core_dims(view)
     index_of_first = tuple(0 if d not in dims else slice(None) for d in range(len(view.sizes)))
@@ -357,7 +366,7 @@ def write_view(flat: Any, storage_dtype: torch.dtype, view: View, value: Any) ->
         updated = padded.at[view.offset:end].set(block.reshape(-1))[: typed.shape[0]]
     else:
         updated = typed.at[_gather_indices(view, dims)].set(core)
-    return reinterpret(updated, view.dtype, storage_dtype)
+    return reinterpret(updated, view.dtype, storage_dtype).reshape(shape)
 
 
 def physical_order(sizes: Sequence[int], strides: Sequence[int]) -> tuple[int, ...] | None:
@@ -382,12 +391,15 @@ def strides_in_order(sizes: Sequence[int], order: Sequence[int]) -> tuple[int, .
 
 
 def pack(value: Any, sizes: Sequence[int], strides: Sequence[int]) -> Any:
-    """Lay a logical array out as the flat storage of a dense layout with these strides."""
+    """Lay a logical array out as the storage of a dense layout with these strides: its dims in
+    memory order, left shaped (flattening at a program's output costs XLA fusion and copies)."""
     jnp = client.jax_module().numpy
     order = physical_order(sizes, strides)
-    if order is None or order == tuple(range(len(sizes))):
+    if order is None:
         return jnp.reshape(value, (-1,))
-    return jnp.reshape(jnp.transpose(value, order), (-1,))
+    if order == tuple(range(len(sizes))):
+        return jnp.asarray(value)
+    return jnp.transpose(value, order)
 
 
 def is_dense(sizes: Sequence[int], strides: Sequence[int]) -> bool:

@@ -29,7 +29,7 @@ import sympy
 import torch
 import torch.fx
 
-from torch_pjrt import _torch_private
+from torch_pjrt import _torch_private, storage
 from torch_pjrt.ops import graph
 from torch_pjrt.runtime import client
 
@@ -205,6 +205,7 @@ def expand(flat: Any, meta: torch.Tensor, sizes: Sizes) -> Any:
     """Padded array from a flat buffer holding the true elements first."""
     jnp = client.jax_module().numpy
     padded = sizes.shape(meta)
+    flat = storage.flat_array(flat)
     if _leading_only(meta):
         return flat[: math.prod(padded)].reshape(padded)
     true_strides = _strides([sizes.real(s) for s in meta.shape])

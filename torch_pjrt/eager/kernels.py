@@ -46,7 +46,7 @@ def to_pjrt(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype | Non
     order = storage.physical_order(sizes, strides)
     if order is None:
         strides, order = storage.contiguous_strides(sizes), tuple(range(len(sizes)))
-    physical = host_array(tensor.permute(order)).reshape(-1)
+    physical = host_array(tensor.permute(order))
     return storage.new_tensor(client.to_device(physical, device.index), tensor.dtype, device, sizes, strides)
 
 
@@ -159,7 +159,8 @@ def resize_(self: torch.Tensor, size: Any, memory_format: Any = None) -> torch.T
     if needed * self.dtype.itemsize <= st.nbytes:
         _torch_private.repoint(self, self.untyped_storage(), self.storage_offset(), sizes, strides)
         return self
-    old = None if st.array is None or st.numel == 0 else storage.reinterpret(st.materialize(), st.dtype, self.dtype)
+    old = None if st.array is None or st.numel == 0 else storage.reinterpret(
+        storage.flat_array(st.materialize()), st.dtype, self.dtype)
     fresh = storage.replace_storage(self, needed, sizes, strides)
     if old is not None:
         jnp = client.jax_module().numpy

@@ -45,6 +45,7 @@ def jax_module() -> Any:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
         jax.monitoring.register_event_listener(_count_cache_event)
+    jax.monitoring.register_event_duration_secs_listener(_count_compile_event)
     return jax
 
 
@@ -52,6 +53,23 @@ _CACHE_EVENTS = {
     "/jax/compilation_cache/cache_hits": "persistent_cache_hits",
     "/jax/compilation_cache/cache_misses": "persistent_cache_misses",
 }
+
+
+# Every program jax builds, whoever asked (our programs, a retrace for new input shapes, a jnp call
+# outside a program): lowered to StableHLO once each, then compiled or loaded from the disk cache.
+_LOWERING_EVENT = "/jax/core/compile/jaxpr_to_mlir_module_duration"
+_COMPILE_PHASES = (
+    "/jax/core/compile/jaxpr_trace_duration",
+    _LOWERING_EVENT,
+    "/jax/core/compile/backend_compile_duration",
+)
+
+
+def _count_compile_event(event: str, seconds: float, **_: object) -> None:
+    if event == _LOWERING_EVENT:
+        metrics.bump("compiles")
+    if event in _COMPILE_PHASES:
+        metrics.bump("compile_seconds", seconds)
 
 
 def _count_cache_event(event: str, **_: object) -> None:
