@@ -268,3 +268,13 @@ def test_more_backward():
 def test_masked_fill_cpu_scalar_tensor_value():
     x = torch.randn(4, 5)
     check(lambda x: x.masked_fill(x > 0, torch.tensor(3.0)), x)
+
+
+def test_bool_accumulating_scatters_are_logical_or_and_and() -> None:
+    self = torch.rand(4, 5) > 0.5
+    src = torch.rand(4, 5) > 0.5
+    index = torch.randint(0, 4, (4, 5))
+    check(lambda s, i, v: s.scatter_add(0, i, v), self, index, src)
+    check(lambda s, i, v: s.scatter_reduce(0, i, v, "prod"), self, index, src)
+    check(lambda s, i, v: s.index_put((i[:, 0],), v, accumulate=True), self, index, src)
+    check(lambda s, i, v: s.put(i.flatten(), v.flatten(), accumulate=True), self, index, src)

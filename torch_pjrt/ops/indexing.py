@@ -112,6 +112,20 @@ def _identity(reduce: str, dtype: Any) -> Any:
     return jnp.asarray(info.min if reduce == "amax" else info.max, dtype)
 
 
+def _scatter_add(array: Any, where: Any, values: Any) -> Any:
+    """array.at[where].add(values); bool adds as a logical or (PyTorch's bool sum), which XLA lacks."""
+    if array.dtype == jnp.bool_:
+        return array.astype(jnp.int32).at[where].add(values.astype(jnp.int32)) != 0
+    return array.at[where].add(values)
+
+
+def _scatter_multiply(array: Any, where: Any, values: Any) -> Any:
+    """array.at[where].multiply(values); bool multiplies as a logical and."""
+    if array.dtype == jnp.bool_:
+        return array.astype(jnp.int32).at[where].multiply(values.astype(jnp.int32)) != 0
+    return array.at[where].multiply(values)
+
+
 def _reduce_into(self: Any, where: tuple, src: Any, reduce: str, include_self: bool) -> Any:
     """self with src reduced into the positions `where` names (duplicates combine)."""
     reduce = _REDUCE_NAMES[reduce]
@@ -119,14 +133,14 @@ def _reduce_into(self: Any, where: tuple, src: Any, reduce: str, include_self: b
     start = self if include_self else self.at[where].set(_identity(reduce, self.dtype))
     slot = start.at[where]
     if reduce == "sum":
-        return slot.add(src)
+        return _scatter_add(start, where, src)
     if reduce == "prod":
-        return slot.multiply(src)
+        return _scatter_multiply(start, where, src)
     if reduce == "amax":
         return slot.max(src)
     if reduce == "amin":
         return slot.min(src)
-    total = slot.add(src)
+    total = _scatter_add(start, where, src)
     ones = jnp.ones(self.shape, jnp.int64)
     counts = (ones if include_self else ones.at[where].set(0)).at[where].add(jnp.ones(src.shape, jnp.int64))
     counts = jnp.maximum(counts, 1)
@@ -150,9 +164,9 @@ def index_put(self: Any, indices: list[Any], values: Any, accumulate: bool = Fal
     position = _single_mask(indices)
     if position is not None and mask_write_ok(self.shape, position, indices[position].shape, values.shape):
         return _masked_write(self, indices, values, accumulate)
-    slot = self.at[_index_tuple(indices)]
+    where = _index_tuple(indices)
     values = values.astype(self.dtype)
-    return slot.add(values) if accumulate else slot.set(values)
+    return _scatter_add(self, where, values) if accumulate else self.at[where].set(values)
 
 
 @register(aten._unsafe_masked_index.default)
@@ -166,7 +180,7 @@ def _unsafe_masked_index(self: Any, mask: Any, indices: list[Any], fill: Any) ->
 def _unsafe_masked_index_put_accumulate(self: Any, mask: Any, indices: list[Any], values: Any) -> Any:
     clamped = [None if i is None else jnp.clip(i, -n, n - 1) for i, n in zip(indices, self.shape)]
     values = jnp.where(mask, values, jnp.zeros((), values.dtype)).astype(self.dtype)
-    return self.at[_index_tuple(clamped)].add(values)
+    return _scatter_add(self, _index_tuple(clamped), values)
 
 
 @register(aten.index_select_backward.default)
@@ -187,9 +201,9 @@ def take(self: Any, index: Any) -> Any:
 
 @register(aten.put.default)
 def put(self: Any, index: Any, source: Any, accumulate: bool = False) -> Any:
-    slot = self.reshape(-1).at[index.reshape(-1)]
+    flat, where = self.reshape(-1), index.reshape(-1)
     source = source.reshape(-1).astype(self.dtype)
-    return (slot.add(source) if accumulate else slot.set(source)).reshape(self.shape)
+    return (_scatter_add(flat, where, source) if accumulate else flat.at[where].set(source)).reshape(self.shape)
 
 
 @register(aten.nonzero_static.default)
@@ -254,9 +268,9 @@ def _index_update(self: Any, dim: int, index: Any, source: Any, how: str) -> Any
     source = jnp.asarray(source)
     if source.ndim:
         source = source.reshape(data.shape[:axis] + (-1,) + data.shape[axis + 1:])
-    slot = data.at[_along(axis, _as_vector(index))]
+    where = _along(axis, _as_vector(index))
     source = source.astype(data.dtype)
-    return (slot.add(source) if how == "add" else slot.set(source)).reshape(self.shape)
+    return (_scatter_add(data, where, source) if how == "add" else data.at[where].set(source)).reshape(self.shape)
 
 
 @register(aten.index_add.default)
