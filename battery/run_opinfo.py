@@ -12,7 +12,9 @@ battery.report to write docs/op-coverage.md and torch_pjrt/data/op_coverage.json
 Per sample the entry's function runs on CPU and on pjrt copies of the same inputs, both outputs
 pass through the sample's output_process_fn_grad (as PyTorch's test_compare_cpu does: it makes
 sign-ambiguous decompositions comparable) and are compared with torch.testing.assert_close at
-its per-dtype defaults, relaxed for float16/bfloat16 only (RELAXED). Gradients: a fixed-weight sum of
+its per-dtype defaults, relaxed for float16/bfloat16 only (RELAXED); a half-precision result that misses
+CPU's still passes when it is at least as close as CPU's to the float64 result of the same inputs
+(CPU rounds some intermediates to half precision; pjrt, like CUDA, keeps float32). Gradients: a fixed-weight sum of
 every differentiable output (see _loss), torch.autograd.grad w.r.t. every input that requires grad,
 float32 and float64. Random entries are checked for shape, dtype and device only.
 """
@@ -67,6 +69,12 @@ RANDOM_ENTRIES = frozenset({
     "nn.functional.fractional_max_pool3d", "nn.functional.rrelu", "normal", "normal.in_place", "normal.number_mean",
     "pca_lowrank", "rand_like", "randint", "randint_like", "randn", "randn_like", "svd_lowrank", "uniform",
 })
+# Entries whose extra outputs (saved statistics) follow PyTorch's meta kernels, i.e. CUDA's convention
+# (float32 statistics for half inputs, per-channel statistics in eval mode), where CPU's kernels return
+# others (pytorch/pytorch#85960; test_compare_cpu expects these entries to fail): the first output is compared.
+FIRST_OUTPUT_ONLY = frozenset({"native_batch_norm", "_native_batch_norm_legit", "_batch_norm_with_update",
+                               "native_layer_norm"})
+HALF = (torch.float16, torch.bfloat16)
 STATUS_ORDER = ("crash", "fail-wrong", "fail-error", "unsupported", "pass", "skip")
 IDLE_TIMEOUT = 60.0
 START_TIMEOUT = 240.0
@@ -222,7 +230,49 @@ def run_forward(op: Any, sample: Any, random: bool, record: Callable[[Any], Any]
         with contextlib.suppress(Exception):
             record(lambda: call(sample))
     expected, values = _reference(lambda: call(sample), random)
-    compare(call(moved), expected, values=values)
+    actual = call(moved)
+    if op.name in FIRST_OUTPUT_ONLY:
+        actual, expected = actual[0], expected[0]
+    try:
+        compare(actual, expected, values=values)
+    except Wrong:
+        if not values or not _nearer_exact_than_cpu(actual, expected, lambda: call(_in_float64(sample)), op.name):
+            raise
+
+
+def _in_float64(sample: Any) -> Any:
+    return sample.transform(lambda v: v.double() if isinstance(v, torch.Tensor) and v.dtype in HALF else v)
+
+
+def _nearer_exact_than_cpu(actual: Any, expected: Any, exact_fn: Callable[[], Any], name: str) -> bool:
+    """For half-precision results: is pjrt at least as close as CPU to the float64 result of the same
+    inputs? CPU rounds some intermediates to half precision where pjrt (like CUDA) keeps float32."""
+    leaves = [e for e in pytree.tree_leaves(expected) if isinstance(e, torch.Tensor)]
+    if not leaves or any(e.dtype not in HALF for e in leaves if e.is_floating_point()):
+        return False
+    try:
+        exact = exact_fn()
+    except Exception:
+        return False
+    if name in FIRST_OUTPUT_ONLY:
+        exact = exact[0]
+    triples = list(zip(pytree.tree_leaves(actual), pytree.tree_leaves(expected), pytree.tree_leaves(exact)))
+    for a, e, x in triples:
+        if not isinstance(e, torch.Tensor) or not e.is_floating_point():
+            continue
+        if not isinstance(x, torch.Tensor) or x.shape != e.shape:
+            return False
+        a, e, x = a.detach().cpu().double(), e.detach().double(), x.detach().double()
+        if not torch.equal(a.isnan(), e.isnan()):
+            return False
+        finite = ~x.isnan()
+        if _largest((a - x)[finite]) > _largest((e - x)[finite]):
+            return False
+    return True
+
+
+def _largest(difference: torch.Tensor) -> float:
+    return difference.abs().max().item() if difference.numel() else 0.0
 
 
 def run_backward(op: Any, sample: Any, random: bool) -> None:
