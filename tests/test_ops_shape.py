@@ -149,3 +149,11 @@ def test_as_strided_partial_view_gradient():
     check(lambda base: _grads(lambda b: torch.as_strided(b[5:15], (2, 2), (1, 2), storage_offset=10), base),
           torch.randn(20))
     check(lambda base: _grads(lambda b: torch.as_strided(b[5:15], (3, 2), (1, 2)), base), torch.randn(20))
+
+
+def test_out_variants_write_through_unsafe_view() -> None:
+    """kron(out=) views `out` with _unsafe_view and multiplies into it: the view must alias, as on CPU."""
+    a, b = torch.randn(2, 3), torch.randn(3, 2)
+    out = torch.empty(6, 6, device="pjrt")
+    torch.kron(a.to("pjrt"), b.to("pjrt"), out=out)
+    torch.testing.assert_close(out.cpu(), torch.kron(a, b))

@@ -287,6 +287,8 @@ METADATA_OPS = frozenset(
         aten.set_.source_Storage_storage_offset,
         aten.set_.source_Tensor,
         aten.as_strided_.default,
+        # No alias annotation in its schema, yet CPU and CUDA return a view: kron(out=) writes through it.
+        aten._unsafe_view.default,
     }
 )
 

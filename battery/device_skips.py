@@ -1,0 +1,46 @@
+"""Known failures of battery/device_tests.py on pjrt: (test, OpInfo entry key) -> why.
+
+Each entry is a pjrt gap or a documented difference; the test still runs, and fails once the
+entry passes, so this list only shrinks with the code.
+"""
+
+from __future__ import annotations
+
+NO_LDL = "no lowering for linalg_ldl_factor_ex (LAPACK's Bunch-Kaufman pivoting is not reproduced): NotImplementedError"
+NO_COMPLEX32 = "pjrt tensors cannot hold complex32: UnsupportedDtype (a NotImplementedError)"
+NO_OUT_META = "PyTorch has no meta kernel for this out= overload (torch_pjrt registers the functional form's)"
+OUT_TUPLE = "the test passes out= as one tuple, and this overload takes its outputs as separate arguments"
+DATA_DEPENDENT_OUT = "data-dependent out= forms have no lowering (the functional forms run in eager)"
+
+KNOWN_FAILURES: dict[tuple[str, str], str] = {
+    ("test_noncontiguous_samples", "as_strided"): "as_strided addresses the storage, so a non-contiguous copy "
+    "selects other elements (PyTorch's own test_noncontiguous_samples skips it)",
+    ("test_noncontiguous_samples", "chalf"): NO_COMPLEX32,
+    ("test_variant_consistency", "chalf"): NO_COMPLEX32,
+    ("test_noncontiguous_samples", "view_as_complex"): "view_as_complex needs a last dimension of stride 1; "
+    "CPU raises the same error for the non-contiguous sample",
+    ("test_noncontiguous_samples", "linalg.ldl_factor"): NO_LDL,
+    ("test_noncontiguous_samples", "linalg.ldl_factor_ex"): NO_LDL,
+    ("test_noncontiguous_samples", "linalg.ldl_solve"): NO_LDL,
+    ("test_out", "linalg.ldl_factor"): NO_LDL,
+    ("test_out", "linalg.ldl_factor_ex"): NO_LDL,
+    ("test_out", "linalg.ldl_solve"): NO_LDL,
+    ("test_out", "_native_batch_norm_legit"): NO_OUT_META,
+    ("test_out", "geqrf"): NO_OUT_META,
+    ("test_out", "histogram"): NO_OUT_META,
+    ("test_out", "linalg.lstsq"): NO_OUT_META,
+    ("test_out", "_batch_norm_with_update"): OUT_TUPLE,
+    ("test_out", "histogramdd"): OUT_TUPLE,
+    ("test_out", "masked_select"): DATA_DEPENDENT_OUT,
+    ("test_out", "nonzero"): DATA_DEPENDENT_OUT,
+    ("test_out", "native_batch_norm"): "native_batch_norm.out updates the running statistics without declaring "
+    "it in its schema; pjrt raises instead of writing them silently",
+    ("test_out", "fft.ihfft2"): "WRONG VALUES (open defect): with out= the result does not reach `out` "
+    "(PyTorch routes it through conj_physical.out with out as the input); the functional form is right",
+    ("test_out", "fft.ihfftn"): "WRONG VALUES (open defect): with out= the result does not reach `out` "
+    "(PyTorch routes it through conj_physical.out with out as the input); the functional form is right",
+}
+
+
+def known_failure(test: str, key: str) -> str | None:
+    return KNOWN_FAILURES.get((test, key))
