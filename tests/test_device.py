@@ -308,3 +308,14 @@ def test_resize_and_resize_as_keep_the_prefix_as_on_cpu() -> None:
     grown.resize_as_(template.to("pjrt"))
     assert grown.shape == grown_cpu.shape and grown.stride() == grown_cpu.stride()
     torch.testing.assert_close(grown.cpu().flatten()[:6], values)
+
+
+def test_copy_then_in_place_update_keeps_the_copy() -> None:
+    """copy_ must not share the source's buffer: in-place ops donate their input buffers."""
+    source = torch.randn(4, 4)
+    a = source.to("pjrt")
+    b = torch.empty(4, 4, device="pjrt")
+    b.copy_(a)
+    a.add_(1)
+    torch.testing.assert_close(b.cpu(), source)
+    torch.testing.assert_close(a.cpu(), source + 1)

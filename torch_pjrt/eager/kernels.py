@@ -88,9 +88,11 @@ def _copy_on_device(self: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
         and storage.view_of(src).covers(src_st.numel)
         and src_st.dtype == src.dtype
         and src_st.array is not None
+        and not isinstance(src_st.array, storage.PendingArray)
     )
     if same_layout:
-        st.array = src_st.array
+        # A copy, never the same array: an in-place op on either tensor donates its buffer.
+        st.array = src_st.array.copy()
         return self
     return dispatch.execute(dispatch.plan_for(aten.copy_.default), (self, src), {})
 
