@@ -278,3 +278,10 @@ def test_bool_accumulating_scatters_are_logical_or_and_and() -> None:
     check(lambda s, i, v: s.scatter_reduce(0, i, v, "prod"), self, index, src)
     check(lambda s, i, v: s.index_put((i[:, 0],), v, accumulate=True), self, index, src)
     check(lambda s, i, v: s.put(i.flatten(), v.flatten(), accumulate=True), self, index, src)
+
+
+def test_gather_and_scatter_with_an_empty_index_of_higher_rank() -> None:
+    source = torch.randn(5, requires_grad=True)
+    index = torch.zeros(2, 0, dtype=torch.long)
+    check(lambda s, i: torch.gather(s, 0, i), source.detach(), index)
+    check(lambda s, i: s.scatter_add(0, i, torch.zeros(2, 0, device=s.device)), source.detach(), index)

@@ -603,3 +603,8 @@ def test_max_pool_ties_nan_and_infinities() -> None:
     check(lambda t: F.max_pool3d(t, 2, 1, return_indices=True), x, equal_nan=True)
     x[0, 0, 1, 2] = float("nan")
     check(lambda t: F.adaptive_max_pool2d(t, (3, 2), return_indices=True), x, equal_nan=True)
+
+
+def test_group_norm_on_an_empty_batch() -> None:
+    check(lambda x, w, b: torch.native_group_norm(x, w, b, 0, 2, 1, 1, 1e-5)[0], torch.randn(0, 2), torch.randn(2),
+          torch.randn(2))

@@ -218,6 +218,8 @@ def nonzero_static(self: Any, *, size: int, fill_value: int = -1) -> Any:
 
 @register(aten.gather.default)
 def gather(self: Any, dim: int, index: Any, *, sparse_grad: bool = False) -> Any:
+    if index.size == 0:
+        return jnp.zeros(index.shape, self.dtype)
     data, index = _as_vector(self), _as_vector(index)
     axis = _dim(dim, data.ndim)
     data = data[tuple(slice(None) if d == axis else slice(0, n) for d, n in enumerate(index.shape))]
@@ -225,6 +227,8 @@ def gather(self: Any, dim: int, index: Any, *, sparse_grad: bool = False) -> Any
 
 
 def _scatter(self: Any, dim: int, index: Any, src: Any, reduce: str | None) -> Any:
+    if index.size == 0:
+        return self
     data, index = _as_vector(self), _as_vector(index)
     where = _full_index(index, _dim(dim, data.ndim))
     src = jnp.broadcast_to(src, ()) if jnp.ndim(src) == 0 else _fit(_as_vector(src), index.shape)

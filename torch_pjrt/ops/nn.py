@@ -347,7 +347,7 @@ def native_layer_norm_backward(grad_out: Any, input: Any, normalized_shape: Sequ
 @register(aten.native_group_norm.default)
 def native_group_norm(input: Any, weight: Any, bias: Any, n: int, c: int, hxw: int, group: int,
                       eps: float) -> tuple:
-    y, mean, rstd = _normalize(input.reshape(n, group, -1), (2,), eps)
+    y, mean, rstd = _normalize(input.reshape(n, group, c // group * hxw), (2,), eps)
     out = _affine(y.reshape(input.shape), weight, bias, _channel_shape(input))
     return out, mean.reshape(n, group), rstd.reshape(n, group)
 
@@ -356,12 +356,12 @@ def native_group_norm(input: Any, weight: Any, bias: Any, n: int, c: int, hxw: i
 def native_group_norm_backward(grad_out: Any, input: Any, mean: Any, rstd: Any, weight: Any, n: int, c: int,
                                hxw: int, group: int, output_mask: Sequence[bool], *,
                                out_meta: Sequence[Any] | None = None) -> tuple:
-    g = _up(grad_out).reshape(n, c, -1)
-    x = _up(input).reshape(n, group, -1)
+    g = _up(grad_out).reshape(n, c, hxw)
+    x = _up(input).reshape(n, group, c // group * hxw)
     x_hat = (x - mean[..., None]) * rstd[..., None]
     g_hat = g if weight is None else g * _up(weight).reshape(1, c, 1)
-    grad_input = _normalized_grad(g_hat.reshape(n, group, -1), x_hat, rstd[..., None], (2,))
-    grad_weight = jnp.sum(g * x_hat.reshape(n, c, -1), axis=(0, 2))
+    grad_input = _normalized_grad(g_hat.reshape(n, group, c // group * hxw), x_hat, rstd[..., None], (2,))
+    grad_weight = jnp.sum(g * x_hat.reshape(n, c, hxw), axis=(0, 2))
     grad_bias = jnp.sum(g, axis=(0, 2))
     return _masked((grad_input.reshape(input.shape), grad_weight, grad_bias), output_mask, out_meta)
 
