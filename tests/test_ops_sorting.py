@@ -120,3 +120,9 @@ def test_histc():
     check(lambda x: torch.histc(x, 5, -1, 1), x)
     check(lambda x: torch.histc(x, 4), torch.full((5,), 2.5))
     check(lambda x: torch.histc(x, 6, 0, 3), torch.tensor([0.0, 1, 2, 3, 3, 4, -1], dtype=torch.float64))
+
+
+def test_searchsorted_and_unique_on_empty_slices() -> None:
+    check(lambda s, v: torch.searchsorted(s, v), torch.empty(0, 0), torch.empty(0, 0))
+    check(lambda x: torch.unique(x, dim=1), torch.randn(5, 0, 5))
+    check(lambda x: torch.unique_consecutive(x, dim=0), torch.randn(0, 3))

@@ -7,6 +7,7 @@ static shape. The cost: one device-to-host sync per call.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -100,7 +101,8 @@ def _rows(x: Any, dim: int | None) -> Any:
     """x as a (n, m) stack of the slices compared for equality."""
     if dim is None:
         return x.reshape(-1, 1)
-    return jnp.moveaxis(x, dim, 0).reshape(x.shape[dim], -1)
+    moved = jnp.moveaxis(x, dim, 0)
+    return moved.reshape(x.shape[dim], math.prod(moved.shape[1:]))
 
 
 @functools.partial(jax.jit, static_argnums=1)
@@ -141,7 +143,7 @@ def _unique(self: torch.Tensor, dim: int | None, sort: bool) -> tuple[Any, Any, 
     if dim is None:
         return values.reshape(-1), inverse.reshape(x.shape), counts
     moved = jnp.moveaxis(x, dim, 0).shape[1:]
-    return jnp.moveaxis(values.reshape((-1,) + moved), 0, dim), inverse, counts
+    return jnp.moveaxis(values.reshape((values.shape[0],) + moved), 0, dim), inverse, counts
 
 
 def _unique_results(self: torch.Tensor, found: tuple[Any, Any, Any], return_inverse: bool,

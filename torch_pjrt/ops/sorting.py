@@ -7,6 +7,7 @@ to 0.0, ties in original order.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -162,8 +163,9 @@ def _searchsorted(sorted_sequence: Any, values: Any, right: bool, sorter: Any) -
     side = "right" if right else "left"
     if sorted_sequence.ndim == 1:
         return jnp.searchsorted(sorted_sequence, values, side=side)
-    rows = sorted_sequence.reshape(-1, sorted_sequence.shape[-1])
-    found = jax.vmap(lambda row, v: jnp.searchsorted(row, v, side=side))(rows, values.reshape(rows.shape[0], -1))
+    batch = math.prod(sorted_sequence.shape[:-1])
+    rows = sorted_sequence.reshape(batch, sorted_sequence.shape[-1])
+    found = jax.vmap(lambda row, v: jnp.searchsorted(row, v, side=side))(rows, values.reshape(batch, values.shape[-1]))
     return found.reshape(values.shape)
 
 
