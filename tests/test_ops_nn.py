@@ -264,12 +264,24 @@ def test_unfold_fold(shape: tuple, kwargs: dict) -> None:
     check_grad(lambda c: F.fold(c, shape[-2:], **kwargs), torch.randn(columns.shape))
 
 
+def _grid(batch: tuple, sizes: tuple, align: bool) -> torch.Tensor:
+    """A random sampling grid whose pixel coordinates stay 0.1 away from integers and half-integers,
+    where bilinear gradients and nearest values jump and reflection folds: rounding cannot pick a side.
+    `sizes` are the spatial sizes in grid order (width, height[, depth]); coordinates reach outside."""
+    coords = []
+    for n in sizes:
+        whole = torch.randint(-2, n + 1, batch).float()
+        x = whole + 0.1 + 0.3 * torch.rand(batch) + 0.5 * torch.randint(0, 2, batch)
+        coords.append(x * 2 / (n - 1) - 1 if align else (2 * x + 1) / n - 1)
+    return torch.stack(coords, -1)
+
+
 @pytest.mark.parametrize("mode,padding_mode", [("bilinear", "zeros"), ("bilinear", "reflection"),
                                                ("nearest", "border"), ("bicubic", "reflection")])
 def test_grid_sample(mode: str, padding_mode: str) -> None:
     align = padding_mode != "border"
     check_grad(lambda x, g: F.grid_sample(x, g, mode=mode, padding_mode=padding_mode, align_corners=align),
-               torch.randn(2, 3, 5, 6), torch.rand(2, 4, 7, 2) * 2.6 - 1.3, atol=1e-4, rtol=1e-3)
+               torch.randn(2, 3, 5, 6), _grid((2, 4, 7), (6, 5), align), atol=1e-4, rtol=1e-3)
 
 
 @pytest.mark.parametrize("mode,padding_mode", [("bilinear", "zeros"), ("bilinear", "border"),
@@ -277,7 +289,7 @@ def test_grid_sample(mode: str, padding_mode: str) -> None:
 @pytest.mark.parametrize("align", [False, True])
 def test_grid_sample_3d(mode: str, padding_mode: str, align: bool) -> None:
     check_grad(lambda x, g: F.grid_sample(x, g, mode=mode, padding_mode=padding_mode, align_corners=align),
-               torch.randn(2, 3, 4, 5, 6), torch.rand(2, 3, 4, 5, 3) * 2.6 - 1.3, atol=1e-4, rtol=1e-3)
+               torch.randn(2, 3, 4, 5, 6), _grid((2, 3, 4, 5), (6, 5, 4), align), atol=1e-4, rtol=1e-3)
 
 
 # --- embedding and padding --------------------------------------------------------------------------
@@ -590,7 +602,7 @@ def test_embedding_max_norm_renormalizes_rows() -> None:
 @pytest.mark.parametrize("grads", [(0,), (1,)])
 def test_grid_sample_partial_gradients(grads: tuple) -> None:
     check_grad(lambda x, g: F.grid_sample(x, g, align_corners=False), torch.randn(1, 2, 4, 5),
-               torch.rand(1, 3, 3, 2) * 2 - 1, grads=grads)
+               _grid((1, 3, 3), (5, 4), False), grads=grads)
 
 
 def test_max_pool_ties_nan_and_infinities() -> None:
