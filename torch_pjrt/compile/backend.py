@@ -15,6 +15,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 import torch.fx
 
@@ -79,7 +80,6 @@ class CompiledGraph:
         self.bounds = padding.bounds(gm)
         if self.bounds and any(padding.is_symbolic(self.metas[index]) for index, _ in self.mutations):
             self.bounds = None
-        self.symbols = sorted(self.bounds or {}, key=str)
         self.symbolic_constants = any(isinstance(out.constant, torch.SymInt) for out in self.outputs)
 
     def _program(self, signature: tuple, padded: dict[Any, int] | None) -> tuple[programs.Program, list[Any]]:
@@ -173,34 +173,34 @@ class CompiledGraph:
         )
 
     def __call__(self, *args: Any) -> Any:
-        true = padding.true_sizes(self.gm, self.symbols, args) if self.bounds else None
-        if true is not None:
-            padded = {s: padding.bucket(n, self.bounds[s]) for s, n in zip(self.symbols, true)}
+        values = padding.true_sizes(self.gm, args) if self.bounds or self.symbolic_constants else {}
+        if self.bounds and all(symbol in values for symbol in self.bounds):
+            padded = {s: padding.bucket(values[s], upper) for s, upper in self.bounds.items()}
             try:
-                return self._run(args, padded, true)
+                return self._run(args, values, padded)
             except padding.CannotPad as reason:
                 warnings.warn(
                     f"torch_pjrt: a graph with bounded dynamic sizes cannot run padded ({reason}); it compiles "
                     f"once per distinct size instead.", stacklevel=2,
                 )
-                self.bounds, self.symbols = None, []
-        return self._run(args, None, None)
+                self.bounds = None
+        return self._run(args, values, None)
 
-    def _run(self, args: Sequence[Any], padded: dict[Any, int] | None, true: list[int] | None) -> list[Any]:
+    def _run(self, args: Sequence[Any], values: dict[Any, int], padded: dict[Any, int] | None) -> list[Any]:
+        """One call; `values` binds the size symbols the inputs carry, `padded` their buckets (or None)."""
         flats: list[Any] = []
         stores: list[storage.DeviceStorage | None] = []
         slots: dict[int, int] = {}
         hosts: list[Any] = []
         signature: list[Any] = []
         device = None
-        values = None if padded is None else dict(zip(padded, true))
         for value, meta in zip(args, self.metas):
             if isinstance(value, torch.Tensor) and value.device.type == "pjrt":
                 device = device or value.device
-                if values is not None and padding.is_symbolic(meta):
+                if padded is not None and padding.is_symbolic(meta):
                     signature.append(("padded", len(stores)))
                     stores.append(None)
-                    flats.append(_boundary_flat(value, math.prod(padding.evaluate_int(s, padded) for s in meta.shape)))
+                    flats.append(_boundary_flat(value, math.prod(padding.concrete(s, padded) for s in meta.shape)))
                     continue
                 st = storage.storage_of(value)
                 slot = slots.get(id(st))
@@ -210,26 +210,26 @@ class CompiledGraph:
                     flats.append(st.materialize())
                 signature.append(("pjrt", slot, storage.view_of(value), st.dtype))
             elif isinstance(value, torch.Tensor):
-                if values is not None and padding.is_symbolic(meta):
+                if padded is not None and padding.is_symbolic(meta):
                     raise padding.CannotPad("a host tensor of dynamic size")
                 hosts.append(kernels.host_array(value))
                 signature.append(("host", tuple(value.shape), value.dtype))
-            elif values is not None and isinstance(meta, torch.SymInt):
+            elif padded is not None and isinstance(meta, torch.SymInt):
                 signature.append(("size",))
             else:
                 signature.append(("static", value))
         device = device or torch.device("pjrt", 0)
         key = rng.state(device.index).next_key() if self.random else None
         program, layouts = self._program(tuple(signature), padded)
-        tensors, written, host_updates = program.call(flats, hosts, key, _size_scalars(true))
+        # True sizes are traced program arguments: a new size in the same bucket must not recompile.
+        true = [] if padded is None else [np.asarray(values[s], np.int64) for s in padded]
+        tensors, written, host_updates = program.call(flats, hosts, key, true)
         pjrt_mutations = [index for index, _ in self.mutations if signature[index][0] == "pjrt"]
         for slot, flat in zip(sorted({signature[index][1] for index in pjrt_mutations}), written):
             stores[slot].array = flat
         host_mutations = [index for index, _ in self.mutations if signature[index][0] != "pjrt"]
         for index, value in zip(host_mutations, client.to_host_many(host_updates) if host_updates else []):
             args[index].copy_(kernels.host_tensor(value))
-        if values is None and self.symbolic_constants:
-            values = _symbol_values(self.gm, args)
         produced = iter(tensors)
         results = []
         for out, layout in zip(self.outputs, layouts):
@@ -237,19 +237,11 @@ class CompiledGraph:
                 results.append(_constant(out.constant, values))
             elif len(layout) == 2:
                 flat = next(produced)
-                sizes = [padding.evaluate_int(s, values) for s in layout[1].shape]
+                sizes = [padding.concrete(s, values) for s in layout[1].shape]
                 results.append(storage.new_tensor(flat, layout[0], device, sizes, numel=flat.shape[0]))
             else:
                 results.append(storage.new_tensor(next(produced), layout[0], device, *layout[1:]))
         return results
-
-
-def _size_scalars(true: list[int] | None) -> list[Any]:
-    """True sizes as traced program arguments (a new size in a bucket must not recompile)."""
-    if true is None:
-        return []
-    np = client.jax_module().numpy
-    return [np.asarray(n, np.int64) for n in true]
 
 
 def _boundary_flat(tensor: torch.Tensor, padded_numel: int) -> Any:
@@ -277,18 +269,9 @@ def _boundary_flat(tensor: torch.Tensor, padded_numel: int) -> Any:
 _PAD_PROGRAMS: dict[Any, programs.Program] = {}
 
 
-def _symbol_values(gm: torch.fx.GraphModule, args: Sequence[Any]) -> dict[Any, int]:
-    symbols = {s for n in gm.graph.nodes if n.op == "placeholder" for v in padding.symbolic_sizes(n.meta.get("val"))
-               for s in v.node.expr.free_symbols}
-    found = padding.true_sizes(gm, sorted(symbols, key=str), args) or []
-    return dict(zip(sorted(symbols, key=str), found))
-
-
-def _constant(value: Any, values: dict[Any, int] | None) -> Any:
+def _constant(value: Any, values: dict[Any, int]) -> Any:
     """A graph's non-tensor output; symbolic sizes (saved for the backward) become this call's ints."""
-    if isinstance(value, torch.SymInt):
-        return padding.evaluate_int(value.node.expr, values)
-    return value
+    return padding.concrete(value, values) if isinstance(value, torch.SymInt) else value
 
 
 def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:

@@ -75,7 +75,8 @@ def bucket(size: int, upper: int) -> int:
 
 
 def bounds(gm: torch.fx.GraphModule) -> dict[sympy.Symbol, int] | None:
-    """Upper bound of each size symbol of the graph's inputs, or None when one is unbounded."""
+    """Upper bound of each size symbol of the graph's inputs (in a fixed order), or None when one is
+    unbounded."""
     symbols: dict[sympy.Symbol, int] = {}
     for node in gm.graph.nodes:
         if node.op != "placeholder":
@@ -87,7 +88,7 @@ def bounds(gm: torch.fx.GraphModule) -> dict[sympy.Symbol, int] | None:
                 if upper is None:
                     return None
                 symbols[symbol] = upper
-    return symbols or None
+    return dict(sorted(symbols.items(), key=lambda item: str(item[0]))) or None
 
 
 def symbolic_sizes(value: Any) -> list[torch.SymInt]:
@@ -102,8 +103,8 @@ def is_symbolic(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in value.shape)
 
 
-def true_sizes(gm: torch.fx.GraphModule, symbols: Sequence[sympy.Symbol], args: Sequence[Any]) -> list[int] | None:
-    """Each symbol's value in this call, read off the inputs that carry it bare, or None."""
+def true_sizes(gm: torch.fx.GraphModule, args: Sequence[Any]) -> dict[sympy.Symbol, int]:
+    """The value in this call of each size symbol that an input carries bare (a size, or a dim)."""
     found: dict[sympy.Symbol, int] = {}
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for node, arg in zip(placeholders, args):
@@ -114,13 +115,16 @@ def true_sizes(gm: torch.fx.GraphModule, symbols: Sequence[sympy.Symbol], args: 
         for size, actual in pairs:
             if isinstance(size, torch.SymInt) and isinstance(size.node.expr, sympy.Symbol):
                 found[size.node.expr] = int(actual)
-    if any(symbol not in found for symbol in symbols):
-        return None
-    return [found[symbol] for symbol in symbols]
+    return found
 
 
 def evaluate_int(expr: Any, values: dict[sympy.Symbol, int]) -> int:
     return int(sympy.sympify(expr).xreplace(values))
+
+
+def concrete(size: Any, values: dict[sympy.Symbol, int]) -> int:
+    """A size (int or SymInt) with its symbols bound to these values."""
+    return evaluate_int(size.node.expr, values) if isinstance(size, torch.SymInt) else int(size)
 
 
 # --- symbolic sizes inside the program -------------------------------------------------------
@@ -134,7 +138,7 @@ class Sizes:
         self.true = true
 
     def pad(self, size: Any) -> int:
-        return evaluate_int(size.node.expr, self.padded) if isinstance(size, torch.SymInt) else int(size)
+        return concrete(size, self.padded)
 
     def real(self, size: Any) -> Any:
         return _trace(size.node.expr, self.true) if isinstance(size, torch.SymInt) else int(size)
@@ -293,17 +297,11 @@ class PaddedInterpreter:
         if packet in SKIPPED:
             return None
         args, kwargs = self._sizes_as_arguments(op, node, args, kwargs)
-        metas = _metas(node)
-        if not any(is_symbolic(m) for m in metas) and not self._has_symbolic_list(node):
+        if not any(is_symbolic(n.meta.get("val")) for n in node.all_input_nodes):
             return graph.call_lowering(op, args, kwargs, rng, self._meta_padded(meta))
+        metas = _metas(node)
         rule = self._rule(op, packet, node, metas)
         return rule(op, node, metas, args, kwargs, rng)
-
-    def _has_symbolic_list(self, node: torch.fx.Node) -> bool:
-        return any(
-            isinstance(item, torch.fx.Node) and is_symbolic(item.meta.get("val"))
-            for arg in node.args if isinstance(arg, (list, tuple)) for item in arg
-        )
 
     def _meta_padded(self, meta: Any) -> Any:
         """The node's meta value at padded sizes (what conform checks results against)."""
@@ -504,7 +502,7 @@ def _prefix_preserving(source: Sequence[Any], target: Sequence[Any]) -> bool:
     symbolic = [s for shape in shapes for s in shape if isinstance(s, torch.SymInt)]
     symbols = sorted({sym for s in symbolic for sym in s.node.expr.free_symbols}, key=str)
     generic = {sym: 1009 + 16 * k for k, sym in enumerate(symbols)}
-    values = [[evaluate_int(_expr(s), generic) for s in shape] for shape in shapes]
+    values = [[concrete(s, generic) for s in shape] for shape in shapes]
     (a, b), (va, vb) = shapes, values
     i = j = 0
     while i < len(a) and j < len(b):
@@ -522,7 +520,3 @@ def _prefix_preserving(source: Sequence[Any], target: Sequence[Any]) -> bool:
         if any(isinstance(s, torch.SymInt) for s in group_a[1:] + group_b[1:]):
             return False
     return i == len(a) and j == len(b)
-
-
-def _expr(size: Any) -> Any:
-    return size.node.expr if isinstance(size, torch.SymInt) else size
