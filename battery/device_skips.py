@@ -21,12 +21,8 @@ KNOWN_FAILURES: dict[tuple[str, str], str] = {
     ("test_variant_consistency", "chalf"): NO_COMPLEX32,
     ("test_noncontiguous_samples", "view_as_complex"): "view_as_complex needs a last dimension of stride 1; "
     "CPU raises the same error for the non-contiguous sample",
-    ("test_noncontiguous_samples", "linalg.ldl_factor"): NO_LDL,
-    ("test_noncontiguous_samples", "linalg.ldl_factor_ex"): NO_LDL,
-    ("test_noncontiguous_samples", "linalg.ldl_solve"): NO_LDL,
-    ("test_out", "linalg.ldl_factor"): NO_LDL,
-    ("test_out", "linalg.ldl_factor_ex"): NO_LDL,
-    ("test_out", "linalg.ldl_solve"): NO_LDL,
+    **{(test, key): NO_LDL for test in ("test_noncontiguous_samples", "test_out")
+       for key in ("linalg.ldl_factor", "linalg.ldl_factor_ex", "linalg.ldl_solve")},
     ("test_out", "_native_batch_norm_legit"): NO_OUT_META,
     ("test_out", "geqrf"): NO_OUT_META,
     ("test_out", "histogram"): NO_OUT_META,
