@@ -126,6 +126,26 @@ def test_in_place_update_of_an_input() -> None:
     torch.testing.assert_close(total.cpu(), expected_total)
 
 
+def test_cpu_values_in_a_graph_stay_on_the_cpu() -> None:
+    """CPU inputs written in place, CPU results of CPU values and device values copied to the CPU."""
+
+    def fn(count: torch.Tensor, x: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        count.add_(1)
+        decay = 1 - 0.9 ** count
+        return x * decay, decay * scale, (x * 2).sum().cpu() + scale
+
+    x, scale = torch.randn(5), torch.randn(())
+    count, pjrt_count = torch.tensor(3.0), torch.tensor(3.0)
+    compiled = torch.compile(fn, backend="pjrt", fullgraph=True)
+    for _ in range(3):
+        expected = fn(count, x, scale)
+        actual = compiled(pjrt_count, x.to("pjrt"), scale)
+        assert [t.device.type for t in actual] == ["pjrt", "cpu", "cpu"]
+        torch.testing.assert_close(pjrt_count, count)
+        for a, e in zip(actual, expected):
+            torch.testing.assert_close(a.cpu(), e)
+
+
 def test_export_stablehlo() -> None:
     model = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 2))
     text = torch_pjrt.export_stablehlo(model, (torch.randn(3, 4),))

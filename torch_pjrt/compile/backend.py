@@ -40,23 +40,76 @@ def _input_mutations(gm: torch.fx.GraphModule) -> list[tuple[int, torch.fx.Node]
     return found
 
 
-class Output:
-    """How one graph output comes back: a tensor (with the dim order of its dense layout), or a constant."""
+def _on_host(value: Any) -> bool:
+    """A CPU tensor, or a non-empty list of them (a foreach op's result)."""
+    if isinstance(value, (list, tuple)):
+        return bool(value) and all(_on_host(v) for v in value)
+    return isinstance(value, torch.Tensor) and value.device.type == "cpu"
 
-    def __init__(self, value: Any) -> None:
+
+def _host_nodes(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
+    """The nodes torch can run on the host: CPU inputs, and CPU results of CPU values only (no random ops)."""
+    host: set[torch.fx.Node] = set()
+    for node in gm.graph.nodes:
+        if not _on_host(node.meta.get("val")):
+            continue
+        if node.op == "placeholder" or (
+            node.op == "call_function" and not _is_seeded(node.target)
+            and all(n in host for n in node.all_input_nodes)
+        ):
+            host.add(node)
+    return host
+
+
+def _is_seeded(target: Any) -> bool:
+    return isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags
+
+
+def _host_part(
+    gm: torch.fx.GraphModule, writes: list[torch.fx.Node], outputs: list[torch.fx.Node]
+) -> torch.fx.GraphModule:
+    """A graph with the same inputs that makes the `writes` into its inputs and returns `outputs`.
+
+    CPU values of a graph (an optimizer's step counts) are computed by torch on the host, as on CUDA,
+    so updating them never waits for the device program.
+    """
+    needed: set[torch.fx.Node] = set()
+    pending = [*writes, *outputs]
+    while pending:
+        node = pending.pop()
+        if node not in needed:
+            needed.add(node)
+            pending.extend(node.all_input_nodes)
+    graph = torch.fx.Graph()
+    copied: dict[torch.fx.Node, torch.fx.Node] = {}
+    for node in gm.graph.nodes:
+        if node.op == "placeholder" or node in needed:
+            copied[node] = graph.node_copy(node, copied.__getitem__)
+    graph.output(tuple(copied[node] for node in outputs))
+    return torch.fx.GraphModule(gm, graph)
+
+
+class Output:
+    """How one graph output comes back: a device tensor (with the dim order of its dense layout), a
+    host tensor (computed on the host, or transferred), or a constant."""
+
+    def __init__(self, value: Any, host: set[torch.fx.Node]) -> None:
         meta = value.meta.get("val") if isinstance(value, torch.fx.Node) else value
         self.meta = meta
-        self.is_tensor = isinstance(meta, torch.Tensor)
-        self.constant = None if self.is_tensor else meta
+        self.node = value if isinstance(value, torch.fx.Node) else None
+        self.computed_on_host = value in host if self.node is not None else False
+        self.transferred = _on_host(meta) and not self.computed_on_host
+        self.is_tensor = isinstance(meta, torch.Tensor) and not self.computed_on_host
+        self.constant = None if isinstance(meta, torch.Tensor) else meta
         self.order = None
         if self.is_tensor and all(isinstance(s, int) for s in (*meta.shape, *meta.stride())):
             self.order = storage.physical_order(tuple(meta.shape), tuple(meta.stride()))
 
 
-def _outputs(gm: torch.fx.GraphModule) -> list[Output]:
+def _outputs(gm: torch.fx.GraphModule, host: set[torch.fx.Node]) -> list[Output]:
     output = next(n for n in gm.graph.nodes if n.op == "output")
     values = output.args[0]
-    return [Output(v) for v in (values if isinstance(values, (list, tuple)) else [values])]
+    return [Output(v, host) for v in (values if isinstance(values, (list, tuple)) else [values])]
 
 
 class CompiledGraph:
@@ -69,13 +122,16 @@ class CompiledGraph:
     def __init__(self, gm: torch.fx.GraphModule) -> None:
         self.gm = gm
         self.metas = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
-        self.mutations = _input_mutations(gm)
-        self.outputs = _outputs(gm)
-        self.random = any(
-            n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
-            and torch.Tag.nondeterministic_seeded in n.target.tags
-            for n in gm.graph.nodes
-        )
+        host = _host_nodes(gm)
+        mutations = _input_mutations(gm)
+        # Writes into CPU inputs computed from CPU values run on the host; the program makes the rest.
+        self.mutations = [(index, node) for index, node in mutations if node not in host]
+        self.host_written = sorted({index for index, node in mutations if node in host})
+        self.outputs = _outputs(gm, host)
+        host_writes = [node for _, node in mutations if node in host]
+        host_outputs = [out.node for out in self.outputs if out.computed_on_host]
+        self.host_part = _host_part(gm, host_writes, host_outputs) if host_writes or host_outputs else None
+        self.random = any(n.op == "call_function" and _is_seeded(n.target) for n in gm.graph.nodes)
         self.programs: dict[Any, tuple[programs.Program, list[Any]]] = {}
         self.bounds = padding.bounds(gm)
         if self.bounds and any(padding.is_symbolic(self.metas[index]) for index, _ in self.mutations):
@@ -134,6 +190,9 @@ class CompiledGraph:
             for value, out in zip(outputs, described):
                 if not out.is_tensor or value is None:
                     layouts.append(None)
+                elif out.transferred:
+                    layouts.append(("host",))
+                    tensors.append(value)
                 elif sizes is not None and padding.is_symbolic(out.meta):
                     layouts.append((storage.torch_dtype(value.dtype), out.meta))
                     tensors.append(padding.compact(value, out.meta, sizes))
@@ -194,7 +253,7 @@ class CompiledGraph:
         hosts: list[Any] = []
         signature: list[Any] = []
         device = None
-        for value, meta in zip(args, self.metas):
+        for index, (value, meta) in enumerate(zip(args, self.metas)):
             if isinstance(value, torch.Tensor) and value.device.type == "pjrt":
                 device = device or value.device
                 if padded is not None and padding.is_symbolic(meta):
@@ -212,7 +271,9 @@ class CompiledGraph:
             elif isinstance(value, torch.Tensor):
                 if padded is not None and padding.is_symbolic(meta):
                     raise padding.CannotPad("a host tensor of dynamic size")
-                hosts.append(kernels.host_array(value))
+                array = kernels.host_array(value)
+                # The host part below writes into this tensor while the program may still read it.
+                hosts.append(array.copy() if index in self.host_written else array)
                 signature.append(("host", tuple(value.shape), value.dtype))
             elif padded is not None and isinstance(meta, torch.SymInt):
                 signature.append(("size",))
@@ -224,6 +285,7 @@ class CompiledGraph:
         # True sizes are traced program arguments: a new size in the same bucket must not recompile.
         true = [] if padded is None else [np.asarray(values[s], np.int64) for s in padded]
         tensors, written, host_updates = program.call(flats, hosts, key, true)
+        computed = iter(self.host_part(*args) if self.host_part is not None else ())
         pjrt_mutations = [index for index, _ in self.mutations if signature[index][0] == "pjrt"]
         for slot, flat in zip(sorted({signature[index][1] for index in pjrt_mutations}), written):
             stores[slot].array = flat
@@ -233,8 +295,12 @@ class CompiledGraph:
         produced = iter(tensors)
         results = []
         for out, layout in zip(self.outputs, layouts):
-            if layout is None:
+            if out.computed_on_host:
+                results.append(next(computed))
+            elif layout is None:
                 results.append(_constant(out.constant, values))
+            elif layout[0] == "host":
+                results.append(kernels.host_tensor(client.to_host(next(produced))))
             elif len(layout) == 2:
                 flat = next(produced)
                 sizes = [padding.concrete(s, values) for s in layout[1].shape]
