@@ -19,8 +19,8 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def run(cache: Path) -> list[str]:
-    result = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=300,
+def run(cache: Path, script: str = SCRIPT) -> list[str]:
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
                             env={**os.environ, "TORCH_PJRT_CACHE_DIR": str(cache)})
     assert result.returncode == 0, result.stderr[-2000:]
     return result.stdout.split()
@@ -42,3 +42,28 @@ def test_corrupt_entries_are_recompiled(tmp_path: Path) -> None:
             entry.write_bytes(entry.read_bytes()[: max(1, entry.stat().st_size // 3)])
     again, _, _ = run(tmp_path)
     assert again == value
+
+
+COMPILED = textwrap.dedent(
+    """
+    import torch, torch_pjrt
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.GELU(), torch.nn.Linear(8, 1)).to("pjrt")
+    x = torch.randn(4, 6).to("pjrt")
+    loss = torch.compile(lambda x: model(x).square().mean(), backend="pjrt")(x)
+    loss.backward()
+    counters = torch_pjrt.metrics.counters()
+    print(round(loss.item(), 6), round(model[0].weight.grad.sum().item(), 6),
+          counters["disk_store_hits"], counters["disk_store_writes"], counters["disk_store_damaged"])
+    """
+)
+
+
+def test_traced_graphs_are_stored_for_the_next_process_and_damage_is_survived(tmp_path: Path) -> None:
+    loss, grad, hits, writes, damaged = run(tmp_path, COMPILED)
+    assert (int(hits), int(writes), int(damaged)) == (0, 2, 0)  # the forward and the backward graph
+    assert run(tmp_path, COMPILED) == [loss, grad, "2", "0", "0"]
+    stored = sorted((tmp_path / "graphs").iterdir())
+    stored[0].write_bytes(stored[0].read_bytes()[:100])
+    assert run(tmp_path, COMPILED) == [loss, grad, "1", "1", "1"]
+    assert run(tmp_path, COMPILED) == [loss, grad, "2", "0", "0"]

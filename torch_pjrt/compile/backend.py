@@ -9,8 +9,13 @@ into the input tensors after the program runs.
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import importlib.util
+import json
 import math
 import os
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -23,7 +28,7 @@ from torch_pjrt import _registration, _torch_private, storage
 from torch_pjrt.compile import padding
 from torch_pjrt.eager import kernels
 from torch_pjrt.ops import graph
-from torch_pjrt.runtime import client, programs, rng
+from torch_pjrt.runtime import client, disk_store, metrics, programs, rng
 
 aten = torch.ops.aten
 # Compiles of one graph for distinct input shapes before a warning names what keeps changing.
@@ -138,7 +143,9 @@ class CompiledGraph:
             self.bounds = None
         self.symbolic_constants = any(isinstance(out.constant, torch.SymInt) for out in self.outputs)
 
-    def _program(self, signature: tuple, padded: dict[Any, int] | None) -> tuple[programs.Program, list[Any]]:
+    def _program(
+        self, signature: tuple, padded: dict[Any, int] | None, example: tuple
+    ) -> tuple[programs.Program, list[Any]]:
         """The program for one input signature, and the layouts of its outputs (known once traced).
 
         The program takes the flat storages of the pjrt inputs (each once) and reads every input
@@ -205,10 +212,33 @@ class CompiledGraph:
             written = sorted({signature[index][1] for index in mutated if signature[index][0] == "pjrt"})
             return tensors, [new_flats[slot] for slot in written], host_updates
 
-        found = self.programs[key] = (programs.Program(run, "compiled_graph", counter="graph_compiles"), layouts)
+        found = None
+        if padded is None and _can_store():
+            stored = self._stored_key(signature)
+            found = _load_stored(stored) or _export_stored(run, example, layouts, stored)
+        if found is None:
+            found = (programs.Program(run, "compiled_graph", counter="graph_compiles"), layouts)
+        self.programs[key] = found
         if padded is None and len(self.programs) == RECOMPILE_BUDGET + 1:
             warnings.warn(self._recompile_message(), stacklevel=3)
         return found
+
+    def _stored_key(self, signature: tuple) -> str:
+        """What the traced program depends on: our code, the versions, the graph, its inputs' layouts."""
+        jax = client.jax_module()
+        digest = hashlib.sha256()
+        metas = [(m.dtype, tuple(m.shape), m.stride(), m.device.type) if isinstance(m, torch.Tensor) else m
+                 for m in self.metas]
+        for part in (disk_store.code_version(), torch.__version__, jax.__version__, client.platform(), self.gm.code,
+                     repr(metas), repr(signature)):
+            digest.update(str(part).encode())
+        for node in self.gm.graph.nodes:
+            if node.op == "get_attr":
+                constant = getattr(self.gm, node.target)
+                if isinstance(constant, torch.Tensor):
+                    constant = kernels.host_array(constant.cpu()).tobytes()
+                digest.update(repr((node.target, constant)).encode())
+        return digest.hexdigest()
 
     def _recompile_message(self) -> str:
         """Which input and dimension kept changing, and the user's line, for the budget warning."""
@@ -281,9 +311,9 @@ class CompiledGraph:
                 signature.append(("static", value))
         device = device or torch.device("pjrt", 0)
         key = rng.state(device.index).next_key() if self.random else None
-        program, layouts = self._program(tuple(signature), padded)
         # True sizes are traced program arguments: a new size in the same bucket must not recompile.
         true = [] if padded is None else [np.asarray(values[s], np.int64) for s in padded]
+        program, layouts = self._program(tuple(signature), padded, (flats, hosts, key, true))
         tensors, written, host_updates = program.call(flats, hosts, key, true)
         computed = iter(self.host_part(*args) if self.host_part is not None else ())
         pjrt_mutations = [index for index, _ in self.mutations if signature[index][0] == "pjrt"]
@@ -308,6 +338,44 @@ class CompiledGraph:
             else:
                 results.append(storage.new_tensor(next(produced), layout[0], device, *layout[1:]))
         return results
+
+
+@functools.cache
+def _can_store() -> bool:
+    """Traced graphs are stored when the cache is on and jax can serialize them (flatbuffers installed)."""
+    return disk_store.enabled() and importlib.util.find_spec("flatbuffers") is not None
+
+
+def _load_stored(key: str) -> tuple[programs.Program, list[Any]] | None:
+    """A graph's program as an earlier process traced it (its StableHLO and output layouts)."""
+    payload = disk_store.read("graphs", key)
+    if payload is None:
+        return None
+    header, _, module = payload.partition(b"\n")
+    layouts = [None if item is None else tuple(item) for item in json.loads(header)]
+    layouts = [(getattr(torch, layout[0]), *layout[1:]) if layout and layout[0] != "host" else layout
+               for layout in layouts]
+    exported = client.jax_module().export.deserialize(bytearray(module))
+    return programs.Program(exported.call, "compiled_graph", counter="graph_compiles"), layouts
+
+
+def _export_stored(
+    run: Callable, example: tuple, layouts: list[Any], key: str
+) -> tuple[programs.Program, list[Any]] | None:
+    """Trace a graph's program once, store it for later processes, and run it from the stored form
+    (so XLA's own cache holds the executable a later process will ask for)."""
+    jax = client.jax_module()
+    start = time.perf_counter()
+    try:
+        exported = jax.export.export(jax.jit(run))(*example)
+    except ValueError:
+        # Custom calls without a stability guarantee (some CPU linear algebra) cannot be stored.
+        return None
+    metrics.bump("graph_compiles_seconds", time.perf_counter() - start)
+    header = [None if layout is None else layout if layout[0] == "host"
+              else [str(layout[0]).removeprefix("torch."), *layout[1:]] for layout in layouts]
+    disk_store.write("graphs", key, json.dumps(header).encode() + b"\n" + exported.serialize())
+    return programs.Program(exported.call, "compiled_graph", counter="graph_compiles"), list(layouts)
 
 
 def _boundary_flat(tensor: torch.Tensor, padded_numel: int) -> Any:

@@ -24,6 +24,9 @@ COUNTER_NAMES = (
     "graph_compiles_seconds",
     "pad_compiles",
     "pad_compiles_seconds",
+    "disk_store_hits",
+    "disk_store_writes",
+    "disk_store_damaged",
 )
 
 _counts: Counter = Counter()

@@ -1,0 +1,73 @@
+"""Our own files in the persistent cache folder, beside XLA's: written atomically, checked on read.
+
+Several processes (torchrun ranks) may write the same entry at once: each writes a private
+temporary file and renames it into place, so a reader sees a whole file or none. Every file
+starts with the SHA-256 of its payload; a damaged or truncated file reads as absent and is removed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import os
+import tempfile
+from pathlib import Path
+
+from torch_pjrt.runtime import client, metrics
+
+_DIGEST = 32
+
+
+def enabled() -> bool:
+    return client.cache_dir() is not None
+
+
+def _path(kind: str, key: str) -> Path | None:
+    folder = client.cache_dir()
+    return None if folder is None else Path(folder) / kind / key
+
+
+def read(kind: str, key: str) -> bytes | None:
+    """The stored payload, or None when the cache is off, the entry absent, or its file damaged."""
+    path = _path(kind, key)
+    if path is None:
+        return None
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return None
+    payload = data[_DIGEST:]
+    if len(data) < _DIGEST or hashlib.sha256(payload).digest() != data[:_DIGEST]:
+        metrics.bump("disk_store_damaged")
+        with contextlib.suppress(OSError):
+            path.unlink()
+        return None
+    metrics.bump("disk_store_hits")
+    return payload
+
+
+def write(kind: str, key: str, payload: bytes) -> None:
+    """Store a payload; a cache folder that cannot be written only costs the saving."""
+    path = _path(kind, key)
+    if path is None:
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=".partial-", delete=False) as temporary:
+            temporary.write(hashlib.sha256(payload).digest() + payload)
+        os.replace(temporary.name, path)
+    except OSError:
+        return
+    metrics.bump("disk_store_writes")
+
+
+@functools.cache
+def code_version() -> str:
+    """A digest of torch_pjrt's own source: any change to a lowering makes every stored entry stale."""
+    digest = hashlib.sha256()
+    package = Path(__file__).resolve().parent.parent
+    for source in sorted(package.rglob("*.py")):
+        digest.update(str(source.relative_to(package)).encode())
+        digest.update(source.read_bytes())
+    return digest.hexdigest()
