@@ -76,7 +76,7 @@ def main() -> None:
     for name, value in (
         ("dispatcher -> Python kernel (no-op kernel)", entry),
         ("cached jitted program call", program),
-        ("output tensor (alias + storage + set_)", wrap),
+        ("output tensor (storage.new_tensor)", wrap),
         ("argument scan, cache key, bookkeeping", rest),
     ):
         print(f"  {name:<42}{value:>8.1f}{value / pjrt * 100:>12.0f}%")

@@ -31,7 +31,9 @@ from gpt import GPT, batches, corpus_bytes, train_step  # noqa: E402
 LR, WEIGHT_DECAY, BETAS, EPS, CLIP = 3e-3, 0.01, (0.9, 0.999), 1e-8, 1.0
 
 
-def run_torch(model: torch.nn.Module, device: str, data: list, mode: str) -> dict:
+def run_torch(model: torch.nn.Module, device: str, data: list, mode: str,
+              before_last: Callable[[], None] | None = None) -> dict:
+    """Train a copy of the model on the batches; `before_last` runs just before the last step."""
     model = copy.deepcopy(model).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
 
@@ -47,7 +49,9 @@ def run_torch(model: torch.nn.Module, device: str, data: list, mode: str) -> dic
         context = torch.pjrt.set_eager_mode(torch.pjrt.eager_mode)
     times, losses, compiles = [], [], []
     with context:
-        for tokens, targets in data:
+        for index, (tokens, targets) in enumerate(data):
+            if before_last is not None and index == len(data) - 1:
+                before_last()
             start = time.perf_counter()
             loss = step(tokens.to(device), targets.to(device)).item()
             times.append(time.perf_counter() - start)

@@ -15,7 +15,9 @@ assert. The real count is only known once jax starts, so `install()` takes a sep
 
 from __future__ import annotations
 
+import functools
 import importlib
+from collections.abc import Callable
 from types import ModuleType
 
 import torch
@@ -39,6 +41,13 @@ def install(device_count: int, engine_devices: int = 0) -> bool:
     if module is None:
         return False
     return module.install(device_count, engine_devices)
+
+
+@functools.cache
+def tensor_factory() -> Callable[..., torch.Tensor] | None:
+    """The native `new_tensor(index, dtype, sizes, strides, address, nbytes)`, or None (use the Python path)."""
+    module = _module()
+    return getattr(module, "new_tensor", None)
 
 
 def installed() -> bool:

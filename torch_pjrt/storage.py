@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from torch_pjrt import _torch_private
+from torch_pjrt import _torch_private, native
 from torch_pjrt.runtime import client
 
 TORCH_TO_NUMPY: dict[torch.dtype, Any] = {
@@ -168,9 +168,12 @@ def new_tensor(
     if numel is None:
         numel = storage_numel(sizes, strides, 0)
     nbytes = numel * dtype.itemsize
-    tensor, storage = _torch_private.new_tensor(
-        device, dtype, sizes, strides, 0, _new_address(nbytes), nbytes
-    )
+    make = native.tensor_factory()
+    if make is not None:
+        tensor = make(device.index, dtype, sizes, strides, _new_address(nbytes), nbytes)
+        storage = tensor.untyped_storage()
+    else:
+        tensor, storage = _torch_private.new_tensor(device, dtype, sizes, strides, 0, _new_address(nbytes), nbytes)
     storage._pjrt = DeviceStorage(array, dtype, numel, device)
     return tensor
 

@@ -11,6 +11,7 @@
 #include <ATen/detail/PrivateUse1HooksInterface.h>
 #include <c10/core/GeneratorImpl.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <torch/csrc/Dtype.h>
 #include <torch/csrc/Generator.h>
 #include <torch/extension.h>
 
@@ -354,6 +355,31 @@ py::object default_generator(int64_t index) {
   return py::reinterpret_steal<py::object>(THPGenerator_Wrap(generator));
 }
 
+// A pjrt tensor over a new non-owning storage at a fake address: what the Python path builds
+// from a template tensor with two redispatched ops, in one call (every op's outputs need one).
+at::Tensor new_tensor(
+    int64_t index,
+    py::handle dtype,
+    std::vector<int64_t> sizes,
+    std::vector<int64_t> strides,
+    int64_t address,
+    int64_t nbytes) {
+  TORCH_CHECK(THPDtype_Check(dtype.ptr()), "new_tensor expects a torch.dtype");
+  TORCH_CHECK(sizes.size() == strides.size(), "new_tensor: sizes and strides differ in length");
+  const auto scalar_type = reinterpret_cast<THPDtype*>(dtype.ptr())->scalar_type;
+  const c10::Device device(kPjrt, static_cast<c10::DeviceIndex>(index));
+  c10::Storage storage(
+      c10::Storage::use_byte_size_t(),
+      static_cast<size_t>(nbytes),
+      c10::DataPtr(reinterpret_cast<void*>(static_cast<intptr_t>(address)), device),
+      /*allocator=*/nullptr,
+      /*resizable=*/false);
+  auto tensor = at::detail::make_tensor<c10::TensorImpl>(
+      std::move(storage), c10::DispatchKeySet(c10::DispatchKey::PrivateUse1), c10::scalarTypeToTypeMeta(scalar_type));
+  tensor.unsafeGetTensorImpl()->set_sizes_and_strides(sizes, strides);
+  return tensor;
+}
+
 }  // namespace
 }  // namespace torch_pjrt
 
@@ -365,6 +391,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("installed", &torch_pjrt::installed, "Whether this module's guard and hooks serve PrivateUse1.");
   m.def("set_device_count", &torch_pjrt::set_device_count, py::arg("n"), "Set the device count the guard reports.");
   m.def("device_count", []() { return static_cast<int64_t>(torch_pjrt::count()); });
+  m.def("new_tensor", &torch_pjrt::new_tensor, py::arg("index"), py::arg("dtype"), py::arg("sizes"),
+        py::arg("strides"), py::arg("address"), py::arg("nbytes"),
+        "A pjrt tensor over a new non-owning storage at a fake address.");
   m.def("default_generator", &torch_pjrt::default_generator, py::arg("index"),
         "The default torch.Generator of pjrt:index.");
 }

@@ -1,0 +1,102 @@
+"""Where the GPT training step's time goes in each pjrt mode, against JAX, side by side in one process.
+
+For each mode: the median step time, then the programs that one step ran replayed back-to-back on
+the same inputs (the compute alone, no Python between them), and the difference (Python: PyTorch's
+module, autograd and optimizer code, our dispatch, recording and wrapping, and the waits between).
+The JAX row is one jitted program per step. The loop reads loss.item() every step, so a fused step
+takes at least its recording plus its program; strict eager overlaps its Python with the programs.
+Run: .venv/bin/python bench/step_breakdown.py [--steps N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+import jax
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from train_step import run_jax, run_torch  # noqa: E402
+
+from torch_pjrt.runtime import programs  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+
+from gpt import GPT, batches, corpus_bytes  # noqa: E402
+
+# (program, arguments) of every program call of the step being recorded, in call order.
+calls: list[tuple[programs.Program, tuple]] = []
+recording = [False]
+
+
+def record_from_now() -> None:
+    calls.clear()
+    recording[0] = True
+_first_call = programs.Program._first_call
+
+
+def _recording_first_call(self: programs.Program, *args: Any) -> Any:
+    result = _first_call(self, *args)
+    jitted = self.call
+
+    def call(*args: Any) -> Any:
+        if not recording[0]:
+            return jitted(*args)
+        # Copies: in-place ops donate their input buffers, which the replay needs again.
+        calls.append((self, jax.tree.map(lambda a: a.copy() if isinstance(a, jax.Array) else a, args)))
+        return jitted(*args)
+
+    self.call = call
+    return result
+
+
+def replay_ms(step_calls: list[tuple[programs.Program, tuple]], repeats: int = 10) -> float:
+    """The programs of one step run back-to-back on their recorded inputs, waited for once
+    (compiled again without buffer donation, so the inputs survive for the next repeat)."""
+    replays = {id(program): jax.jit(program._jitted.__wrapped__) for program, _ in step_calls}
+    runs = [(replays[id(program)], args) for program, args in step_calls]
+    times = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        jax.block_until_ready([fn(*args) for fn, args in runs])
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:]) * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--steps", type=int, default=12)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    model = GPT(width=128, layers=2, heads=4, context=64)
+    data = batches(corpus_bytes(), 8, 64, args.steps)
+    programs.Program._first_call = _recording_first_call
+    rows = []
+    for label, mode in (("pjrt strict eager", "eager"), ("pjrt DEFER_AND_FUSE", "fuse"),
+                        ("pjrt torch.compile", "compile")):
+        result = run_torch(model, "pjrt", data, mode, before_last=record_from_now)
+        recording[0] = False
+        step_ms = statistics.median(result["times"][3:-1]) * 1e3
+        rows.append((label, step_ms, len(calls), replay_ms(list(calls))))
+    jax_result = run_jax(model, data, 2, 4)
+    jax_ms = statistics.median(jax_result["times"][3:]) * 1e3
+    print(f"GPT step (2 layers, width 128, seq 64, batch 8, AdamW), median of steps 4-{args.steps - 1}")
+    print(f"{'':<24}{'step ms':>9}{'programs':>10}{'compute ms':>12}{'rest ms':>9}")
+    for label, step_ms, count, compute_ms in rows:
+        print(f"{label:<24}{step_ms:>9.1f}{count:>10}{compute_ms:>12.1f}{step_ms - compute_ms:>9.1f}")
+    print(f"{'JAX jit (hand-written)':<24}{jax_ms:>9.1f}{1:>10}{'':>12}{'':>9}")
+    strict, fused, compiled = (row[1] for row in rows)
+    print(f"\nfused: best case if its Python cost nothing: strict / fused compute = {strict / rows[1][3]:.2f}x "
+          f"(goal 2x; measured {strict / fused:.2f}x)")
+    print(f"compiled: compute alone / JAX = {rows[2][3] / jax_ms:.2f}x, step / JAX = {compiled / jax_ms:.2f}x "
+          f"(goal 1.10x)")
+
+
+if __name__ == "__main__":
+    main()
