@@ -18,7 +18,7 @@ import os
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -117,6 +117,15 @@ def _outputs(gm: torch.fx.GraphModule, host: set[torch.fx.Node]) -> list[Output]
     return [Output(v, host) for v in (values if isinstance(values, (list, tuple)) else [values])]
 
 
+class SignatureProgram(NamedTuple):
+    """A graph's program for one input signature, and what a call needs besides it."""
+
+    program: programs.Program
+    layouts: list[Any]  # how each output comes back; filled in when the program is traced
+    written: list[int]  # storage slots of the mutated pjrt inputs, in the program's output order
+    host_mutations: list[int]  # CPU inputs the program's host updates are copied into
+
+
 class CompiledGraph:
     """A graph compiled per input signature; called with the graph's real inputs.
 
@@ -131,21 +140,19 @@ class CompiledGraph:
         mutations = _input_mutations(gm)
         # Writes into CPU inputs computed from CPU values run on the host; the program makes the rest.
         self.mutations = [(index, node) for index, node in mutations if node not in host]
-        self.host_written = sorted({index for index, node in mutations if node in host})
+        self.host_written = frozenset(index for index, node in mutations if node in host)
         self.outputs = _outputs(gm, host)
         host_writes = [node for _, node in mutations if node in host]
         host_outputs = [out.node for out in self.outputs if out.computed_on_host]
         self.host_part = _host_part(gm, host_writes, host_outputs) if host_writes or host_outputs else None
         self.random = any(n.op == "call_function" and _is_seeded(n.target) for n in gm.graph.nodes)
-        self.programs: dict[Any, tuple[programs.Program, list[Any]]] = {}
+        self.programs: dict[Any, SignatureProgram] = {}
         self.bounds = padding.bounds(gm)
         if self.bounds and any(padding.is_symbolic(self.metas[index]) for index, _ in self.mutations):
             self.bounds = None
         self.symbolic_constants = any(isinstance(out.constant, torch.SymInt) for out in self.outputs)
 
-    def _program(
-        self, signature: tuple, padded: dict[Any, int] | None, example: tuple
-    ) -> tuple[programs.Program, list[Any]]:
+    def _program(self, signature: tuple, padded: dict[Any, int] | None, example: tuple) -> SignatureProgram:
         """The program for one input signature, and the layouts of its outputs (known once traced).
 
         The program takes the flat storages of the pjrt inputs (each once) and reads every input
@@ -160,6 +167,7 @@ class CompiledGraph:
         gm, extra = self.gm, tuple(node for _, node in self.mutations)
         metas, described = self.metas, self.outputs
         mutated = [index for index, _ in self.mutations]
+        written = sorted({signature[index][1] for index in mutated if signature[index][0] == "pjrt"})
         layouts: list[Any] = []
 
         def run(flats: list[Any], hosts: list[Any], key: Any, true: list[Any]) -> Any:
@@ -207,18 +215,18 @@ class CompiledGraph:
                     shape = tuple(value.shape)
                     strides = storage.strides_in_order(shape, out.order) if out.order else None
                     strides = strides or storage.contiguous_strides(shape)
-                    layouts.append((storage.torch_dtype(value.dtype), shape, strides))
+                    numel = storage.storage_numel(shape, strides, 0)
+                    layouts.append((storage.torch_dtype(value.dtype), shape, strides, numel))
                     tensors.append(storage.pack(value, shape, strides))
-            written = sorted({signature[index][1] for index in mutated if signature[index][0] == "pjrt"})
             return tensors, [new_flats[slot] for slot in written], host_updates
 
         found = None
         if padded is None and _can_store():
             stored = self._stored_key(signature)
             found = _load_stored(stored) or _export_stored(run, example, layouts, stored)
-        if found is None:
-            found = (programs.Program(run, "compiled_graph", counter="graph_compiles"), layouts)
-        self.programs[key] = found
+        program, layouts = found or (programs.Program(run, "compiled_graph", counter="graph_compiles"), layouts)
+        host_mutations = [index for index in mutated if signature[index][0] != "pjrt"]
+        found = self.programs[key] = SignatureProgram(program, layouts, written, host_mutations)
         if padded is None and len(self.programs) == RECOMPILE_BUDGET + 1:
             warnings.warn(self._recompile_message(), stacklevel=3)
         return found
@@ -284,7 +292,7 @@ class CompiledGraph:
         signature: list[Any] = []
         device = None
         for index, (value, meta) in enumerate(zip(args, self.metas)):
-            if isinstance(value, torch.Tensor) and value.device.type == "pjrt":
+            if isinstance(value, torch.Tensor) and not value.is_cpu:
                 device = device or value.device
                 if padded is not None and padding.is_symbolic(meta):
                     signature.append(("padded", len(stores)))
@@ -313,18 +321,16 @@ class CompiledGraph:
         key = rng.state(device.index).next_key() if self.random else None
         # True sizes are traced program arguments: a new size in the same bucket must not recompile.
         true = [] if padded is None else [np.asarray(values[s], np.int64) for s in padded]
-        program, layouts = self._program(tuple(signature), padded, (flats, hosts, key, true))
-        tensors, written, host_updates = program.call(flats, hosts, key, true)
-        computed = iter(self.host_part(*args) if self.host_part is not None else ())
-        pjrt_mutations = [index for index, _ in self.mutations if signature[index][0] == "pjrt"]
-        for slot, flat in zip(sorted({signature[index][1] for index in pjrt_mutations}), written):
+        found = self._program(tuple(signature), padded, (flats, hosts, key, true))
+        tensors, written, host_updates = found.program.call(flats, hosts, key, true)
+        computed = iter(self.host_part.forward(*args) if self.host_part is not None else ())
+        for slot, flat in zip(found.written, written):
             stores[slot].array = flat
-        host_mutations = [index for index, _ in self.mutations if signature[index][0] != "pjrt"]
-        for index, value in zip(host_mutations, client.to_host_many(host_updates) if host_updates else []):
+        for index, value in zip(found.host_mutations, client.to_host_many(host_updates) if host_updates else []):
             args[index].copy_(kernels.host_tensor(value))
         produced = iter(tensors)
         results = []
-        for out, layout in zip(self.outputs, layouts):
+        for out, layout in zip(self.outputs, found.layouts):
             if out.computed_on_host:
                 results.append(next(computed))
             elif layout is None:
@@ -336,7 +342,8 @@ class CompiledGraph:
                 sizes = [padding.concrete(s, values) for s in layout[1].shape]
                 results.append(storage.new_tensor(flat, layout[0], device, sizes, numel=flat.shape[0]))
             else:
-                results.append(storage.new_tensor(next(produced), layout[0], device, *layout[1:]))
+                dtype, shape, strides, numel = layout
+                results.append(storage.new_tensor(next(produced), dtype, device, shape, strides, numel))
         return results
 
 
