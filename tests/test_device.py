@@ -319,3 +319,16 @@ def test_copy_then_in_place_update_keeps_the_copy() -> None:
     a.add_(1)
     torch.testing.assert_close(b.cpu(), source)
     torch.testing.assert_close(a.cpu(), source + 1)
+
+
+def test_host_writes_after_a_transfer_do_not_reach_the_device_copy() -> None:
+    """A reused host buffer (a loader's pinned batch) must not alias the device tensor made from it."""
+    source = torch.randn(1000)
+    expected = source.clone()
+    made, copied, pinned = source.to("pjrt"), torch.empty(1000, device="pjrt"), source.pin_memory()
+    copied.copy_(source)
+    from_pinned = pinned.to("pjrt", non_blocking=True)
+    source.mul_(2)
+    pinned.zero_()
+    for tensor in (made, copied, from_pinned):
+        torch.testing.assert_close(tensor.cpu(), expected)

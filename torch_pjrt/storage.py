@@ -71,6 +71,25 @@ def torch_dtype(dtype: Any) -> torch.dtype:
     raise TypeError(f"no torch dtype for {dtype}")
 
 
+def host_array(tensor: torch.Tensor) -> np.ndarray:
+    """A private numpy copy of a CPU tensor's logical contents (bfloat16 through ml_dtypes).
+
+    A copy, never a view: jax reads host buffers asynchronously (a transfer, a program's host
+    argument), after the caller may already have written to the tensor again.
+    """
+    tensor = tensor.detach().resolve_conj().resolve_neg().clone(memory_format=torch.contiguous_format)
+    if tensor.dtype == torch.bfloat16:
+        return tensor.view(torch.int16).numpy().view(numpy_dtype(torch.bfloat16))
+    return tensor.numpy()
+
+
+def host_tensor(array: np.ndarray) -> torch.Tensor:
+    """A CPU tensor with its own copy of a host array's contents."""
+    if array.dtype.name == "bfloat16":
+        return torch.from_numpy(np.array(array, copy=True).view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(np.array(array, copy=True))
+
+
 # --- memory accounting and fake addresses ------------------------------------------------
 
 _ADDRESS_BASE = 1 << 52

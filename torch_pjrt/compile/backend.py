@@ -26,7 +26,6 @@ import torch.fx
 
 from torch_pjrt import _registration, _torch_private, storage
 from torch_pjrt.compile import padding
-from torch_pjrt.eager import kernels
 from torch_pjrt.ops import graph
 from torch_pjrt.runtime import client, disk_store, metrics, programs, rng
 
@@ -140,7 +139,6 @@ class CompiledGraph:
         mutations = _input_mutations(gm)
         # Writes into CPU inputs computed from CPU values run on the host; the program makes the rest.
         self.mutations = [(index, node) for index, node in mutations if node not in host]
-        self.host_written = frozenset(index for index, node in mutations if node in host)
         self.outputs = _outputs(gm, host)
         host_writes = [node for _, node in mutations if node in host]
         host_outputs = [out.node for out in self.outputs if out.computed_on_host]
@@ -244,7 +242,7 @@ class CompiledGraph:
             if node.op == "get_attr":
                 constant = getattr(self.gm, node.target)
                 if isinstance(constant, torch.Tensor):
-                    constant = kernels.host_array(constant.cpu()).tobytes()
+                    constant = storage.host_array(constant.cpu()).tobytes()
                 digest.update(repr((node.target, constant)).encode())
         return digest.hexdigest()
 
@@ -291,7 +289,7 @@ class CompiledGraph:
         hosts: list[Any] = []
         signature: list[Any] = []
         device = None
-        for index, (value, meta) in enumerate(zip(args, self.metas)):
+        for value, meta in zip(args, self.metas):
             if isinstance(value, torch.Tensor) and not value.is_cpu:
                 device = device or value.device
                 if padded is not None and padding.is_symbolic(meta):
@@ -309,9 +307,7 @@ class CompiledGraph:
             elif isinstance(value, torch.Tensor):
                 if padded is not None and padding.is_symbolic(meta):
                     raise padding.CannotPad("a host tensor of dynamic size")
-                array = kernels.host_array(value)
-                # The host part below writes into this tensor while the program may still read it.
-                hosts.append(array.copy() if index in self.host_written else array)
+                hosts.append(storage.host_array(value))
                 signature.append(("host", tuple(value.shape), value.dtype))
             elif padded is not None and isinstance(meta, torch.SymInt):
                 signature.append(("size",))
@@ -327,7 +323,7 @@ class CompiledGraph:
         for slot, flat in zip(found.written, written):
             stores[slot].array = flat
         for index, value in zip(found.host_mutations, client.to_host_many(host_updates) if host_updates else []):
-            args[index].copy_(kernels.host_tensor(value))
+            args[index].copy_(storage.host_tensor(value))
         produced = iter(tensors)
         results = []
         for out, layout in zip(self.outputs, found.layouts):
@@ -336,7 +332,7 @@ class CompiledGraph:
             elif layout is None:
                 results.append(_constant(out.constant, values))
             elif layout[0] == "host":
-                results.append(kernels.host_tensor(client.to_host(next(produced))))
+                results.append(storage.host_tensor(client.to_host(next(produced))))
             elif len(layout) == 2:
                 flat = next(produced)
                 sizes = [padding.concrete(s, values) for s in layout[1].shape]

@@ -39,15 +39,15 @@ def _reduce_op(name: str) -> dist.ReduceOp:
 
 def _host_collective(collective: Callable[..., torch.Tensor], shape: tuple[int, ...], *arrays: Any) -> Any:
     """`collective` on CPU copies of `arrays`, as an ordered callback returning `shape`."""
-    from torch_pjrt.eager import kernels
+    from torch_pjrt import storage
     from torch_pjrt.runtime import client
 
     jax = client.jax_module()
     from jax.experimental import io_callback
 
     def host(*values: np.ndarray) -> np.ndarray:
-        result = collective(*(kernels.host_tensor(np.asarray(v)) for v in values))
-        return kernels.host_array(result)
+        result = collective(*(storage.host_tensor(np.asarray(v)) for v in values))
+        return storage.host_array(result)
 
     like = jax.ShapeDtypeStruct(shape, arrays[0].dtype)
     return io_callback(host, like, *arrays, ordered=True)

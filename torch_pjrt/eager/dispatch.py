@@ -180,8 +180,7 @@ class Scan:
                                                                          t.storage_offset())
             return Leaf(slot, view, st.numel, st.dtype, st.array is None)
         if device.type == "cpu" and (t.dim() == 0 or self.allow_cpu):
-            self.dynamic.append(t.detach().numpy() if t.dtype != torch.bfloat16 else
-                                t.detach().float().numpy().astype(storage.numpy_dtype(torch.bfloat16)))
+            self.dynamic.append(storage.host_array(t))
             return ("host", t.dtype, tuple(t.shape))
         raise RuntimeError(
             "Expected all tensors to be on the same device, but found at least two devices, "

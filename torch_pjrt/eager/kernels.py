@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import torch
 
 from torch_pjrt import _torch_private, storage
@@ -24,20 +23,6 @@ KEY = "PrivateUse1"
 # --- host <-> device ---------------------------------------------------------------------------
 
 
-def host_array(tensor: torch.Tensor) -> np.ndarray:
-    """A numpy array of a CPU tensor's logical contents (bfloat16 through ml_dtypes)."""
-    tensor = tensor.detach().resolve_conj().resolve_neg()
-    if tensor.dtype == torch.bfloat16:
-        return tensor.contiguous().view(torch.int16).numpy().view(storage.numpy_dtype(torch.bfloat16))
-    return tensor.contiguous().numpy()
-
-
-def host_tensor(array: np.ndarray) -> torch.Tensor:
-    if array.dtype.name == "bfloat16":
-        return torch.from_numpy(np.array(array, copy=True).view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(np.array(array, copy=True))
-
-
 def to_pjrt(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
     """A new pjrt tensor with a CPU tensor's contents (one transfer); dense layouts keep their strides."""
     if dtype is not None and dtype != tensor.dtype:
@@ -46,14 +31,14 @@ def to_pjrt(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype | Non
     order = storage.physical_order(sizes, strides)
     if order is None:
         strides, order = storage.contiguous_strides(sizes), tuple(range(len(sizes)))
-    physical = host_array(tensor.permute(order))
+    physical = storage.host_array(tensor.permute(order))
     return storage.new_tensor(client.to_device(physical, device.index), tensor.dtype, device, sizes, strides)
 
 
 def to_cpu(tensor: torch.Tensor) -> torch.Tensor:
     """A new CPU tensor with a pjrt tensor's contents (waits for it; a sync point in fused mode)."""
     fusion.flush("transfer to host")
-    return host_tensor(client.to_host(dispatch.read(tensor)))
+    return storage.host_tensor(client.to_host(dispatch.read(tensor)))
 
 
 def resolve_device(device: Any) -> torch.device:

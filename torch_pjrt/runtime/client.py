@@ -117,9 +117,10 @@ def device_for(index: int | None) -> Any:
 
 
 def to_device(value: np.ndarray, index: int) -> Any:
+    """A device array of a host array that the caller gives up (jax may read it later, or keep it on CPU)."""
     metrics.bump("transfers_to_device")
     metrics.bump("bytes_to_device", value.nbytes)
-    return jax_module().device_put(value, device_for(index))
+    return jax_module().device_put(value, device_for(index), may_alias=True)
 
 
 def to_host(array: Any) -> np.ndarray:
