@@ -132,6 +132,22 @@ def test_memory_stays_bounded_without_sync(monkeypatch: pytest.MonkeyPatch, fuse
     assert x[0].item() == 501.0
 
 
+def test_in_place_updates_donate_buffers_nothing_else_holds(fused: None) -> None:
+    """A parameter updated in place gives its old buffer to the program; a buffer a tensor still reads is kept."""
+    weight, gradient = torch.randn(64), torch.randn(64)
+    pjrt_weight, pjrt_gradient = weight.to("pjrt"), gradient.to("pjrt")
+    before = torch_pjrt.metrics.counters()["fused_donated_buffers"]
+    for _ in range(3):
+        pjrt_weight.mul_(0.9).add_(pjrt_gradient, alpha=-0.1)
+        weight.mul_(0.9).add_(gradient, alpha=-0.1)
+        snapshot = pjrt_weight.clone()
+        torch.pjrt.synchronize()
+    assert torch_pjrt.metrics.counters()["fused_donated_buffers"] >= before + 2
+    torch.testing.assert_close(pjrt_weight.cpu(), weight)
+    torch.testing.assert_close(pjrt_gradient.cpu(), gradient)
+    torch.testing.assert_close(snapshot.cpu(), weight)
+
+
 def test_errors_raise_at_the_op(fused: None) -> None:
     x = torch.randn(3, device="pjrt")
     with pytest.raises(RuntimeError, match="broadcast"):

@@ -9,12 +9,14 @@ run outside the graph, or the size cap) the pending graph runs as one program, c
 its structure (which entries, wired how), never by data: traced scalars and random keys
 are program inputs, so a training loop compiles once and then replays.
 Only values still referenced by live tensors are program outputs; everything else dies
-inside the program.
+inside the program, and input buffers nothing else holds any more (a parameter or optimizer
+state updated in place) are donated to it.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import traceback
 import weakref
@@ -22,7 +24,7 @@ from collections import Counter
 from typing import Any
 
 from torch_pjrt import storage
-from torch_pjrt.runtime import metrics, programs
+from torch_pjrt.runtime import client, metrics, programs
 
 MAX_NODES = int(os.environ.get("TORCH_PJRT_FUSE_MAX_NODES", "1000"))
 DEBUG_RECOMPILE = os.environ.get("TORCH_PJRT_DEBUG_RECOMPILE", "") not in ("", "0")
@@ -102,20 +104,35 @@ class PendingGraph:
             metrics.bump("fused_ops", len(nodes))
             fused_sizes.append(len(nodes))
             wanted = tuple((d.node, d.index) for d in live)
-            structure = (tuple((id(entry), refs) for entry, refs in nodes), wanted)
+            donated = _unreferenced(inputs)
+            metrics.bump("fused_donated_buffers", len(donated))
+            structure = (tuple((id(entry), refs) for entry, refs in nodes), wanted, donated)
             program = _programs.get(structure)
             if program is None:
                 metrics.bump("fused_compiles")
                 if DEBUG_RECOMPILE:
                     _explain_recompile(nodes, where)
-                program = _programs.put(structure, _fused_program(nodes, wanted))
+                program = _programs.put(structure, _fused_program(nodes, wanted, donated))
                 _seen.append((nodes, where))
             results = program.call(*inputs)
             for deferred, value in zip(live, results):
                 deferred.value = value
 
 
-def _fused_program(nodes: list[tuple[Any, tuple[Any, ...]]], wanted: tuple[tuple[int, int], ...]) -> Any:
+def _unreferenced(inputs: list[Any]) -> tuple[int, ...]:
+    """Positions of the device arrays that only this list holds: no storage, tensor, pending
+    result or user keeps them, so the program may reuse their buffers (the in-place updates)."""
+    array = client.jax_module().Array
+    held_here = 2  # the list's reference and getrefcount's argument
+    return tuple(
+        index for index in range(len(inputs))
+        if isinstance(inputs[index], array) and sys.getrefcount(inputs[index]) == held_here
+    )
+
+
+def _fused_program(
+    nodes: list[tuple[Any, tuple[Any, ...]]], wanted: tuple[tuple[int, int], ...], donated: tuple[int, ...]
+) -> Any:
     functions = [entry.fn for entry, _ in nodes]
     wiring = [refs for _, refs in nodes]
 
@@ -126,7 +143,7 @@ def _fused_program(nodes: list[tuple[Any, tuple[Any, ...]]], wanted: tuple[tuple
             values.append(fn(*args))
         return tuple(values[node][index] for node, index in wanted)
 
-    return programs.Program(fused, f"fused[{len(nodes)}]")
+    return programs.Program(fused, f"fused[{len(nodes)}]", donate=donated)
 
 
 _programs = programs.ProgramCache()

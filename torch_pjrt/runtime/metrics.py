@@ -20,6 +20,7 @@ COUNTER_NAMES = (
     "fused_programs",
     "fused_ops",
     "fused_compiles",
+    "fused_donated_buffers",
     "graph_compiles",
     "graph_compiles_seconds",
     "pad_compiles",
