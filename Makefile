@@ -25,6 +25,7 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) bench/dispatch_overhead.py
 	$(PY) bench/train_step.py
+	$(PY) bench/step_breakdown.py
 	$(PY) bench/first_step.py
 	$(PY) bench/dynamic_lengths.py
 

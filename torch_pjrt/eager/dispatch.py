@@ -72,6 +72,9 @@ class OpPlan:
     factory: bool
     static_scalars: bool
     has_device_arg: bool
+    # str(op): hashed per call as part of the cache key (an OpOverload's hash is computed in Python)
+    name: str
+    allow_cpu: bool
 
     def normalize(self, args: tuple, kwargs: dict) -> list[Any]:
         values = list(args)
@@ -123,6 +126,8 @@ def plan_for(op: OpOverload) -> OpPlan | None:
         factory=not any(k in (Arg.TENSOR, Arg.TENSOR_LIST) for k in kinds),
         static_scalars=lowering.static_scalars or not any(k in (Arg.TENSOR, Arg.TENSOR_LIST) for k in kinds),
         has_device_arg=Arg.DEVICE in kinds,
+        name=str(op),
+        allow_cpu=op in CPU_TENSORS_ALLOWED,
     )
 
 
@@ -150,16 +155,15 @@ class Leaf(NamedTuple):
 class Scan:
     """Storages, key and traced values gathered from one call's arguments."""
 
-    __slots__ = ("storages", "slots", "key", "dynamic", "device", "plan", "allow_cpu")
+    __slots__ = ("storages", "slots", "dynamic", "device", "plan", "allow_cpu")
 
     def __init__(self, plan: OpPlan) -> None:
         self.storages: list[storage.DeviceStorage] = []
         self.slots: dict[int, int] = {}
-        self.key: list[Any] = [plan.op]
         self.dynamic: list[Any] = []
         self.device: torch.device | None = None
         self.plan = plan
-        self.allow_cpu = plan.op in CPU_TENSORS_ALLOWED
+        self.allow_cpu = plan.allow_cpu
 
     def tensor(self, t: torch.Tensor) -> Any:
         device = t.device
@@ -482,7 +486,7 @@ def _run(entry: Entry, inputs: list[Any]) -> tuple[Any, ...]:
 
 def cache_key(scan: Scan, described: list[Any]) -> tuple:
     """Everything a program depends on: op, views, static arguments, device, default dtype."""
-    return (*scan.key, tuple(described), scan.device, torch.get_default_dtype())
+    return (scan.plan.name, tuple(described), scan.device, torch.get_default_dtype())
 
 
 def execute(plan: OpPlan, args: tuple, kwargs: dict) -> Any:
@@ -517,7 +521,7 @@ def execute(plan: OpPlan, args: tuple, kwargs: dict) -> Any:
     n_resized = len(entry.resized)
     n_fresh = len(outputs) - n_updated - n_resized
     metrics.bump("ops_executed")
-    metrics.op_counts[plan.op] += 1
+    metrics.op_counts[plan.name] += 1
     if modes.state.blocking:
         client.jax_module().block_until_ready(outputs)
     device_module.note_output(scan.device.index, outputs)
