@@ -166,29 +166,34 @@ class Scan:
         self.allow_cpu = plan.allow_cpu
 
     def tensor(self, t: torch.Tensor) -> Any:
+        if t.is_cpu:
+            return self.host_tensor(t)
         device = t.device
-        if device.type == PJRT:
-            if self.device is None:
-                self.device = device
-            elif device != self.device:
+        if device != self.device:
+            # (reading device.type costs more than comparing devices: only the first tensor pays it)
+            if self.device is not None or device.type != PJRT:
                 raise RuntimeError(
                     "Expected all tensors to be on the same device, but found at least two devices, "
-                    f"{self.device} and {device}!"
+                    f"{self.device or 'pjrt:0'} and {device}!"
                 )
-            st = t.untyped_storage()._pjrt
-            slot = self.slots.get(id(st))
-            if slot is None:
-                slot = self.slots[id(st)] = len(self.storages)
-                self.storages.append(st)
-            view = storage.view_of(t) if t.is_complex() else View(t.dtype, tuple(t.shape), t.stride(),
-                                                                         t.storage_offset())
-            return Leaf(slot, view, st.numel, st.dtype, st.array is None)
-        if device.type == "cpu" and (t.dim() == 0 or self.allow_cpu):
+            self.device = device
+        st = t.untyped_storage()._pjrt
+        slot = self.slots.get(id(st))
+        if slot is None:
+            slot = self.slots[id(st)] = len(self.storages)
+            self.storages.append(st)
+        view = storage.view_of(t) if t.is_complex() else View(t.dtype, tuple(t.shape), t.stride(),
+                                                                     t.storage_offset())
+        return Leaf(slot, view, st.numel, st.dtype, st.array is None)
+
+    def host_tensor(self, t: torch.Tensor) -> Any:
+        """A CPU tensor argument: a traced value where PyTorch accepts one (scalars, indices)."""
+        if t.dim() == 0 or self.allow_cpu:
             self.dynamic.append(storage.host_array(t))
             return ("host", t.dtype, tuple(t.shape))
         raise RuntimeError(
             "Expected all tensors to be on the same device, but found at least two devices, "
-            f"{self.device or 'pjrt:0'} and {device}!"
+            f"{self.device or 'pjrt:0'} and cpu!"
         )
 
     def number(self, value: Any) -> Any:
