@@ -343,10 +343,14 @@ class CompiledGraph:
         return results
 
 
-@functools.cache
 def _can_store() -> bool:
-    """Traced graphs are stored when the cache is on and jax can serialize them (flatbuffers installed)."""
-    return disk_store.enabled() and importlib.util.find_spec("flatbuffers") is not None
+    """Traced graphs are stored when the cache is on and jax can serialize them."""
+    return disk_store.enabled() and _has_serializer()
+
+
+@functools.cache
+def _has_serializer() -> bool:
+    return importlib.util.find_spec("flatbuffers") is not None
 
 
 def _load_stored(key: str) -> tuple[programs.Program, list[Any]] | None:
