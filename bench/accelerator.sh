@@ -8,7 +8,8 @@
 # Run: bash bench/accelerator.sh        (PY=... to choose the interpreter, PLATFORM=cpu to try it here)
 set -uo pipefail
 PY="${PY:-python}"
-export TORCH_PJRT_PLATFORM="${PLATFORM:-cuda}" PYTHONUNBUFFERED=1
+# The checkout stays importable from source if the editable install cannot build there.
+export TORCH_PJRT_PLATFORM="${PLATFORM:-cuda}" PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 results="${OUT:-build/accelerator}"
 mkdir -p "$results"
 
