@@ -146,6 +146,27 @@ def test_cpu_values_in_a_graph_stay_on_the_cpu() -> None:
             torch.testing.assert_close(a.cpu(), e)
 
 
+def test_views_of_inputs_alias_them_and_a_graph_of_views_runs_no_program() -> None:
+    weight, x = torch.randn(6, 4), torch.randn(3, 4)
+    linear = torch.compile(lambda w, x: x @ w.t(), backend="pjrt")
+    pjrt_weight = weight.to("pjrt").requires_grad_()
+    out = linear(pjrt_weight, x.to("pjrt"))
+    out.sum().backward()
+    expected_weight = weight.clone().requires_grad_()
+    (x @ expected_weight.t()).sum().backward()
+    torch.testing.assert_close(out.detach().cpu(), x @ weight.t())
+    torch.testing.assert_close(pjrt_weight.grad.cpu(), expected_weight.grad)
+
+    before = torch_pjrt.metrics.counters()["graph_compiles"]
+    views = torch.compile(lambda a: (a.detach().t(), a[1:].unsqueeze(0)), backend="pjrt", fullgraph=True)
+    a = torch.randn(5, 3).to("pjrt")
+    transposed, sliced = views(a)
+    assert torch_pjrt.metrics.counters()["graph_compiles"] == before
+    assert transposed.untyped_storage().data_ptr() == a.untyped_storage().data_ptr()
+    torch.testing.assert_close(transposed.cpu(), a.cpu().t())
+    torch.testing.assert_close(sliced.cpu(), a.cpu()[1:].unsqueeze(0))
+
+
 def test_export_stablehlo() -> None:
     model = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 2))
     text = torch_pjrt.export_stablehlo(model, (torch.randn(3, 4),))

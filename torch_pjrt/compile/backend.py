@@ -51,32 +51,42 @@ def _on_host(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and value.device.type == "cpu"
 
 
-def _host_nodes(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
-    """The nodes torch can run on the host: CPU inputs, and CPU results of CPU values only (no random ops)."""
+def _eager_nodes(gm: torch.fx.GraphModule, written: set[torch.fx.Node]) -> set[torch.fx.Node]:
+    """The nodes torch runs itself, outside the program.
+
+    CPU values computed only from CPU values (no random ops) run on the host, as on CUDA, so
+    updating them never waits for the device program. Views of device inputs the graph does not
+    write (a transposed weight saved for the backward) alias their input, as eager views and
+    inductor's outputs do, instead of being copied out of the program.
+    """
     host: set[torch.fx.Node] = set()
+    views: set[torch.fx.Node] = set()
     for node in gm.graph.nodes:
-        if not _on_host(node.meta.get("val")):
+        value = node.meta.get("val")
+        if node.op == "placeholder":
+            if _on_host(value):
+                host.add(node)
+            elif isinstance(value, torch.Tensor) and node not in written:
+                views.add(node)
+        elif node.op != "call_function":
             continue
-        if node.op == "placeholder" or (
-            node.op == "call_function" and not _is_seeded(node.target)
-            and all(n in host for n in node.all_input_nodes)
-        ):
+        elif _on_host(value) and not _is_seeded(node.target) and all(n in host for n in node.all_input_nodes):
             host.add(node)
-    return host
+        elif (isinstance(node.target, torch._ops.OpOverload) and node.target.is_view
+              and isinstance(value, torch.Tensor) and node.all_input_nodes == [node.args[0]]
+              and node.args[0] in views):
+            views.add(node)
+    return host | views
 
 
 def _is_seeded(target: Any) -> bool:
     return isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags
 
 
-def _host_part(
+def _eager_part(
     gm: torch.fx.GraphModule, writes: list[torch.fx.Node], outputs: list[torch.fx.Node]
 ) -> torch.fx.GraphModule:
-    """A graph with the same inputs that makes the `writes` into its inputs and returns `outputs`.
-
-    CPU values of a graph (an optimizer's step counts) are computed by torch on the host, as on CUDA,
-    so updating them never waits for the device program.
-    """
+    """A graph with the same inputs that makes the `writes` into its inputs and returns `outputs`."""
     needed: set[torch.fx.Node] = set()
     pending = [*writes, *outputs]
     while pending:
@@ -94,26 +104,26 @@ def _host_part(
 
 
 class Output:
-    """How one graph output comes back: a device tensor (with the dim order of its dense layout), a
-    host tensor (computed on the host, or transferred), or a constant."""
+    """How one graph output comes back: from the program as a device tensor (with the dim order of
+    its dense layout) or a host copy, from torch's own run outside it, or as a constant."""
 
-    def __init__(self, value: Any, host: set[torch.fx.Node]) -> None:
+    def __init__(self, value: Any, eager: set[torch.fx.Node]) -> None:
         meta = value.meta.get("val") if isinstance(value, torch.fx.Node) else value
         self.meta = meta
         self.node = value if isinstance(value, torch.fx.Node) else None
-        self.computed_on_host = value in host if self.node is not None else False
-        self.transferred = _on_host(meta) and not self.computed_on_host
-        self.is_tensor = isinstance(meta, torch.Tensor) and not self.computed_on_host
+        self.computed_eagerly = value in eager if self.node is not None else False
+        self.transferred = _on_host(meta) and not self.computed_eagerly
+        self.is_tensor = isinstance(meta, torch.Tensor) and not self.computed_eagerly
         self.constant = None if isinstance(meta, torch.Tensor) else meta
         self.order = None
         if self.is_tensor and all(isinstance(s, int) for s in (*meta.shape, *meta.stride())):
             self.order = storage.physical_order(tuple(meta.shape), tuple(meta.stride()))
 
 
-def _outputs(gm: torch.fx.GraphModule, host: set[torch.fx.Node]) -> list[Output]:
+def _outputs(gm: torch.fx.GraphModule, eager: set[torch.fx.Node]) -> list[Output]:
     output = next(n for n in gm.graph.nodes if n.op == "output")
     values = output.args[0]
-    return [Output(v, host) for v in (values if isinstance(values, (list, tuple)) else [values])]
+    return [Output(v, eager) for v in (values if isinstance(values, (list, tuple)) else [values])]
 
 
 class SignatureProgram(NamedTuple):
@@ -135,15 +145,17 @@ class CompiledGraph:
     def __init__(self, gm: torch.fx.GraphModule) -> None:
         self.gm = gm
         self.metas = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
-        host = _host_nodes(gm)
         mutations = _input_mutations(gm)
+        eager = _eager_nodes(gm, {node.args[0] for _, node in mutations})
         # Writes into CPU inputs computed from CPU values run on the host; the program makes the rest.
-        self.mutations = [(index, node) for index, node in mutations if node not in host]
-        self.outputs = _outputs(gm, host)
-        host_writes = [node for _, node in mutations if node in host]
-        host_outputs = [out.node for out in self.outputs if out.computed_on_host]
-        self.host_part = _host_part(gm, host_writes, host_outputs) if host_writes or host_outputs else None
+        self.mutations = [(index, node) for index, node in mutations if node not in eager]
+        self.outputs = _outputs(gm, eager)
+        eager_writes = [node for _, node in mutations if node in eager]
+        eager_outputs = [out.node for out in self.outputs if out.computed_eagerly]
+        self.eager_part = _eager_part(gm, eager_writes, eager_outputs) if eager_writes or eager_outputs else None
         self.random = any(n.op == "call_function" and _is_seeded(n.target) for n in gm.graph.nodes)
+        # A graph of views and host values only (a detached loss) runs no program at all.
+        self.needs_program = self.random or bool(self.mutations) or any(out.is_tensor for out in self.outputs)
         self.programs: dict[Any, SignatureProgram] = {}
         self.bounds = padding.bounds(gm)
         if self.bounds and any(padding.is_symbolic(self.metas[index]) for index, _ in self.mutations):
@@ -283,6 +295,9 @@ class CompiledGraph:
 
     def _run(self, args: Sequence[Any], values: dict[Any, int], padded: dict[Any, int] | None) -> list[Any]:
         """One call; `values` binds the size symbols the inputs carry, `padded` their buckets (or None)."""
+        if not self.needs_program:
+            computed = iter(self.eager_part.forward(*args) if self.eager_part is not None else ())
+            return [next(computed) if out.computed_eagerly else _constant(out.constant, values) for out in self.outputs]
         flats: list[Any] = []
         stores: list[storage.DeviceStorage | None] = []
         slots: dict[int, int] = {}
@@ -319,7 +334,8 @@ class CompiledGraph:
         true = [] if padded is None else [np.asarray(values[s], np.int64) for s in padded]
         found = self._program(tuple(signature), padded, (flats, hosts, key, true))
         tensors, written, host_updates = found.program.call(flats, hosts, key, true)
-        computed = iter(self.host_part.forward(*args) if self.host_part is not None else ())
+        # After the inputs were read: the eager part writes into CPU inputs the program reads as they were.
+        computed = iter(self.eager_part.forward(*args) if self.eager_part is not None else ())
         for slot, flat in zip(found.written, written):
             stores[slot].array = flat
         for index, value in zip(found.host_mutations, client.to_host_many(host_updates) if host_updates else []):
@@ -327,7 +343,7 @@ class CompiledGraph:
         produced = iter(tensors)
         results = []
         for out, layout in zip(self.outputs, found.layouts):
-            if out.computed_on_host:
+            if out.computed_eagerly:
                 results.append(next(computed))
             elif layout is None:
                 results.append(_constant(out.constant, values))
