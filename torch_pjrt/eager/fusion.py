@@ -55,7 +55,8 @@ class PendingGraph:
         self.nodes: list[tuple[Any, tuple[Any, ...]]] = []
         self.inputs: list[Any] = []
         self.input_slots: dict[int, int] = {}
-        self.outputs: weakref.WeakSet[Deferred] = weakref.WeakSet()
+        # Every recorded result in recording order, weakly: those still alive at the flush are outputs.
+        self.outputs: list[weakref.ref[Deferred]] = []
         self.where: list[str] = []
         self.lock = threading.RLock()
 
@@ -78,14 +79,13 @@ class PendingGraph:
 
     def record(self, entry: Any, inputs: list[Any], outputs: int) -> tuple[Deferred, ...]:
         with self.lock:
-            refs = tuple(self._ref(value) for value in inputs)
+            refs = tuple([self._ref(value) for value in inputs])
             node = len(self.nodes)
             self.nodes.append((entry, refs))
             if DEBUG_RECOMPILE:
                 self.where.append(_user_line())
-            results = tuple(Deferred(self, node, i) for i in range(outputs))
-            for result in results:
-                self.outputs.add(result)
+            results = tuple([Deferred(self, node, i) for i in range(outputs)])
+            self.outputs.extend([weakref.ref(result) for result in results])
         if len(self.nodes) >= MAX_NODES:
             self.flush("size cap")
         return results
@@ -95,10 +95,10 @@ class PendingGraph:
         with self.lock:
             if not self.nodes:
                 return
-            live = sorted(self.outputs, key=lambda d: (d.node, d.index))
+            live = [deferred for deferred in (ref() for ref in self.outputs) if deferred is not None]
             nodes, inputs, where = self.nodes, self.inputs, self.where
             self.nodes, self.inputs, self.input_slots, self.where = [], [], {}, []
-            self.outputs = weakref.WeakSet()
+            self.outputs = []
             flush_reasons[reason] += 1
             metrics.bump("fused_programs")
             metrics.bump("fused_ops", len(nodes))
