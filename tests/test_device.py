@@ -332,3 +332,18 @@ def test_host_writes_after_a_transfer_do_not_reach_the_device_copy() -> None:
     pinned.zero_()
     for tensor in (made, copied, from_pinned):
         torch.testing.assert_close(tensor.cpu(), expected)
+
+
+def test_like_factories_place_their_result_on_another_device() -> None:
+    """`zeros_like(x, device="cpu")` on a device tensor gives a CPU tensor of x's layout, as on CUDA."""
+    source = torch.randn(3, 4).t()
+    x = source.to("pjrt")
+    for device in ("cpu", "meta"):
+        zeros = torch.zeros_like(x, device=device)
+        full = torch.full_like(x, 2.5, device=device)
+        assert zeros.device.type == full.device.type == device
+        assert zeros.stride() == torch.zeros_like(source).stride() and zeros.shape == source.shape
+        if device == "cpu":
+            torch.testing.assert_close(zeros, torch.zeros_like(source))
+            torch.testing.assert_close(full, torch.full_like(source, 2.5))
+    torch.testing.assert_close(x.new_ones(2, device="cpu"), torch.ones(2))

@@ -435,13 +435,20 @@ def _leaves(described: Any) -> list[Leaf]:
 _cache = programs.ProgramCache()
 
 
+class ElsewhereDevice(Exception):
+    """An op on pjrt tensors asked for its result on another device (`zeros_like(x, device="cpu")`)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+
 def _target_device(values: list[Any], plan: OpPlan, found: torch.device | None) -> torch.device:
     """Where results go: an explicit pjrt device argument, else the inputs' device."""
     for kind, value in zip(plan.kinds, values):
         if kind is Arg.DEVICE and value is not None:
             device = torch.device(value)
             if device.type != PJRT:
-                raise RuntimeError(f"torch_pjrt cannot place the result of {plan.op} on {device}.")
+                raise ElsewhereDevice(device)
             return torch.device(PJRT, device_module.current_device() if device.index is None else device.index)
     if found is None:
         return torch.device(PJRT, device_module.current_device())
@@ -499,7 +506,10 @@ def execute(plan: OpPlan, args: tuple, kwargs: dict) -> Any:
     scan = Scan(plan)
     described = [scan.value(k, v) for k, v in zip(plan.kinds, values)]
     if plan.has_device_arg or scan.device is None:
-        scan.device = _target_device(values, plan, scan.device)
+        try:
+            scan.device = _target_device(values, plan, scan.device)
+        except ElsewhereDevice as elsewhere:
+            return _factory_elsewhere(plan, args, kwargs, elsewhere.device)
     key = cache_key(scan, described)
     try:
         entry = _cache.get(key)
@@ -535,6 +545,21 @@ def execute(plan: OpPlan, args: tuple, kwargs: dict) -> Any:
     if n_resized:
         _apply_resizes(plan, values, entry, outputs[n_fresh:n_fresh + n_resized])
     return _returns(plan, values, iter(outputs[:n_fresh]), entry.outputs, scan.device)
+
+
+def _factory_elsewhere(plan: OpPlan, args: tuple, kwargs: dict, device: torch.device) -> Any:
+    """A `*_like` or `new_*` factory whose result belongs on another device: it reads only its
+    inputs' layout, so it runs there on meta stand-ins of the same sizes, strides and dtype."""
+    name = plan.op.name().split("::")[-1]
+    if not (name.endswith("_like") or name.startswith("new_")):
+        raise RuntimeError(f"torch_pjrt cannot place the result of {plan.op} on {device}; move its inputs there first.")
+
+    def stand_in(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.device.type == PJRT:
+            return torch.empty_strided(value.size(), value.stride(), dtype=value.dtype, device="meta")
+        return value
+
+    return plan.op(*[stand_in(a) for a in args], **{k: stand_in(v) for k, v in kwargs.items()})
 
 
 def _apply_resizes(plan: OpPlan, values: list[Any], entry: Entry, resized_values: list[Any]) -> None:
