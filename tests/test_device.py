@@ -347,3 +347,25 @@ def test_like_factories_place_their_result_on_another_device() -> None:
             torch.testing.assert_close(zeros, torch.zeros_like(source))
             torch.testing.assert_close(full, torch.full_like(source, 2.5))
     torch.testing.assert_close(x.new_ones(2, device="cpu"), torch.ones(2))
+
+
+def test_copies_keep_or_take_the_memory_format_as_on_cpu() -> None:
+    """`.to(memory_format=...)` is honoured and a dense layout (channels_last, a transpose) survives `.cpu()`."""
+    source = torch.randn(2, 3, 4, 5)
+    x = source.to("pjrt")
+    channels_last, contiguous = torch.channels_last, torch.contiguous_format
+    cases = [
+        (lambda t: t.to(memory_format=channels_last), None),
+        (lambda t: t.to(torch.float64, memory_format=channels_last), None),
+        (lambda t: t.contiguous(memory_format=channels_last), lambda t: t.cpu()),
+        (lambda t: t.contiguous(memory_format=channels_last), lambda t: t.to("cpu", memory_format=contiguous)),
+        (lambda t: t[0, 0].t(), lambda t: t.cpu()),
+    ]
+    for make, read in cases:
+        expected = make(source) if read is None else read(make(source))
+        actual = make(x) if read is None else read(make(x))
+        assert actual.stride() == expected.stride()
+        torch.testing.assert_close(actual.cpu(), expected)
+    moved = source.to("pjrt", memory_format=channels_last)
+    assert moved.stride() == source.contiguous(memory_format=channels_last).stride()
+    torch.testing.assert_close(moved.cpu(), source)

@@ -100,14 +100,28 @@ def _to_copy(
 ) -> torch.Tensor:
     dtype = dtype or self.dtype
     target = torch.device(device) if device is not None else self.device
+    explicit_format = memory_format not in (None, torch.preserve_format)
     if target.type == "cpu":
-        result = to_cpu(self).to(dtype)
+        result = _laid_out_like(to_cpu(self), self, memory_format).to(dtype)
         return result.pin_memory() if pin_memory else result
     target = resolve_device(target)
     if self.device.type == "cpu":
-        return to_pjrt(self, target, dtype)
+        return to_pjrt(self.contiguous(memory_format=memory_format) if explicit_format else self, target, dtype)
     source = self if target == self.device else to_device_tensor(self, target)
-    return dispatch.execute(dispatch.plan_for(aten._to_copy.default), (source,), {"dtype": dtype})
+    return dispatch.execute(
+        dispatch.plan_for(aten._to_copy.default), (source,), {"dtype": dtype, "memory_format": memory_format}
+    )
+
+
+def _laid_out_like(copy: torch.Tensor, source: torch.Tensor, memory_format: Any) -> torch.Tensor:
+    """A contiguous host copy of `source` given the strides PyTorch's copy would have: the asked
+    memory format, else (preserve) the source's own when it is dense, as channels_last is."""
+    if memory_format not in (None, torch.preserve_format):
+        return copy.contiguous(memory_format=memory_format)
+    sizes, strides = tuple(source.shape), tuple(source.stride())
+    if source.is_contiguous() or storage.physical_order(sizes, strides) is None:
+        return copy
+    return torch.empty_strided(sizes, strides, dtype=copy.dtype).copy_(copy)
 
 
 # --- allocation --------------------------------------------------------------------------------
