@@ -234,7 +234,7 @@ class CompiledGraph:
         if padded is None and _can_store():
             stored = self._stored_key(signature)
             found = _load_stored(stored) or _export_stored(run, example, layouts, stored)
-        program, layouts = found or (programs.Program(run, "compiled_graph", counter="graph_compiles"), layouts)
+        program, layouts = found or (_graph_program(run), layouts)
         host_mutations = [index for index in mutated if signature[index][0] != "pjrt"]
         found = self.programs[key] = SignatureProgram(program, layouts, written, host_mutations)
         if padded is None and len(self.programs) == RECOMPILE_BUDGET + 1:
@@ -296,8 +296,7 @@ class CompiledGraph:
     def _run(self, args: Sequence[Any], values: dict[Any, int], padded: dict[Any, int] | None) -> list[Any]:
         """One call; `values` binds the size symbols the inputs carry, `padded` their buckets (or None)."""
         if not self.needs_program:
-            computed = iter(self.eager_part.forward(*args) if self.eager_part is not None else ())
-            return [next(computed) if out.computed_eagerly else _constant(out.constant, values) for out in self.outputs]
+            return self._results(self._run_eager_part(args), values, [None] * len(self.outputs), (), None)
         flats: list[Any] = []
         stores: list[storage.DeviceStorage | None] = []
         slots: dict[int, int] = {}
@@ -335,14 +334,22 @@ class CompiledGraph:
         found = self._program(tuple(signature), padded, (flats, hosts, key, true))
         tensors, written, host_updates = found.program.call(flats, hosts, key, true)
         # After the inputs were read: the eager part writes into CPU inputs the program reads as they were.
-        computed = iter(self.eager_part.forward(*args) if self.eager_part is not None else ())
+        computed = self._run_eager_part(args)
         for slot, flat in zip(found.written, written):
             stores[slot].array = flat
         for index, value in zip(found.host_mutations, client.to_host_many(host_updates) if host_updates else []):
             args[index].copy_(storage.host_tensor(value))
-        produced = iter(tensors)
+        return self._results(computed, values, found.layouts, tensors, device)
+
+    def _run_eager_part(self, args: Sequence[Any]) -> list[Any]:
+        return self.eager_part.forward(*args) if self.eager_part is not None else []
+
+    def _results(self, computed: Sequence[Any], values: dict[Any, int], layouts: list[Any], tensors: Sequence[Any],
+                 device: torch.device | None) -> list[Any]:
+        """The graph's outputs: from the eager part, as constants, or wrapped from the program's arrays."""
+        computed, produced = iter(computed), iter(tensors)
         results = []
-        for out, layout in zip(self.outputs, found.layouts):
+        for out, layout in zip(self.outputs, layouts):
             if out.computed_eagerly:
                 results.append(next(computed))
             elif layout is None:
@@ -375,11 +382,8 @@ def _load_stored(key: str) -> tuple[programs.Program, list[Any]] | None:
     if payload is None:
         return None
     header, _, module = payload.partition(b"\n")
-    layouts = [None if item is None else tuple(item) for item in json.loads(header)]
-    layouts = [(getattr(torch, layout[0]), *layout[1:]) if layout and layout[0] != "host" else layout
-               for layout in layouts]
-    exported = client.jax_module().export.deserialize(bytearray(module))
-    return programs.Program(exported.call, "compiled_graph", counter="graph_compiles"), layouts
+    layouts = [_layout_from_json(item) for item in json.loads(header)]
+    return _graph_program(client.jax_module().export.deserialize(bytearray(module)).call), layouts
 
 
 def _export_stored(
@@ -395,10 +399,26 @@ def _export_stored(
         # Custom calls without a stability guarantee (some CPU linear algebra) cannot be stored.
         return None
     metrics.bump("graph_compiles_seconds", time.perf_counter() - start)
-    header = [None if layout is None else layout if layout[0] == "host"
-              else [str(layout[0]).removeprefix("torch."), *layout[1:]] for layout in layouts]
+    header = [_layout_to_json(layout) for layout in layouts]
     disk_store.write("graphs", key, json.dumps(header).encode() + b"\n" + exported.serialize())
-    return programs.Program(exported.call, "compiled_graph", counter="graph_compiles"), list(layouts)
+    return _graph_program(exported.call), layouts
+
+
+def _graph_program(fn: Callable) -> programs.Program:
+    return programs.Program(fn, "compiled_graph", counter="graph_compiles")
+
+
+def _layout_to_json(layout: tuple | None) -> list | None:
+    """An output layout for the stored header: its torch dtype by name."""
+    if layout is None or layout[0] == "host":
+        return None if layout is None else list(layout)
+    return [str(layout[0]).removeprefix("torch."), *layout[1:]]
+
+
+def _layout_from_json(item: list | None) -> tuple | None:
+    if item is None or item[0] == "host":
+        return None if item is None else tuple(item)
+    return (getattr(torch, item[0]), *item[1:])
 
 
 def _boundary_flat(tensor: torch.Tensor, padded_numel: int) -> Any:
