@@ -112,18 +112,12 @@ def _identity(reduce: str, dtype: Any) -> Any:
     return jnp.asarray(info.min if reduce == "amax" else info.max, dtype)
 
 
-def _scatter_add(array: Any, where: Any, values: Any) -> Any:
-    """array.at[where].add(values); bool adds as a logical or (PyTorch's bool sum), which XLA lacks."""
+def _combine_at(array: Any, where: Any, values: Any, how: str = "add") -> Any:
+    """array.at[where].add(values) (or "multiply"); bool arrays combine as a logical or (and), as
+    PyTorch's bool sum (product) does, which XLA lacks."""
     if array.dtype == jnp.bool_:
-        return array.astype(jnp.int32).at[where].add(values.astype(jnp.int32)) != 0
-    return array.at[where].add(values)
-
-
-def _scatter_multiply(array: Any, where: Any, values: Any) -> Any:
-    """array.at[where].multiply(values); bool multiplies as a logical and."""
-    if array.dtype == jnp.bool_:
-        return array.astype(jnp.int32).at[where].multiply(values.astype(jnp.int32)) != 0
-    return array.at[where].multiply(values)
+        return getattr(array.astype(jnp.int32).at[where], how)(values.astype(jnp.int32)) != 0
+    return getattr(array.at[where], how)(values)
 
 
 def _reduce_into(self: Any, where: tuple, src: Any, reduce: str, include_self: bool) -> Any:
@@ -133,14 +127,14 @@ def _reduce_into(self: Any, where: tuple, src: Any, reduce: str, include_self: b
     start = self if include_self else self.at[where].set(_identity(reduce, self.dtype))
     slot = start.at[where]
     if reduce == "sum":
-        return _scatter_add(start, where, src)
+        return _combine_at(start, where, src)
     if reduce == "prod":
-        return _scatter_multiply(start, where, src)
+        return _combine_at(start, where, src, "multiply")
     if reduce == "amax":
         return slot.max(src)
     if reduce == "amin":
         return slot.min(src)
-    total = _scatter_add(start, where, src)
+    total = _combine_at(start, where, src)
     ones = jnp.ones(self.shape, jnp.int64)
     counts = (ones if include_self else ones.at[where].set(0)).at[where].add(jnp.ones(src.shape, jnp.int64))
     counts = jnp.maximum(counts, 1)
@@ -166,7 +160,7 @@ def index_put(self: Any, indices: list[Any], values: Any, accumulate: bool = Fal
         return _masked_write(self, indices, values, accumulate)
     where = _index_tuple(indices)
     values = values.astype(self.dtype)
-    return _scatter_add(self, where, values) if accumulate else self.at[where].set(values)
+    return _combine_at(self, where, values) if accumulate else self.at[where].set(values)
 
 
 @register(aten._unsafe_masked_index.default)
@@ -180,7 +174,7 @@ def _unsafe_masked_index(self: Any, mask: Any, indices: list[Any], fill: Any) ->
 def _unsafe_masked_index_put_accumulate(self: Any, mask: Any, indices: list[Any], values: Any) -> Any:
     clamped = [None if i is None else jnp.clip(i, -n, n - 1) for i, n in zip(indices, self.shape)]
     values = jnp.where(mask, values, jnp.zeros((), values.dtype)).astype(self.dtype)
-    return _scatter_add(self, _index_tuple(clamped), values)
+    return _combine_at(self, _index_tuple(clamped), values)
 
 
 @register(aten.index_select_backward.default)
@@ -203,7 +197,7 @@ def take(self: Any, index: Any) -> Any:
 def put(self: Any, index: Any, source: Any, accumulate: bool = False) -> Any:
     flat, where = self.reshape(-1), index.reshape(-1)
     source = source.reshape(-1).astype(self.dtype)
-    return (_scatter_add(flat, where, source) if accumulate else flat.at[where].set(source)).reshape(self.shape)
+    return (_combine_at(flat, where, source) if accumulate else flat.at[where].set(source)).reshape(self.shape)
 
 
 @register(aten.nonzero_static.default)
@@ -274,7 +268,7 @@ def _index_update(self: Any, dim: int, index: Any, source: Any, how: str) -> Any
         source = source.reshape(data.shape[:axis] + (-1,) + data.shape[axis + 1:])
     where = _along(axis, _as_vector(index))
     source = source.astype(data.dtype)
-    return (_scatter_add(data, where, source) if how == "add" else data.at[where].set(source)).reshape(self.shape)
+    return (_combine_at(data, where, source) if how == "add" else data.at[where].set(source)).reshape(self.shape)
 
 
 @register(aten.index_add.default)
