@@ -118,13 +118,9 @@ def true_sizes(gm: torch.fx.GraphModule, args: Sequence[Any]) -> dict[sympy.Symb
     return found
 
 
-def evaluate_int(expr: Any, values: dict[sympy.Symbol, int]) -> int:
-    return int(sympy.sympify(expr).xreplace(values))
-
-
 def concrete(size: Any, values: dict[sympy.Symbol, int]) -> int:
     """A size (int or SymInt) with its symbols bound to these values."""
-    return evaluate_int(size.node.expr, values) if isinstance(size, torch.SymInt) else int(size)
+    return int(sympy.sympify(size.node.expr).xreplace(values)) if isinstance(size, torch.SymInt) else int(size)
 
 
 # --- symbolic sizes inside the program -------------------------------------------------------
