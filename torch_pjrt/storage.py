@@ -273,7 +273,7 @@ def reinterpret(flat: Any, source: torch.dtype, target: torch.dtype) -> Any:
     if source.is_complex and target == source.to_real():
         return jnp.stack([flat.real, flat.imag], axis=-1).reshape(-1)
     if target.is_complex and source == target.to_real():
-        numpy_dtype(target)
+        numpy_dtype(target)  # raises UnsupportedDtype for complex32 (float16 pairs), which XLA cannot hold
         pairs = flat.reshape(-1, 2)
         return lax.complex(pairs[:, 0], pairs[:, 1])
     if source == torch.bool:
