@@ -19,7 +19,8 @@ _LAZY = {
     "EagerMode": ("torch_pjrt.eager.modes", "EagerMode"),
     "set_eager_mode": ("torch_pjrt.eager.modes", "set_eager_mode"),
     "export_stablehlo": ("torch_pjrt.compile.export", "export_stablehlo"),
-    "mark_dynamic": ("torch_pjrt.compile.padding", "mark_dynamic"),
+    "mark_dynamic": ("torch_pjrt.eager.dynamic", "mark_dynamic"),
+    "get_dynamism_info": ("torch_pjrt.eager.dynamic", "get_dynamism_info"),
 }
 
 
@@ -33,4 +34,7 @@ def __getattr__(name: str) -> Any:
     return module if attribute is None else getattr(module, attribute)
 
 
-__all__ = ["EagerMode", "cpu_fallback", "export_stablehlo", "mark_dynamic", "metrics", "register", "set_eager_mode"]
+__all__ = [
+    "EagerMode", "cpu_fallback", "export_stablehlo", "get_dynamism_info", "mark_dynamic", "metrics", "register",
+    "set_eager_mode",
+]

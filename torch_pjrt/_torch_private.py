@@ -199,3 +199,22 @@ def size_functions() -> dict[str, Any]:
     from torch.utils._sympy import functions
 
     return {name: getattr(functions, name) for name in ("FloorDiv", "CeilDiv", "Mod", "Max", "Min")}
+
+
+def symbolic_fake_mode(values: list[int]) -> tuple[Any, Any, list[Any], list[torch.SymInt]]:
+    """A fake-tensor mode over a fresh shape environment with one size symbol per value (each given
+    its value as hint): PyTorch's meta kernels then say how results' sizes depend on the symbols.
+    Returns the environment (its `guards` list what the kernels assumed), the mode, the sympy
+    symbols and their SymInts."""
+    from torch._dynamo.source import ConstantSource
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+
+    env = ShapeEnv(duck_shape=False)
+    mode = FakeTensorMode(shape_env=env, allow_non_fake_inputs=True)
+    symbols, sizes = [], []
+    for position, value in enumerate(values):
+        symbol = env.create_symbol(value, ConstantSource(f"pjrt_size{position}"), dynamic_dim=DimDynamic.DYNAMIC)
+        symbols.append(symbol)
+        sizes.append(env.create_symintnode(symbol, hint=value))
+    return env, mode, symbols, sizes

@@ -137,6 +137,61 @@ class PendingArray:
         raise NotImplementedError
 
 
+class Padded(PendingArray):
+    """A storage's elements held at bucket sizes (bounded dynamism, eager/dynamic.py).
+
+    `array` (a device array or a fused result) has shape `padded`; the storage's true elements
+    are the row-major array of shape `shape` in its leading box, garbage after it. `bounds[i]` is
+    the upper bound that buckets dim i (0: powers of two, unbounded), None for an exact dim. Code
+    that knows the layout reads `array`; everything else resolves it to the plain flat elements
+    (one program per true shape).
+    """
+
+    __slots__ = ("array", "shape", "padded", "bounds")
+
+    def __init__(self, array: Any, shape: tuple[int, ...], padded: tuple[int, ...],
+                 bounds: tuple[int | None, ...]) -> None:
+        self.array = array
+        self.shape = shape
+        self.padded = padded
+        self.bounds = bounds
+
+    def holding(self, array: Any) -> Padded:
+        """The same layout over a new array (an in-place update of the storage)."""
+        return Padded(array, self.shape, self.padded, self.bounds)
+
+    def resolve(self) -> Any:
+        from torch_pjrt.runtime import metrics
+
+        inner = self.array.resolve() if isinstance(self.array, PendingArray) else self.array
+        metrics.bump("dynamic_compactions")
+        return compactor(self.shape, self.padded)[1].call(inner)
+
+    def host(self) -> np.ndarray:
+        """The true elements on the host, flat (the padding is cut off there: no program per size)."""
+        inner = self.array.resolve() if isinstance(self.array, PendingArray) else self.array
+        box = tuple(slice(0, n) for n in self.shape)
+        return np.asarray(client.to_host(inner)).reshape(self.padded)[box].reshape(-1)
+
+
+_compactors: dict[tuple, tuple[Any, Any]] = {}
+
+
+def compactor(shape: tuple[int, ...], padded: tuple[int, ...]) -> tuple[Any, Any]:
+    """The function, and its program, that cut a padded array down to its true elements, flat."""
+    found = _compactors.get((shape, padded))
+    if found is None:
+        from torch_pjrt.runtime import programs
+
+        box = tuple(slice(0, n) for n in shape)
+
+        def compact(array: Any) -> Any:
+            return array.reshape(padded)[box].reshape(-1)
+
+        found = _compactors[(shape, padded)] = (compact, programs.Program(compact, "compact_padded"))
+    return found
+
+
 class DeviceStorage:
     """The device side of one PyTorch storage: a flat jax array, or None while uninitialised."""
 

@@ -23,8 +23,8 @@ from torch._ops import OpOverload
 
 from torch_pjrt import _torch_private, storage
 from torch_pjrt import device as device_module
-from torch_pjrt.eager import fusion, modes
-from torch_pjrt.ops import graph, registry
+from torch_pjrt.eager import dynamic, fusion, modes
+from torch_pjrt.ops import graph, padding, registry
 from torch_pjrt.runtime import client, metrics, programs, rng
 from torch_pjrt.storage import View
 
@@ -155,15 +155,18 @@ class Leaf(NamedTuple):
 class Scan:
     """Storages, key and traced values gathered from one call's arguments."""
 
-    __slots__ = ("storages", "slots", "dynamic", "device", "plan", "allow_cpu")
+    __slots__ = ("storages", "slots", "dynamic", "device", "plan", "allow_cpu", "symbols", "plain")
 
-    def __init__(self, plan: OpPlan) -> None:
+    def __init__(self, plan: OpPlan, plain: bool = False) -> None:
         self.storages: list[storage.DeviceStorage] = []
         self.slots: dict[int, int] = {}
         self.dynamic: list[Any] = []
         self.device: torch.device | None = None
         self.plan = plan
         self.allow_cpu = plan.allow_cpu
+        # the true sizes of padded (dynamic) arguments, once one is seen; plain: read them compacted
+        self.symbols: dynamic.Symbols | None = None
+        self.plain = plain
 
     def tensor(self, t: torch.Tensor) -> Any:
         if t.is_cpu:
@@ -182,9 +185,38 @@ class Scan:
         if slot is None:
             slot = self.slots[id(st)] = len(self.storages)
             self.storages.append(st)
+        if type(st.array) is storage.Padded and not self.plain:
+            return self.padded(t, st, slot)
         view = storage.view_of(t) if t.is_complex() else View(t.dtype, tuple(t.shape), t.stride(),
                                                                      t.storage_offset())
         return Leaf(slot, view, st.numel, st.dtype, st.array is None)
+
+    def padded(self, t: torch.Tensor, st: storage.DeviceStorage, slot: int) -> dynamic.PaddedLeaf:
+        if self.symbols is None:
+            self.symbols = dynamic.Symbols()
+        leaf = dynamic.describe(t, st, slot, self.symbols)
+        if leaf is None:
+            raise dynamic.CannotPad("a view of a padded tensor that splits or strides along its dynamic dim")
+        return leaf
+
+    def sizes(self, described: list[Any]) -> None:
+        """A factory's sizes that equal a length marked dynamic lately become symbols: its result is
+        padded, like the tensors it will meet (their length reached it as a plain int)."""
+        names = self.plan.names
+        for index, name in enumerate(names):
+            value = described[index]
+            if name == "size" and isinstance(value, tuple):
+                described[index] = tuple(self.size(v) for v in value)
+            elif name == "end" and self.plan.op is torch.ops.aten.arange.default:
+                described[index] = self.size(value[1]) if isinstance(value, tuple) else value
+
+    def size(self, value: Any) -> Any:
+        upper = dynamic.live_bound(value) if isinstance(value, int) else None
+        if upper is None:
+            return value
+        if self.symbols is None:
+            self.symbols = dynamic.Symbols()
+        return dynamic.SizeSymbol(self.symbols.of(value, upper))
 
     def host_tensor(self, t: torch.Tensor) -> Any:
         """A CPU tensor argument: a traced value where PyTorch accepts one (scalars, indices)."""
@@ -244,33 +276,49 @@ class Entry:
     passed_slots: list[int]
     random: bool
     output_count: int
+    # padded (dynamic) execution: the op's symbolic form, the positions of passed_slots read in the
+    # padded layout, the slots written in it, and each output factor's padded size
+    form: Any = None
+    padded_positions: tuple[int, ...] = ()
+    padded_slots: frozenset[int] = frozenset()
+    out_padded: tuple[int, ...] = ()
 
 
 def _meta_tensor(view: View) -> torch.Tensor:
     return torch.empty_strided(view.sizes, view.strides, dtype=view.dtype, device="meta")
 
 
-def _meta_value(kind: Arg, value: Any, described: Any) -> Any:
+def _meta_value(kind: Arg, value: Any, described: Any, symbols: Any = None) -> Any:
     if kind is Arg.TENSOR or kind is Arg.SCALAR:
-        return _meta_from(value, described) if isinstance(value, torch.Tensor) else value
+        if isinstance(described, dynamic.SizeSymbol):
+            return symbols[described.symbol]
+        return _meta_from(value, described, symbols) if isinstance(value, torch.Tensor) else value
     if kind is Arg.TENSOR_LIST:
-        return [None if v is None else _meta_from(v, d) for v, d in zip(value, described)]
+        return [None if v is None else _meta_from(v, d, symbols) for v, d in zip(value, described)]
     if kind is Arg.GENERATOR:
         return None
     if kind is Arg.DEVICE and value is not None:
         return torch.device("meta")
+    if isinstance(described, tuple) and any(isinstance(d, dynamic.SizeSymbol) for d in described):
+        return [symbols[d.symbol] if isinstance(d, dynamic.SizeSymbol) else d for d in described]
     return value
 
 
-def _meta_from(tensor: torch.Tensor, described: Any) -> torch.Tensor:
-    """A meta tensor for a pjrt argument or a 0-dim CPU scalar; a CPU one for CPU indices and scalar lists."""
+def _meta_from(tensor: torch.Tensor, described: Any, symbols: Any = None) -> torch.Tensor:
+    """A meta tensor for a pjrt argument or a 0-dim CPU scalar; a CPU one for CPU indices and scalar lists.
+    A padded argument's dynamic dims get symbolic sizes (inside a fake-tensor mode)."""
     if isinstance(described, Leaf):
         return _meta_tensor(described.view)
+    if isinstance(described, dynamic.PaddedLeaf):
+        sizes = [n if factors is None else math.prod(
+            [f if isinstance(f, int) else symbols[f[0]] + f[1] for f in factors])
+            for n, factors in zip(described.view.sizes, described.dims)]
+        return torch.empty(sizes, dtype=described.view.dtype, device="meta")
     return torch.empty(described[2], dtype=described[1], device="meta" if not described[2] else "cpu")
 
 
-def _run_meta(plan: OpPlan, values: list[Any], described: list[Any]) -> tuple[Any, list[Any]]:
-    metas = [_meta_value(k, v, d) for k, v, d in zip(plan.kinds, values, described)]
+def _run_meta(plan: OpPlan, values: list[Any], described: list[Any], symbols: Any = None) -> tuple[Any, list[Any]]:
+    metas = [_meta_value(k, v, d, symbols) for k, v, d in zip(plan.kinds, values, described)]
     if plan.factory and "device" in plan.names:
         metas[plan.names.index("device")] = torch.device("meta")
     positional = [m for m, kw in zip(metas, plan.kwarg_only) if not kw]
@@ -294,27 +342,36 @@ def _spec(meta: torch.Tensor) -> tuple[torch.dtype, tuple[int, ...], tuple[int, 
     return meta.dtype, sizes, strides, math.prod(sizes)
 
 
-def _build(plan: OpPlan, scan: Scan, values: list[Any], described: list[Any]) -> Entry:
-    meta_result, metas = _run_meta(plan, values, described)
-    functional_metas = _new_output_specs(plan, meta_result, metas)
+def _build(plan: OpPlan, scan: Scan, values: list[Any], described: list[Any], form: Any = None,
+           out_padded: tuple[int, ...] = ()) -> Entry:
+    """The program of one call signature. With `form` (padded arguments), it reads and writes
+    them in their padded layout and runs the op through the padding rules, the true sizes traced."""
+    if form is None:
+        meta_result, metas = _run_meta(plan, values, described)
+        functional_metas = _new_output_specs(plan, meta_result, metas)
+    else:
+        functional_metas, metas = form.metas, form.arg_metas
     n_fresh = len(functional_metas) - len(plan.mutated)
     fresh_specs: list[Any] = []
-    for meta in functional_metas[:n_fresh]:
+    for meta in functional_metas[:n_fresh] if form is None else ():
         if isinstance(meta, (list, tuple)):
             fresh_specs.append([_spec(m) for m in meta])
         else:
             fresh_specs.append(None if meta is None else _spec(meta))
 
     # mutated arguments: their views, their storages, and out= resizes
-    mutated_views: list[list[tuple[int, View, Any]]] = []
+    mutated_views: list[list[tuple[int, Any, Any] | None]] = []
     resized: list[tuple[tuple[int, int], tuple[int, ...], tuple[int, ...]]] = []
     for index in plan.mutated:
         entries = described[index] if plan.kinds[index] is Arg.TENSOR_LIST else (described[index],)
         meta_after = metas[index] if plan.kinds[index] is Arg.TENSOR_LIST else [metas[index]]
-        views = []
+        views: list[tuple[int, Any, Any] | None] = []
         for position, (desc, meta) in enumerate(zip(entries, meta_after)):
             if desc is None:
                 views.append(None)
+                continue
+            if isinstance(desc, dynamic.PaddedLeaf):
+                views.append((desc.slot, desc, "padded"))
                 continue
             slot, view = desc.slot, desc.view
             if tuple(meta.shape) != view.sizes:
@@ -333,8 +390,10 @@ def _build(plan: OpPlan, scan: Scan, values: list[Any], described: list[Any]) ->
                 views.append((slot, view, None))
         mutated_views.append(views)
 
-    mutated_slots = sorted({v[0] for views in mutated_views for v in views if v is not None and v[2] is None})
-    slot_info = {leaf.slot: (leaf.numel, leaf.storage_dtype, leaf.uninitialised) for leaf in _leaves(described)}
+    mutated_slots = sorted({v[0] for views in mutated_views for v in views if v is not None and v[2] != "resized"})
+    slot_info = {leaf.slot: (leaf.numel if isinstance(leaf, Leaf) else math.prod(leaf.padded), leaf.storage_dtype,
+                             isinstance(leaf, Leaf) and leaf.uninitialised) for leaf in _leaves(described)}
+    padded_slots = frozenset(leaf.slot for leaf in _leaves(described) if isinstance(leaf, dynamic.PaddedLeaf))
     passed_slots = [s for s in range(len(scan.storages)) if not slot_info[s][2]]
     donate = tuple(i for i, s in enumerate(passed_slots) if s in mutated_slots)
     n_passed = len(passed_slots)
@@ -345,6 +404,9 @@ def _build(plan: OpPlan, scan: Scan, values: list[Any], described: list[Any]) ->
     names = plan.names
     wants_meta = lowering.wants_meta
     dropped = {names[i] for i in plan.mutated if kwarg_only[i]} if lowering.drops_out_arguments else set()
+    buckets = scan.symbols.buckets() if form is not None else ()
+    n_symbols = len(buckets)
+    out_factors = _output_factors(form, out_padded) if form is not None else []
 
     def program(*inputs: Any) -> Any:
         jnp = client.jax_module().numpy
@@ -354,15 +416,19 @@ def _build(plan: OpPlan, scan: Scan, values: list[Any], described: list[Any]) ->
         for slot, (numel, dtype, uninitialised) in slot_info.items():
             if uninitialised:
                 flats[slot] = jnp.zeros((numel,), storage.numpy_dtype(dtype))
-        dynamic = iter(inputs[n_passed:])
-        key = next(dynamic) if random else None
+        rest = inputs[n_passed:len(inputs) - n_symbols]
+        true = inputs[len(inputs) - n_symbols:]
+        traced = iter(rest)
+        key = next(traced) if random else None
 
         def arg(kind: Arg, desc: Any) -> Any:
             if kind is Arg.TENSOR or kind is Arg.SCALAR:
                 if desc is None:
                     return None
                 if isinstance(desc, type):
-                    return next(dynamic)
+                    return next(traced)
+                if isinstance(desc, dynamic.SizeSymbol):
+                    return buckets[desc.symbol]
                 if desc[0] == "static":
                     return desc[1]
                 return leaf(desc)
@@ -371,12 +437,16 @@ def _build(plan: OpPlan, scan: Scan, values: list[Any], described: list[Any]) ->
             if kind is Arg.SCALAR_LIST:
                 if isinstance(desc, tuple) and desc and desc[0] == "static":
                     return None if desc[1] is None else list(desc[1])
-                return [next(dynamic) for _ in desc]
+                return [next(traced) for _ in desc]
+            if isinstance(desc, tuple) and form is not None:
+                return tuple(buckets[d.symbol] if isinstance(d, dynamic.SizeSymbol) else d for d in desc)
             return desc
 
         def leaf(desc: Any) -> Any:
+            if isinstance(desc, dynamic.PaddedLeaf):
+                return dynamic.read_leaf(flats[desc.slot], desc, true, buckets)
             if not isinstance(desc, Leaf):
-                return jnp.asarray(next(dynamic))
+                return jnp.asarray(next(traced))
             return storage.read_view(flats[desc.slot], desc.storage_dtype, desc.view)
 
         resolved = [arg(k, d) for k, d in zip(kinds, described)]
@@ -384,18 +454,30 @@ def _build(plan: OpPlan, scan: Scan, values: list[Any], described: list[Any]) ->
             key = client.jax_module().random.wrap_key_data(key, impl="threefry2x32")
         positional = [v for v, kw in zip(resolved, kwarg_only) if not kw]
         keywords = {n: v for n, v, kw in zip(names, resolved, kwarg_only) if kw and n not in dropped}
-        extra: dict[str, Any] = {}
-        if random:
-            extra["rng"] = key
-        if wants_meta:
-            extra["out_meta"] = functional_metas
-        result = lowering.fn(*positional, **keywords, **extra)
-        if result is NotImplemented:
-            raise registry.MissingLowering(plan.op)
+        if form is not None:
+            sizes = padding.Sizes(dict(zip(form.symbols, buckets)), dict(zip(form.symbols, true)))
+            result = padding.PaddedInterpreter(sizes)(form.node, tuple(positional), keywords,
+                                                       graph.KeySource(key) if random else None)
+        else:
+            extra: dict[str, Any] = {}
+            if random:
+                extra["rng"] = key
+            if wants_meta:
+                extra["out_meta"] = functional_metas
+            result = lowering.fn(*positional, **keywords, **extra)
+            if result is NotImplemented:
+                raise registry.MissingLowering(plan.op)
         outputs = [result] if len(functional_metas) == 1 else list(result)
         outputs = [graph.conform(o, m) for o, m in zip(outputs, functional_metas)]
 
         flat_outputs = []
+        if form is not None:
+            values_out = [v for value in outputs[:n_fresh] for v in (value if isinstance(value, (list, tuple))
+                                                                      else [value]) if v is not None]
+            for value, (padded_dims, factor_exprs) in zip(values_out, out_factors):
+                true_dims = [[f if isinstance(f, int) else sizes.value(f) for f in dim]
+                             for dim in factor_exprs]
+                flat_outputs.append(dynamic.finish(value, padded_dims, true_dims))
         for value, spec in zip(outputs[:n_fresh], fresh_specs):
             if isinstance(spec, list):
                 flat_outputs.extend(storage.pack(v, s[1], s[2]) for v, s in zip(value, spec))
@@ -410,6 +492,8 @@ def _build(plan: OpPlan, scan: Scan, values: list[Any], described: list[Any]) ->
                 slot, view, how = entry
                 if how == "resized":
                     resized.append(storage.pack(item, view.sizes, view.strides))
+                elif how == "padded":
+                    flats[slot] = dynamic.write_leaf(flats[slot], view, item, true)
                 else:
                     numel, storage_dtype, _ = slot_info[slot]
                     flats[slot] = storage.write_view(flats[slot], storage_dtype, view, item)
@@ -417,13 +501,28 @@ def _build(plan: OpPlan, scan: Scan, values: list[Any], described: list[Any]) ->
 
     device_index = scan.device.index if not passed_slots else None
     compiled = programs.Program(program, str(plan.op), donate=donate, device_index=device_index)
-    output_count = sum(len(s) if isinstance(s, list) else int(s is not None) for s in fresh_specs)
+    if form is not None:
+        output_count = len(out_factors)
+    else:
+        output_count = sum(len(s) if isinstance(s, list) else int(s is not None) for s in fresh_specs)
     output_count += len(resized) + len(mutated_slots)
-    return Entry(compiled, program, fresh_specs, mutated_slots, resized, passed_slots, random, output_count)
+    padded_positions = tuple(i for i, s in enumerate(passed_slots) if s in padded_slots)
+    return Entry(compiled, program, fresh_specs, mutated_slots, resized, passed_slots, random, output_count,
+                 form, padded_positions, padded_slots, out_padded)
 
 
-def _leaves(described: Any) -> list[Leaf]:
-    if isinstance(described, Leaf):
+def _output_factors(form: Any, out_padded: tuple[int, ...]) -> list[tuple[list[list[int]], list[list[Any]]]]:
+    """Per fresh tensor result: each dim's padded factor sizes and its factors (ints or sympy)."""
+    padded = iter(out_padded)
+    found = []
+    for layout in form.flat_layouts:
+        dims = [[f if isinstance(f, int) else next(padded) for f in factors] for factors in layout.dims]
+        found.append((dims, [list(factors) for factors in layout.dims]))
+    return found
+
+
+def _leaves(described: Any) -> list[Any]:
+    if isinstance(described, (Leaf, dynamic.PaddedLeaf)):
         return [described]
     if isinstance(described, (list, tuple)):
         return [leaf for d in described for leaf in _leaves(d)]
@@ -472,21 +571,56 @@ def generator_key(generator: torch.Generator) -> np.ndarray:
 
 def _inputs(entry: Entry, scan: Scan, plan: OpPlan, values: list[Any]) -> list[Any]:
     inputs = [scan.storages[s].array for s in entry.passed_slots]
-    if not modes.state.fusing and any(isinstance(a, storage.PendingArray) for a in inputs):
-        inputs = [fusion.concrete(a) for a in inputs]
+    for position in entry.padded_positions:
+        inputs[position] = inputs[position].array
+    if any(isinstance(a, storage.PendingArray) for a in inputs):
+        inputs = [_ready(a) for a in inputs]
     if entry.random:
         inputs.append(_random_key(plan, values, scan.device))
     inputs.extend(scan.dynamic)
+    if entry.form is not None:
+        inputs.extend(scan.symbols.values)
     return inputs
+
+
+def _ready(array: Any) -> Any:
+    """An input as a plain-layout program takes it: a padded storage compacted (recorded when
+    fusing), a fused result resolved unless it is being recorded into the same graph."""
+    if isinstance(array, storage.Padded):
+        return _compacted(array)
+    if not modes.state.fusing and isinstance(array, storage.PendingArray):
+        return array.resolve()
+    return array
+
+
+_compactions: dict[tuple, Entry] = {}
+
+
+def _compacted(layout: storage.Padded) -> Any:
+    key = (layout.shape, layout.padded)
+    entry = _compactions.get(key)
+    if entry is None:
+        compact = storage.compactor(layout.shape, layout.padded)[0]
+
+        def fn(array: Any) -> tuple[Any]:
+            return (compact(array),)
+
+        entry = _compactions[key] = Entry(programs.Program(fn, "compact_padded"), fn, [], [], [], [0], False, 1)
+    metrics.bump("dynamic_compactions")
+    inner = layout.array
+    if not modes.state.fusing and isinstance(inner, storage.PendingArray):
+        inner = inner.resolve()
+    return _run(entry, [inner])[0]
 
 
 def _trace_now(entry: Entry, scan: Scan, inputs: list[Any]) -> None:
     """Trace a new op's function at once, so a lowering error surfaces at the op, not at the flush."""
     jax = client.jax_module()
-    abstract = [
-        jax.ShapeDtypeStruct((scan.storages[slot].numel,), storage.numpy_dtype(scan.storages[slot].dtype))
-        for slot in entry.passed_slots
-    ]
+    abstract = []
+    for position, slot in enumerate(entry.passed_slots):
+        st = scan.storages[slot]
+        shape = st.array.padded if position in entry.padded_positions else (st.numel,)
+        abstract.append(jax.ShapeDtypeStruct(shape, storage.numpy_dtype(st.dtype)))
     jax.eval_shape(entry.fn, *abstract, *inputs[len(abstract):])
 
 
@@ -501,15 +635,35 @@ def cache_key(scan: Scan, described: list[Any]) -> tuple:
     return (scan.plan.name, tuple(described), scan.device, torch.get_default_dtype())
 
 
+def _describe(plan: OpPlan, values: list[Any], plain: bool) -> tuple[Scan, list[Any]]:
+    scan = Scan(plan, plain)
+    described = [scan.value(k, v) for k, v in zip(plan.kinds, values)]
+    if plan.factory and not plain and not plan.lowering.random and dynamic.has_live_lengths():
+        scan.sizes(described)
+    return scan, described
+
+
 def execute(plan: OpPlan, args: tuple, kwargs: dict) -> Any:
     values = plan.normalize(args, kwargs)
-    scan = Scan(plan)
-    described = [scan.value(k, v) for k, v in zip(plan.kinds, values)]
+    try:
+        scan, described = _describe(plan, values, False)
+    except padding.CannotPad as reason:
+        dynamic.warn_unmaskable(plan.name, str(reason), fusion._user_line())
+        scan, described = _describe(plan, values, True)
     if plan.has_device_arg or scan.device is None:
         try:
             scan.device = _target_device(values, plan, scan.device)
         except ElsewhereDevice as elsewhere:
             return _factory_elsewhere(plan, args, kwargs, elsewhere.device)
+    if scan.symbols is not None:
+        try:
+            entry, inputs, specs = _padded_entry(plan, scan, values, described)
+        except padding.CannotPad as reason:
+            dynamic.warn_unmaskable(plan.name, str(reason), fusion._user_line())
+            scan, described = _describe(plan, values, True)
+            scan.device = _target_device(values, plan, scan.device)
+        else:
+            return _complete(plan, values, scan, entry, _run(entry, inputs), specs)
     key = cache_key(scan, described)
     try:
         entry = _cache.get(key)
@@ -532,6 +686,11 @@ def execute(plan: OpPlan, args: tuple, kwargs: dict) -> Any:
         _cache.put(key, entry)
     else:
         outputs = _run(entry, _inputs(entry, scan, plan, values))
+    return _complete(plan, values, scan, entry, outputs, entry.outputs)
+
+
+def _complete(plan: OpPlan, values: list[Any], scan: Scan, entry: Entry, outputs: Any, specs: list[Any]) -> Any:
+    """Point the mutated storages at their new arrays and wrap the fresh results as tensors."""
     n_updated = len(entry.mutated_slots)
     n_resized = len(entry.resized)
     n_fresh = len(outputs) - n_updated - n_resized
@@ -541,10 +700,70 @@ def execute(plan: OpPlan, args: tuple, kwargs: dict) -> Any:
         client.jax_module().block_until_ready(outputs)
     device_module.note_output(scan.device.index, outputs)
     for slot, array in zip(entry.mutated_slots, outputs[n_fresh + n_resized:]):
-        scan.storages[slot].array = array
+        st = scan.storages[slot]
+        st.array = st.array.holding(array) if slot in entry.padded_slots else array
     if n_resized:
         _apply_resizes(plan, values, entry, outputs[n_fresh:n_fresh + n_resized])
-    return _returns(plan, values, iter(outputs[:n_fresh]), entry.outputs, scan.device)
+    return _returns(plan, values, iter(outputs[:n_fresh]), specs, scan.device)
+
+
+# --- padded (dynamic) execution ------------------------------------------------------------------
+
+_forms: dict[Any, Any] = {}
+
+
+def _padded_entry(plan: OpPlan, scan: Scan, values: list[Any], described: list[Any]) -> tuple[Entry, list, list]:
+    """The program for a call with padded arguments (built once per bucket pattern), its inputs,
+    and this call's result specs; raises CannotPad when the op cannot run padded."""
+    key = (cache_key(scan, described), scan.symbols.signature())
+    form = _forms.get(key)
+    if form is None:
+        try:
+            form = _symbolic_form(plan, scan, values, described)
+        except padding.CannotPad as reason:
+            form = reason
+        except Exception as error:  # a meta kernel that cannot take symbolic sizes
+            form = padding.CannotPad(f"{type(error).__name__}: {error}".splitlines()[0])
+        _forms[key] = form
+    if isinstance(form, padding.CannotPad):
+        raise form
+    true, padded = form.factor_sizes(scan.symbols.values)
+    entry = form.entries.get(padded)
+    if entry is None:
+        entry = _build(plan, scan, values, described, form, padded)
+        inputs = _inputs(entry, scan, plan, values)
+        try:
+            _trace_now(entry, scan, inputs)
+        except padding.CannotPad as reason:
+            _forms[key] = reason
+            raise
+        form.entries[padded] = entry
+        metrics.bump("dynamic_new_buckets")
+    else:
+        inputs = _inputs(entry, scan, plan, values)
+    metrics.bump("dynamic_padded_ops")
+    for size, upper in zip(true, form.factor_bounds):
+        dynamic.note_length(size, upper)
+    flat = iter(form.specs(true, padded))
+    specs = [[next(flat) for _ in meta] if isinstance(meta, (list, tuple)) else next(flat)
+             for meta in form.metas[:len(form.metas) - len(plan.mutated)]]
+    return entry, inputs, specs
+
+
+def _symbolic_form(plan: OpPlan, scan: Scan, values: list[Any], described: list[Any]) -> dynamic.Form:
+    """Run the op's meta kernel on fake tensors whose dynamic dims are symbols."""
+    env, mode, symbols, sizes = _torch_private.symbolic_fake_mode(scan.symbols.values)
+    with mode:
+        result, metas = _run_meta(plan, values, described, sizes)
+    functional = _new_output_specs(plan, result, metas)
+    n_fresh = len(functional) - len(plan.mutated)
+    target = plan.op if not plan.mutated else registry.functional_counterpart(plan.op)
+    dropped = {plan.names[i] for i in plan.mutated if plan.kwarg_only[i]}
+    positional = [i for i, kw in enumerate(plan.kwarg_only) if not kw]
+    keywords = {plan.names[i]: i for i, kw in enumerate(plan.kwarg_only)
+                if kw and metas[i] is not _NO_DEFAULT and plan.names[i] not in dropped}
+    return dynamic.form(target, metas, functional, n_fresh, env.guards, symbols, scan.symbols.uppers,
+                        positional, keywords)
 
 
 def _factory_elsewhere(plan: OpPlan, args: tuple, kwargs: dict, device: torch.device) -> Any:
@@ -570,7 +789,13 @@ def _apply_resizes(plan: OpPlan, values: list[Any], entry: Entry, resized_values
 
 
 def _wrap(array: Any, spec: Any, device: torch.device) -> torch.Tensor:
-    dtype, sizes, strides, numel = spec
+    """A result as a tensor; a padded result's spec carries its layout (eager/dynamic.py)."""
+    if len(spec) == 5:
+        dtype, sizes, strides, numel, layout = spec
+        if layout is not None:
+            array = layout.holding(array)
+    else:
+        dtype, sizes, strides, numel = spec
     return storage.new_tensor(array, dtype, device, sizes, strides, numel)
 
 

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from torch_pjrt import _torch_private, storage
-from torch_pjrt.eager import dispatch, fusion
+from torch_pjrt.eager import dispatch, dynamic, fusion
 from torch_pjrt.runtime import client
 
 aten = torch.ops.aten
@@ -24,11 +24,18 @@ KEY = "PrivateUse1"
 
 
 def to_pjrt(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """A new pjrt tensor with a CPU tensor's contents (one transfer); dense layouts keep their strides."""
+    """A new pjrt tensor with a CPU tensor's contents (one transfer); dense layouts keep their strides.
+    A tensor marked dynamic is padded to its buckets on the way (eager/dynamic.py)."""
+    marks = dynamic.host_marks(tensor)
     if dtype is not None and dtype != tensor.dtype:
         tensor = tensor.to(dtype)
     sizes, strides = tuple(tensor.shape), tuple(tensor.stride())
     order = storage.physical_order(sizes, strides)
+    if marks:
+        strides, order = storage.contiguous_strides(sizes), tuple(range(len(sizes)))
+        padded, layout = dynamic.pad_host(storage.host_array(tensor), sizes, marks)
+        layout.array = client.to_device(padded, device.index)
+        return storage.new_tensor(layout, tensor.dtype, device, sizes, strides)
     if order is None:
         strides, order = storage.contiguous_strides(sizes), tuple(range(len(sizes)))
     physical = storage.host_array(tensor.permute(order))
@@ -36,8 +43,13 @@ def to_pjrt(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype | Non
 
 
 def to_cpu(tensor: torch.Tensor) -> torch.Tensor:
-    """A new CPU tensor with a pjrt tensor's contents (waits for it; a sync point in fused mode)."""
+    """A new CPU tensor with a pjrt tensor's contents (waits for it; a sync point in fused mode).
+    A padded storage is cut to its true elements on the host, so no program runs per size."""
     fusion.flush("transfer to host")
+    st = storage.storage_of(tensor)
+    if isinstance(st.array, storage.Padded):
+        flat = storage.host_tensor(st.array.host()).view(tensor.dtype)
+        return torch.as_strided(flat, tensor.shape, tensor.stride(), tensor.storage_offset()).clone()
     return storage.host_tensor(client.to_host(dispatch.read(tensor)))
 
 

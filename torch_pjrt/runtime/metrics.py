@@ -28,15 +28,27 @@ COUNTER_NAMES = (
     "disk_store_hits",
     "disk_store_writes",
     "disk_store_damaged",
+    # bounded dynamism in eager (eager/dynamic.py)
+    "dynamic_padded_ops",
+    "dynamic_new_buckets",
+    "dynamic_unmaskable",
+    "dynamic_compactions",
 )
 
 _counts: Counter = Counter()
 op_counts: Counter = Counter()
 fallback_ops: Counter = Counter()
+# ops that met padded (dynamic) tensors without a padding rule, and ran at their true sizes
+unmaskable_ops: Counter = Counter()
 
 
 def bump(name: str, amount: float = 1) -> None:
     _counts[name] += amount
+
+
+def counters_now(name: str) -> float:
+    """One counter's value (cheap: for code that reads it per op)."""
+    return _counts[name]
 
 
 def counters() -> dict[str, float]:
@@ -50,6 +62,7 @@ def reset() -> None:
     _counts.clear()
     op_counts.clear()
     fallback_ops.clear()
+    unmaskable_ops.clear()
 
 
 def report() -> str:
@@ -64,4 +77,7 @@ def report() -> str:
     if fallback_ops:
         lines += ["", "ops run on CPU (fallback)", "-" * 40]
         lines += [f"{str(op):<36}{n:>6}" for op, n in fallback_ops.most_common()]
+    if unmaskable_ops:
+        lines += ["", "ops run at true sizes on dynamic tensors", "-" * 40]
+        lines += [f"{str(op):<36}{n:>6}" for op, n in unmaskable_ops.most_common()]
     return "\n".join(lines)
