@@ -207,11 +207,12 @@ class Scan:
             value = described[index]
             if name == "size" and isinstance(value, tuple):
                 described[index] = tuple(self.size(v) for v in value)
-            elif name == "end" and self.plan.op is torch.ops.aten.arange.default:
-                described[index] = self.size(value[1]) if isinstance(value, tuple) else value
+            elif name == "end" and self.plan.op is torch.ops.aten.arange.default and isinstance(value, tuple):
+                size = self.size(value[1])
+                described[index] = size if isinstance(size, dynamic.SizeSymbol) else value
 
     def size(self, value: Any) -> Any:
-        upper = dynamic.live_bound(value) if isinstance(value, int) else None
+        upper = dynamic.live_bound(value) if type(value) is int else None
         if upper is None:
             return value
         if self.symbols is None:
@@ -456,8 +457,9 @@ def _build(plan: OpPlan, scan: Scan, values: list[Any], described: list[Any], fo
         keywords = {n: v for n, v, kw in zip(names, resolved, kwarg_only) if kw and n not in dropped}
         if form is not None:
             sizes = padding.Sizes(dict(zip(form.symbols, buckets)), dict(zip(form.symbols, true)))
-            result = padding.PaddedInterpreter(sizes)(form.node, tuple(positional), keywords,
-                                                       graph.KeySource(key) if random else None)
+            fed = [dynamic.pick(path, positional, keywords) for path in form.feeds]
+            result = graph.evaluate(form.module, fed, graph.KeySource(key) if random else None,
+                                    interpret=padding.PaddedInterpreter(sizes))[0]
         else:
             extra: dict[str, Any] = {}
             if random:
@@ -762,8 +764,11 @@ def _symbolic_form(plan: OpPlan, scan: Scan, values: list[Any], described: list[
     positional = [i for i, kw in enumerate(plan.kwarg_only) if not kw]
     keywords = {plan.names[i]: i for i, kw in enumerate(plan.kwarg_only)
                 if kw and metas[i] is not _NO_DEFAULT and plan.names[i] not in dropped}
+    decomposition = None
+    if not scan.dynamic and not plan.mutated:
+        decomposition = registry.decomposition(plan.op)
     return dynamic.form(target, metas, functional, n_fresh, env.guards, symbols, scan.symbols.uppers,
-                        positional, keywords)
+                        positional, keywords, mode, decomposition)
 
 
 def _factory_elsewhere(plan: OpPlan, args: tuple, kwargs: dict, device: torch.device) -> Any:

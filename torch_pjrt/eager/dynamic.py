@@ -482,13 +482,15 @@ class OutputLayout(NamedTuple):
 
 
 class Form:
-    """An op's padded form, shared by every call with the same argument pattern: the op as one
-    graph node over fake tensors of symbolic sizes, how its results are laid out, and the programs
-    built for each combination of result buckets."""
+    """An op's padded form, shared by every call with the same argument pattern: the op as a graph
+    over fake tensors of symbolic sizes (one node, or its decomposition) with where each graph input
+    sits in the call's arguments, how its results are laid out, and the programs built for each
+    combination of result buckets."""
 
-    def __init__(self, node: torch.fx.Node, symbols: Sequence[Any], uppers: Sequence[int], metas: list[Any],
-                 arg_metas: list[Any], n_fresh: int) -> None:
-        self.node = node
+    def __init__(self, module: torch.fx.GraphModule, feeds: list[tuple], symbols: Sequence[Any],
+                 uppers: Sequence[int], metas: list[Any], arg_metas: list[Any], n_fresh: int) -> None:
+        self.module = module
+        self.feeds = feeds
         self.symbols = tuple(symbols)
         self.metas = metas
         self.arg_metas = arg_metas
@@ -542,34 +544,94 @@ class Form:
 
 
 def form(target: Any, fakes: Sequence[Any], metas: list[Any], n_fresh: int, guards: Sequence[Any],
-         symbols: Sequence[Any], uppers: Sequence[int], positional: Sequence[Any], keywords: dict[str, Any]) -> Form:
+         symbols: Sequence[Any], uppers: Sequence[int], positional: Sequence[int], keywords: dict[str, int],
+         mode: Any, decomposition: Any = None) -> Form:
     """The padded form of one op call from its fake run: `fakes` are the arguments in schema order
-    (fake tensors, SymInts, plain values), `positional`/`keywords` say how they are passed."""
+    (fake tensors, SymInts, plain values), `positional`/`keywords` say how they are passed. An op
+    with no padding rule runs as its PyTorch decomposition (traced on the same fake tensors) when
+    it has one."""
     if guards:
         raise CannotPad(f"its sizes must equal fixed ones ({guards[0].expr})")
     if target is None:
         raise CannotPad("no functional form")
     for meta in metas[n_fresh:]:
-        if isinstance(meta, torch.Tensor) and meta.dim() and any(
-                len(factors_of(s)) > 1 for s in meta.shape):
+        if isinstance(meta, torch.Tensor) and meta.dim() and any(len(factors_of(s)) > 1 for s in meta.shape):
             raise CannotPad("it writes a merged dynamic dim")
+    args = [fakes[i] for i in positional]
+    kwargs = {name: fakes[i] for name, i in keywords.items()}
+    module, feeds = _one_node(target, args, kwargs, metas)
+    try:
+        padding.PaddedInterpreter.check(next(n for n in module.graph.nodes if n.op == "call_function"))
+    except CannotPad:
+        if decomposition is None:
+            raise
+        module, feeds = _decomposed(decomposition, args, kwargs, mode)
+    return Form(module, feeds, symbols, uppers, metas, list(fakes), n_fresh)
+
+
+def _paths(args: Sequence[Any], kwargs: dict[str, Any], wanted: Any) -> list[tuple]:
+    """Where each value that `wanted` picks sits in (args, kwargs), in order."""
+    found = []
+    for where, items in (("p", list(enumerate(args))), ("k", list(kwargs.items()))):
+        for key, value in items:
+            if isinstance(value, (list, tuple)):
+                found.extend((where, key, j) for j, v in enumerate(value) if wanted(v))
+            elif wanted(value):
+                found.append((where, key))
+    return found
+
+
+def pick(path: tuple, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    value = args[path[1]] if path[0] == "p" else kwargs[path[1]]
+    return value[path[2]] if len(path) == 3 else value
+
+
+def _one_node(target: Any, args: list[Any], kwargs: dict[str, Any], metas: list[Any]) -> tuple[Any, list[tuple]]:
     graph = torch.fx.Graph()
-    counter = iter(range(1 << 30))
+    feeds = _paths(args, kwargs, lambda v: isinstance(v, (torch.Tensor, torch.SymInt)))
+    nodes: dict[tuple, Any] = {}
+    for position, path in enumerate(feeds):
+        placeholder = nodes[path] = graph.placeholder(f"arg{position}")
+        placeholder.meta["val"] = pick(path, args, kwargs)
 
-    def node_of(value: Any) -> Any:
-        if isinstance(value, (torch.Tensor, torch.SymInt)):
-            placeholder = graph.placeholder(f"arg{next(counter)}")
-            placeholder.meta["val"] = value
-            return placeholder
-        if isinstance(value, list):
-            return [node_of(v) for v in value]
-        return value
+    def node_args(items: Any, where: str) -> Any:
+        out = {}
+        for key, value in items:
+            if isinstance(value, (list, tuple)):
+                out[key] = [nodes.get((where, key, j), v) for j, v in enumerate(value)]
+            else:
+                out[key] = nodes.get((where, key), value)
+        return out
 
-    args = tuple(node_of(fakes[i]) for i in positional)
-    kwargs = {name: node_of(fakes[i]) for name, i in keywords.items()}
-    node = graph.call_function(target, args, kwargs)
+    positional = node_args(enumerate(args), "p")
+    node = graph.call_function(target, tuple(positional[i] for i in range(len(args))), node_args(kwargs.items(), "k"))
     node.meta["val"] = metas[0] if len(metas) == 1 else tuple(metas)
-    return Form(node, symbols, uppers, metas, list(fakes), n_fresh)
+    graph.output(node)
+    return torch.fx.GraphModule(torch.nn.Module(), graph), feeds
+
+
+def _decomposed(decomposition: Any, args: list[Any], kwargs: dict[str, Any], mode: Any) -> tuple[Any, list[tuple]]:
+    """The decomposition as a graph of ops over the call's tensors (traced on its fake tensors)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    if any(isinstance(v, torch.SymInt) for v in [*args, *kwargs.values()]):
+        raise CannotPad("a decomposition of a factory of dynamic size")
+    feeds = _paths(args, kwargs, lambda v: isinstance(v, torch.Tensor))
+
+    def traced(*tensors: torch.Tensor) -> Any:
+        a, k = list(args), dict(kwargs)
+        for path, tensor in zip(feeds, tensors):
+            holder = a if path[0] == "p" else k
+            if len(path) == 3:
+                holder[path[1]] = list(holder[path[1]])
+                holder[path[1]][path[2]] = tensor
+            else:
+                holder[path[1]] = tensor
+        return decomposition(*a, **k)
+
+    with mode:
+        module = make_fx(traced, tracing_mode="real")(*[pick(p, args, kwargs) for p in feeds])
+    return module, feeds
 
 
 def _evaluator(expr: Any, position: dict[Any, int]) -> Any:

@@ -236,6 +236,14 @@ class PaddedInterpreter:
         rule = self._rule(op, packet, node, metas)
         return rule(op, node, metas, args, kwargs, rng)
 
+    @staticmethod
+    def check(node: torch.fx.Node) -> None:
+        """Raise CannotPad now if the node has dynamic inputs and no rule (the rule is chosen again at trace time)."""
+        op = node.target
+        if isinstance(op, torch._ops.OpOverload) and op.overloadpacket not in SKIPPED and any(
+                is_symbolic(n.meta.get("val")) for n in node.all_input_nodes):
+            PaddedInterpreter(Sizes({}, {}))._rule(op, op.overloadpacket, node, _metas(node))
+
     def _meta_padded(self, meta: Any) -> Any:
         """The node's meta value at padded sizes (what conform checks results against)."""
         if isinstance(meta, torch.Tensor):
@@ -284,6 +292,8 @@ class PaddedInterpreter:
             return self._cat
         if packet is aten.mean:
             return self._mean
+        if packet in (aten.var, aten.std, aten.var_mean, aten.std_mean):
+            return self._variance
         if packet in (aten.nll_loss_forward, aten.nll_loss_backward):
             return self._nll_loss
         if packet in REDUCTION_IDENTITY:
@@ -338,6 +348,40 @@ class PaddedInterpreter:
         true = math.prod((self.sizes.real(source.shape[d]) for d in dims), start=1)
         result = self._plain(op, node, metas, (_fill(args[0], source, self.sizes, 0), *args[1:]), kwargs, rng)
         return (result * (padded / true)).astype(result.dtype)
+
+    def _variance(self, op, node, metas, args, kwargs, rng):
+        """var/std (and their _mean forms) of the true elements: moments of the zero-filled input over
+        the true count, deviations masked."""
+        jnp = client.jax_module().numpy
+        source = metas[0]
+        overload = op._overloadname
+        if overload == "correction":
+            dims = args[1] if len(args) > 1 else kwargs.get("dim")
+            correction = kwargs.get("correction")
+            correction = 1 if correction is None else correction
+            keepdim = kwargs.get("keepdim", False)
+        elif overload == "dim":
+            dims = args[1]
+            unbiased = args[2] if len(args) > 2 else kwargs.get("unbiased", True)
+            correction, keepdim = int(unbiased), (args[3] if len(args) > 3 else kwargs.get("keepdim", False))
+        else:
+            dims, correction, keepdim = None, int(args[1] if len(args) > 1 else kwargs.get("unbiased", True)), False
+        rank = max(source.dim(), 1)
+        dims = tuple(range(source.dim())) if dims in (None, []) else tuple(d % rank for d in dims)
+        count = math.prod((self.sizes.real(source.shape[d]) for d in dims), start=1)
+        x = _fill(args[0], source, self.sizes, 0)
+        mean = x.sum(dims, keepdims=True) / count
+        deviation = x - mean
+        mask = self.sizes.valid(source)
+        if mask is not None:
+            deviation = jnp.where(mask, deviation, 0)
+        squares = (deviation * jnp.conj(deviation)).real if jnp.iscomplexobj(deviation) else deviation * deviation
+        variance = squares.sum(dims, keepdims=keepdim) / jnp.maximum(count - correction, 0)
+        packet = op.overloadpacket
+        spread = jnp.sqrt(variance) if packet in (aten.std, aten.std_mean) else variance
+        if packet in (aten.var, aten.std):
+            return spread
+        return spread, (mean if keepdim else mean.squeeze(dims))
 
     def _nll_loss(self, op, node, metas, args, kwargs, rng):
         """Padded rows get the ignored class: they count neither in the sum nor the mean's weight."""

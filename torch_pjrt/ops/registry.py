@@ -141,14 +141,20 @@ def lookup(op: OpOverload) -> Lowering | None:
                 entry = dataclasses.replace(entry, drops_out_arguments=True)
                 LOWERINGS[op] = entry
                 return entry
-    decomposition = _decompositions().get(op)
-    if decomposition is None and torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd"):
-        decomposition = op.decompose
-    if decomposition is not None and not mutated_arguments(op):
-        entry = Lowering(decomposed(op, decomposition), random=is_random(op), static_scalars=True)
+    found = decomposition(op)
+    if found is not None and not mutated_arguments(op):
+        entry = Lowering(decomposed(op, found), random=is_random(op), static_scalars=True)
         LOWERINGS[op] = entry
         return entry
     return None
+
+
+def decomposition(op: OpOverload) -> Callable | None:
+    """PyTorch's decomposition of an op (torch._decomp's table, else its composite kernel), if any."""
+    found = _decompositions().get(op)
+    if found is None and torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd"):
+        found = op.decompose
+    return found
 
 
 class MissingLowering(NotImplementedError):

@@ -1,0 +1,179 @@
+"""Bounded dynamism in eager: tensors marked dynamic are padded to buckets; results equal CPU's and
+a new size inside a seen bucket compiles nothing."""
+
+from __future__ import annotations
+
+import math
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import torch_pjrt
+from torch_pjrt.eager import dynamic
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from gpt import GPT, loss_fn  # noqa: E402
+
+FUSE = torch_pjrt.EagerMode.DEFER_AND_FUSE
+
+
+def marked(tensor: torch.Tensor, dim: int = 1, max: int = 128) -> torch.Tensor:  # noqa: A002
+    """A pjrt copy of a CPU tensor, marked dynamic along `dim` (padded on the way in)."""
+    host = tensor.clone()
+    torch_pjrt.mark_dynamic(host, dim, max=max)
+    return host.to("pjrt")
+
+
+def compiles() -> float:
+    counts = torch_pjrt.metrics.counters()
+    return counts["compiles"] + counts["fused_compiles"]
+
+
+def test_a_marked_tensor_looks_like_its_true_size() -> None:
+    x = torch.randn(3, 37, 5)
+    d = marked(x)
+    info = torch_pjrt.get_dynamism_info(d)
+    assert info["dims"] == {1: {"size": 37, "bucket": 64}}
+    assert info["storage"]["padded"] == (3, 64, 5)
+    assert d.shape == x.shape and d.stride() == x.stride() and d.is_contiguous()
+    assert torch.equal(d.cpu(), x)
+    assert torch.equal(d[:, 2:7].cpu(), x[:, 2:7])
+    assert d.tolist() == x.tolist()
+    assert str(d).startswith("tensor(")
+
+
+def _ops(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, table: torch.Tensor) -> list[torch.Tensor]:
+    """Ops a sequence model applies to (batch, length, width) activations."""
+    scores = x @ x.transpose(1, 2) / math.sqrt(x.shape[-1])
+    causal = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool, device=x.device).tril()
+    attention = scores.masked_fill(~causal, float("-inf")).softmax(-1) @ x
+    return [
+        (x * 2 + 1).sin(), x @ w, F.linear(x, w, w[0]), scores.softmax(-1), attention,
+        F.scaled_dot_product_attention(x[:, None], x[:, None], x[:, None], is_causal=True),
+        x.sum(1), x.mean(1), x.amax(1), x.argmax(1), x.logsumexp(1), x.var(1), x.cumsum(1),
+        F.layer_norm(x, (x.shape[-1],)), F.embedding(ids, table), F.gelu(x),
+        x[:, -1], x[:, -1:], x[:, 1:], x[:, :-1], x[:, 3], x.transpose(1, 2).contiguous(),
+        x.reshape(-1, x.shape[-1]).sum(0), torch.cat([x, x[:, :1]], 1), torch.cat([x, x], 1).sum(1),
+        x.transpose(0, 1).reshape(x.shape[1], -1), torch.arange(x.shape[1], device=x.device) * 3,
+    ]
+
+
+def test_ops_on_marked_tensors_match_cpu_and_reuse_the_bucket_program() -> None:
+    torch.manual_seed(0)
+    w, table = torch.randn(16, 16), torch.randn(50, 16)
+    seen = []
+    for length in (37, 45, 60):
+        x, ids = torch.randn(2, length, 16), torch.randint(0, 50, (2, length))
+        before = compiles()
+        results = _ops(marked(x), w.to("pjrt"), marked(ids), table.to("pjrt"))
+        seen.append(compiles() - before)
+        for got, want in zip(results, _ops(x, w, ids, table)):
+            assert got.shape == want.shape
+            torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4)
+    assert seen[1] == 0 and seen[2] == 0, seen
+    assert torch_pjrt.metrics.counters()["dynamic_padded_ops"] > 0
+
+
+def test_in_place_writes_reach_only_true_elements() -> None:
+    torch.manual_seed(1)
+    for length in (21, 27):
+        x = torch.randn(3, length)
+        d = marked(x)
+        d.add_(1)
+        d[:, :-1].mul_(2)
+        d[:, -2:] = 7.0
+        x.add_(1)
+        x[:, :-1].mul_(2)
+        x[:, -2:] = 7.0
+        assert torch.equal(d.cpu(), x)
+        assert torch_pjrt.get_dynamism_info(d)["dims"] == {1: {"size": length, "bucket": 32}}
+
+
+def test_a_kv_cache_growing_by_one_compiles_once_per_bucket() -> None:
+    torch.manual_seed(2)
+    prompt = torch.randn(1, 2, 5, 8)
+    cache_cpu, cache = prompt, marked(prompt, dim=2)
+    per_step = []
+    for _ in range(40):
+        new = torch.randn(1, 2, 1, 8)
+        before = compiles()
+        cache = torch.cat([cache, new.to("pjrt")], dim=2)
+        query = new.to("pjrt")
+        out = F.scaled_dot_product_attention(query, cache, cache)
+        per_step.append(compiles() - before)
+        cache_cpu = torch.cat([cache_cpu, new], dim=2)
+        torch.testing.assert_close(out.cpu(), F.scaled_dot_product_attention(new, cache_cpu, cache_cpu))
+    assert cache.shape == cache_cpu.shape == (1, 2, 45, 8)
+    # the cat compiles when the length crosses into a bucket (8 -> 16) and once more inside it
+    # (16 -> 16); every later length in the bucket reuses both
+    assert sum(1 for n in per_step if n) <= 7, per_step
+    assert sum(per_step[-10:]) == 0, per_step
+
+
+def test_factories_of_a_marked_length_are_padded_but_random_ones_are_not() -> None:
+    torch.manual_seed(3)
+    marked(torch.randn(2, 29))
+    positions = torch.arange(29, device="pjrt")
+    assert torch_pjrt.get_dynamism_info(positions)["dims"] == {0: {"size": 29, "bucket": 32}}
+    assert torch.equal(positions.cpu(), torch.arange(29))
+    torch.manual_seed(4)
+    noise = torch.randn(29, device="pjrt")
+    assert torch_pjrt.get_dynamism_info(noise)["storage"] is None
+    torch.manual_seed(4)
+    assert torch.equal(noise.cpu(), torch.randn(29, device="pjrt").cpu())
+
+
+def test_an_op_without_a_padding_rule_runs_at_true_sizes_with_a_warning() -> None:
+    torch.manual_seed(5)
+    x = torch.randn(2, 23)
+    d = marked(x)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        flipped = d.flip(1)
+        split = d.view(2, 23, 1).view(46)
+    assert torch.equal(flipped.cpu(), x.flip(1))
+    assert torch.equal(split.cpu(), x.reshape(46))
+    assert any("cannot run on padded" in str(w.message) for w in caught)
+    assert torch_pjrt.metrics.counters()["dynamic_unmaskable"] >= 1
+
+
+def test_mark_dynamic_on_a_device_tensor() -> None:
+    x = torch.randn(4, 19)
+    d = x.to("pjrt")
+    torch_pjrt.mark_dynamic(d, 1, max=64)
+    assert torch_pjrt.get_dynamism_info(d)["storage"]["padded"] == (4, 32)
+    assert torch.equal((d * 3).cpu(), x * 3)
+    with pytest.raises(ValueError, match="contiguous"):
+        torch_pjrt.mark_dynamic(torch.randn(5, 6, device="pjrt").t(), 1, max=64)
+    assert dynamic.bucket(19, 64) == 32 and dynamic.bucket(100, 64) is None and dynamic.bucket(1, 64) is None
+
+
+@pytest.mark.parametrize("mode", ["strict", "fused"])
+def test_training_over_varying_lengths_matches_cpu_with_bounded_compiles(mode: str) -> None:
+    torch.manual_seed(6)
+    torch_pjrt.metrics.reset()
+    cpu = GPT(width=32, layers=1, heads=2, context=64)
+    dev = GPT(width=32, layers=1, heads=2, context=64).to("pjrt")
+    dev.load_state_dict(cpu.state_dict())
+    cpu_opt, dev_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (cpu, dev))
+    new_programs = []
+    with torch.pjrt.set_eager_mode(FUSE if mode == "fused" else torch_pjrt.EagerMode.DEFER_NEVER):
+        for length in (20, 27, 18, 31, 24):
+            tokens, targets = torch.randint(0, 256, (3, length)), torch.randint(0, 256, (3, length))
+            want = loss_fn(cpu, tokens, targets)
+            want.backward()
+            cpu_opt.step()
+            cpu_opt.zero_grad()
+            before = compiles()
+            got = loss_fn(dev, marked(tokens), marked(targets))
+            got.backward()
+            dev_opt.step()
+            dev_opt.zero_grad()
+            torch.testing.assert_close(got.item(), want.item(), rtol=1e-5, atol=1e-5)
+            new_programs.append(compiles() - before)
+    assert new_programs[0] > 0 and sum(new_programs[1:]) == 0, new_programs
+    assert torch_pjrt.metrics.counters()["dynamic_unmaskable"] == 0
