@@ -14,6 +14,7 @@ from torch_pjrt.ops import (
     prims,  # noqa: F401
     random,  # noqa: F401
     reductions,  # noqa: F401
+    rnn,  # noqa: F401
     shape,  # noqa: F401
     sorting,  # noqa: F401
 )
