@@ -577,8 +577,6 @@ def test_lstm_fused_cell() -> None:
     check_module(torch.nn.LSTM(8, 6, num_layers=2, batch_first=True, bidirectional=True), torch.randn(3, 5, 8))
 
 
-@pytest.mark.xfail(reason="PyTorch's meta kernel of _thnn_fused_lstm_cell reads .device of the None biases",
-                   raises=AttributeError)
 def test_lstm_without_bias() -> None:
     check_module(torch.nn.LSTM(8, 6, bias=False), torch.randn(4, 2, 8))
 

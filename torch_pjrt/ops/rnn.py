@@ -4,6 +4,9 @@ On a non-CPU device PyTorch's RNN modules and cells do the matrix products thems
 the gate pre-activations to `_thnn_fused_lstm_cell`, which returns the new state plus a workspace
 that its backward reads; the workspace layout is private to these lowerings. Plain tanh/relu RNNs
 need nothing here: their cells are compositions PyTorch decomposes.
+
+PyTorch's meta kernel of the LSTM cell reads `.device` of the optional biases even when they are
+None (every `bias=False` LSTM), so this module registers one that does not.
 """
 
 from __future__ import annotations
@@ -20,6 +23,33 @@ from torch_pjrt.ops.registry import register
 aten = torch.ops.aten
 
 LSTM_GATES = 4
+
+
+def _check_cell_sizes(input_gates: torch.Tensor, hidden_gates: torch.Tensor, input_bias: torch.Tensor | None,
+                      hidden_bias: torch.Tensor | None, gate_count: int, state: torch.Tensor) -> None:
+    """The size and device checks of PyTorch's fused cell kernels, with the biases optional."""
+    torch._check(input_gates.ndim == 2, lambda: f"{input_gates.ndim} != 2")
+    torch._check(input_gates.shape == hidden_gates.shape, lambda: f"{input_gates.shape} != {hidden_gates.shape}")
+    gates_size = input_gates.size(1)
+    torch._check((input_bias is None) == (hidden_bias is None), lambda: "expected both biases or neither")
+    if input_bias is not None:
+        torch._check(input_bias.ndim == 1, lambda: f"{input_bias.ndim} != 1")
+        torch._check(input_bias.numel() == gates_size, lambda: f"{input_bias.numel()} != {gates_size}")
+        torch._check(input_bias.shape == hidden_bias.shape, lambda: f"{input_bias.shape} != {hidden_bias.shape}")
+    torch._check(state.ndim == 2, lambda: f"{state.ndim} != 2")
+    expected = input_gates.size(0) * gates_size // gate_count
+    torch._check(state.numel() == expected, lambda: f"{state.numel()} != {expected}")
+    others = [t for t in (hidden_gates, input_bias, hidden_bias, state) if t is not None]
+    torch._check(all(t.device == input_gates.device for t in others), lambda: "expected all inputs to be same device")
+
+
+@torch.library.register_fake("aten::_thnn_fused_lstm_cell")
+def _thnn_fused_lstm_cell_meta(input_gates: torch.Tensor, hidden_gates: torch.Tensor, cx: torch.Tensor,
+                               input_bias: torch.Tensor | None = None,
+                               hidden_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """(hy, cy, workspace) shaped as PyTorch's meta kernel says, which this replaces for bias=False."""
+    _check_cell_sizes(input_gates, hidden_gates, input_bias, hidden_bias, LSTM_GATES, cx)
+    return cx.new_empty(cx.shape), cx.new_empty(cx.shape), input_gates.new_empty(input_gates.shape)
 
 
 @register(aten._thnn_fused_lstm_cell.default)
