@@ -573,14 +573,6 @@ def check_module(module: torch.nn.Module, *inputs: torch.Tensor, **tolerances: A
     return device_module
 
 
-def test_lstm_fused_cell() -> None:
-    check_module(torch.nn.LSTM(8, 6, num_layers=2, batch_first=True, bidirectional=True), torch.randn(3, 5, 8))
-
-
-def test_lstm_without_bias() -> None:
-    check_module(torch.nn.LSTM(8, 6, bias=False), torch.randn(4, 2, 8))
-
-
 def test_instance_norm_running_stats() -> None:
     module = torch.nn.InstanceNorm2d(3, affine=True, track_running_stats=True)
     x = torch.randn(2, 3, 5, 5) * 2 + 1
