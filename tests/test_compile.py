@@ -275,3 +275,15 @@ def test_training_through_a_dynamic_length_returns_sizes_to_the_backward() -> No
         model(x).sum().backward()
     for p, q in zip(on_device.parameters(), model.parameters()):
         torch.testing.assert_close(p.grad.cpu(), q.grad, atol=1e-5, rtol=1e-5)
+
+
+def test_views_inside_a_graph_lower_as_their_copies() -> None:
+    """select/slice/diagonal in the middle of a graph (not only as aliased outputs)."""
+    torch.manual_seed(12)
+    x = torch.randn(3, 4, 4)
+
+    def fn(t: torch.Tensor) -> torch.Tensor:
+        return t[0] * 2 + t[:, 1].sum() + t[1].diagonal().unsqueeze(0) + t.narrow(2, 1, 2).sum(-1, keepdim=True)
+
+    compiled = torch.compile(fn, backend="pjrt", fullgraph=True)
+    torch.testing.assert_close(compiled(x.to("pjrt")).cpu(), fn(x))

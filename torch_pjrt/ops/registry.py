@@ -141,12 +141,26 @@ def lookup(op: OpOverload) -> Lowering | None:
                 entry = dataclasses.replace(entry, drops_out_arguments=True)
                 LOWERINGS[op] = entry
                 return entry
+    copy = view_copy(op)
+    if copy is not None and lookup(copy) is not None:
+        entry = LOWERINGS[op] = lookup(copy)
+        return entry
     found = decomposition(op)
     if found is not None and not mutated_arguments(op):
         entry = Lowering(decomposed(op, found), random=is_random(op), static_scalars=True)
         LOWERINGS[op] = entry
         return entry
     return None
+
+
+def view_copy(op: OpOverload) -> OpOverload | None:
+    """The `*_copy` twin of a view op (select.int -> select_copy.int): what the view computes, in a
+    graph where values never alias (torch.compile's functional graphs, traced decompositions)."""
+    if not op.is_view:
+        return None
+    namespace, name = op._schema.name.split("::")
+    packet = getattr(getattr(torch.ops, namespace), name + "_copy", None)
+    return None if packet is None else getattr(packet, op._overloadname, None)
 
 
 def decomposition(op: OpOverload) -> Callable | None:
