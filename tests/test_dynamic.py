@@ -177,3 +177,27 @@ def test_training_over_varying_lengths_matches_cpu_with_bounded_compiles(mode: s
             new_programs.append(compiles() - before)
     assert new_programs[0] > 0 and sum(new_programs[1:]) == 0, new_programs
     assert torch_pjrt.metrics.counters()["dynamic_unmaskable"] == 0
+
+
+def test_hugging_face_generate_with_marked_prompts_compiles_once_per_bucket() -> None:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(7)
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128)
+    cpu = transformers.LlamaForCausalLM(config).eval()
+    dev = transformers.LlamaForCausalLM(config).eval()
+    dev.load_state_dict(cpu.state_dict())
+    dev = dev.to("pjrt")
+    new_programs = []
+    for length in (9, 13, 11):
+        ids = torch.randint(1, 64, (1, length))
+        mask = torch.ones_like(ids)
+        with torch.no_grad():
+            want = cpu.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+            before = compiles()
+            got = dev.generate(marked(ids), attention_mask=marked(mask), max_new_tokens=4, do_sample=False,
+                               pad_token_id=0)
+            new_programs.append(compiles() - before)
+        assert torch.equal(got.cpu(), want)
+    # lengths 9..17 stay in the bucket 16: the third prompt compiles nothing
+    assert new_programs[2] == 0, new_programs

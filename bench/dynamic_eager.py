@@ -1,0 +1,167 @@
+"""Variable shapes in eager: compiles and wall time with and without mark_dynamic, against torch CPU.
+
+Two workloads, each row a new process (empty compile cache) timed against torch CPU eager on the
+same weights and inputs in that process:
+- generate: Hugging Face `generate()` of a 4-layer Llama (width 128, random weights), greedy, 8 new
+  tokens, two warm-up prompts (lengths 7 and 11), then 12 new prompt lengths 5..60. Columns: programs
+  compiled over the 12 (and per length), seconds for the 12 on pjrt and on CPU, and whether every
+  token equals CPU's. The user's one line is marking the prompt (`torch_pjrt.mark_dynamic(ids, 1,
+  max=128)`, and the mask) before `generate`.
+- train: the GPT of examples/gpt.py (batch 4), SGD, 12 steps over sequence lengths 16..128; programs
+  compiled after the first step of each bucket, and the largest loss difference from CPU.
+Run: .venv/bin/python bench/dynamic_eager.py [--only generate|train]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+GENERATE = textwrap.dedent(
+    """
+    import json, time, warnings, torch, torch_pjrt
+    from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
+    warnings.simplefilter("ignore")
+    mode, marks, cache = {mode!r}, {marks!r}, {cache!r}
+    if mode == "fused":
+        torch.pjrt.set_eager_mode(torch_pjrt.EagerMode.DEFER_AND_FUSE)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    cpu = LlamaForCausalLM(config).eval()
+    pjrt = LlamaForCausalLM(config).eval()
+    pjrt.load_state_dict(cpu.state_dict())
+    pjrt = pjrt.to("pjrt")
+    options = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+
+    def generate(model, ids, device):
+        mask = torch.ones_like(ids)
+        if device == "pjrt" and marks != "none":
+            buckets = None if marks == "powers of two" else [64, 128]
+            for t in (ids, mask):
+                torch_pjrt.mark_dynamic(t, 1, max=128, buckets=buckets)
+        extra = {{}}
+        if cache == "static":  # one cache length for every prompt, as a server would set it
+            extra["past_key_values"] = StaticCache(config=model.config, max_cache_len=128)
+        with torch.no_grad():
+            return model.generate(ids.to(device), attention_mask=mask.to(device), **options, **extra).cpu()
+
+    def programs():
+        counts = torch_pjrt.metrics.counters()
+        return counts["compiles"] + counts["fused_compiles"]
+
+    row = dict(cpu_s=0.0, pjrt_s=0.0, compiles=0, equal=True)
+    generator = torch.Generator().manual_seed(1)
+    for index, length in enumerate([7, 11] + list(range(5, 61, 5))):
+        ids = torch.randint(1, 256, (1, length), generator=generator)
+        start = time.perf_counter()
+        want = generate(cpu, ids.clone(), "cpu")
+        middle = time.perf_counter()
+        before = programs()
+        got = generate(pjrt, ids.clone(), "pjrt")
+        end = time.perf_counter()
+        if index >= 2:
+            row["cpu_s"] += middle - start
+            row["pjrt_s"] += end - middle
+            row["compiles"] += programs() - before
+            row["equal"] = row["equal"] and torch.equal(want, got)
+    row["unmaskable"] = torch_pjrt.metrics.counters()["dynamic_unmaskable"]
+    print(json.dumps(row))
+    """
+)
+
+TRAIN = textwrap.dedent(
+    """
+    import json, sys, time, warnings, torch, torch_pjrt
+    sys.path.insert(0, {examples!r})
+    from gpt import GPT, loss_fn
+    warnings.simplefilter("ignore")
+    mode, marks = {mode!r}, {marks!r}
+    torch.manual_seed(0)
+    cpu = GPT(width=64, layers=2, heads=4, context=128)
+    pjrt = GPT(width=64, layers=2, heads=4, context=128)
+    pjrt.load_state_dict(cpu.state_dict())
+    pjrt = pjrt.to("pjrt")
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (cpu, pjrt)]
+    context = torch.pjrt.set_eager_mode("defer_and_fuse" if mode == "fused" else "defer_never")
+
+    def programs():
+        counts = torch_pjrt.metrics.counters()
+        return counts["compiles"] + counts["fused_compiles"]
+
+    row = dict(cpu_s=0.0, pjrt_s=0.0, compiles_after_first=0, worst_loss_difference=0.0)
+    generator = torch.Generator().manual_seed(1)
+    lengths = [16, 128, 37, 100, 64, 23, 90, 50, 120, 30, 77, 45]
+    seen = set()
+    with context:
+        for length in lengths:
+            tokens, targets = (torch.randint(0, 256, (4, length), generator=generator) for _ in range(2))
+            start = time.perf_counter()
+            want = loss_fn(cpu, tokens, targets)
+            want.backward()
+            optimizers[0].step()
+            optimizers[0].zero_grad()
+            middle = time.perf_counter()
+            before = programs()
+            if marks != "none":
+                for t in (tokens, targets):
+                    torch_pjrt.mark_dynamic(t, 1, max=128)
+            got = loss_fn(pjrt, tokens.to("pjrt"), targets.to("pjrt"))
+            got.backward()
+            optimizers[1].step()
+            optimizers[1].zero_grad()
+            got = got.item()
+            end = time.perf_counter()
+            bucket = 1 << (length - 1).bit_length()
+            if bucket in seen:
+                row["compiles_after_first"] += programs() - before
+                row["cpu_s"] += middle - start
+                row["pjrt_s"] += end - middle
+            seen.add(bucket)
+            row["worst_loss_difference"] = max(row["worst_loss_difference"], abs(got - want.item()))
+    row["buckets"] = len(seen)
+    print(json.dumps(row))
+    """
+)
+
+
+def run(code: str) -> dict:
+    env = {**os.environ, "TORCH_PJRT_CACHE_DIR": "0"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    if result.returncode:
+        raise RuntimeError(result.stderr[-3000:])
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", choices=["generate", "train"])
+    only = parser.parse_args().only
+    if only in (None, "generate"):
+        print("generate(): 4-layer Llama, 8 new tokens, 12 new prompt lengths 5..60 after 2 warm-ups")
+        print(f"{'mode':<8}{'cache':<9}{'marks':<24}{'compiles':>9}{'per length':>11}{'pjrt s':>8}"
+              f"{'cpu s':>7}{'ratio':>7}  tokens equal")
+        for mode, cache, marks in (("strict", "dynamic", "none"), ("strict", "dynamic", "powers of two"),
+                                   ("strict", "dynamic", "64,128"), ("strict", "static", "64,128"),
+                                   ("fused", "dynamic", "64,128"), ("fused", "static", "64,128")):
+            row = run(GENERATE.format(mode=mode, marks=marks, cache=cache))
+            print(f"{mode:<8}{cache:<9}{marks:<24}{row['compiles']:>9.0f}{row['compiles'] / 12:>11.1f}"
+                  f"{row['pjrt_s']:>8.2f}{row['cpu_s']:>7.2f}{row['pjrt_s'] / row['cpu_s']:>7.1f}  {row['equal']}"
+                  + (f" ({row['unmaskable']:.0f} unmaskable ops)" if row["unmaskable"] else ""), flush=True)
+    if only in (None, "train"):
+        examples = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples")
+        print("\ntraining: GPT (batch 4), SGD, 12 steps at lengths 16..128 (5 power-of-two buckets)")
+        print(f"{'mode':<8}{'marks':<16}{'compiles after a bucket first ran':>35}{'pjrt s':>8}{'cpu s':>7}"
+              f"{'worst loss diff':>17}")
+        for mode, marks in (("strict", "none"), ("strict", "max=128"), ("fused", "max=128")):
+            row = run(TRAIN.format(examples=examples, mode=mode, marks=marks))
+            print(f"{mode:<8}{marks:<16}{row['compiles_after_first']:>35.0f}{row['pjrt_s']:>8.2f}"
+                  f"{row['cpu_s']:>7.2f}{row['worst_loss_difference']:>17.2e}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
