@@ -179,7 +179,8 @@ def test_training_over_varying_lengths_matches_cpu_with_bounded_compiles(mode: s
     assert torch_pjrt.metrics.counters()["dynamic_unmaskable"] == 0
 
 
-def test_hugging_face_generate_with_marked_prompts_compiles_once_per_bucket() -> None:
+def test_hugging_face_generate_marks_the_prompt_itself() -> None:
+    """generate() on pjrt marks input_ids and attention_mask (integrations.py): no user line."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(7)
     config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
@@ -195,9 +196,9 @@ def test_hugging_face_generate_with_marked_prompts_compiles_once_per_bucket() ->
         with torch.no_grad():
             want = cpu.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
             before = compiles()
-            got = dev.generate(marked(ids), attention_mask=marked(mask), max_new_tokens=4, do_sample=False,
+            got = dev.generate(ids.to("pjrt"), attention_mask=mask.to("pjrt"), max_new_tokens=4, do_sample=False,
                                pad_token_id=0)
             new_programs.append(compiles() - before)
         assert torch.equal(got.cpu(), want)
-    # lengths 9..17 stay in the bucket 16: the third prompt compiles nothing
-    assert new_programs[2] == 0, new_programs
+    # lengths 9..17 stay in the bucket 16: the third prompt compiles only the pad of its inputs
+    assert new_programs[2] <= 1, new_programs

@@ -2,6 +2,11 @@
 
 safetensors' Rust core only accepts the device names it knows, so `load_file(path,
 device="pjrt")` is wrapped to load on CPU and move each tensor (one transfer per tensor).
+
+Hugging Face `generate()` on pjrt marks the prompt's length dynamic (input_ids and attention_mask,
+dim 1, up to the model's max_position_embeddings): prompts of new lengths and the KV cache growing
+by one token then reuse the programs of their bucket instead of compiling per length, with no line
+of the user's code. Marks never change values; `TORCH_PJRT_DYNAMIC_GENERATE=0` turns this off.
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ import sys
 from typing import Any
 
 import torch
+
+from torch_pjrt import envvars
 
 
 def _is_pjrt(device: Any) -> bool:
@@ -37,7 +44,35 @@ def _patch_safetensors(module: Any) -> None:
     module.load_file = load_file
 
 
-PATCHES = {"safetensors.torch": _patch_safetensors}
+def _patch_generate(module: Any) -> None:
+    mixin = module.GenerationMixin
+    original = mixin.generate
+    if getattr(original, "_pjrt_aware", False):
+        return
+
+    @functools.wraps(original)
+    def generate(self: Any, inputs: Any = None, *args: Any, **kwargs: Any) -> Any:
+        if envvars.flag("TORCH_PJRT_DYNAMIC_GENERATE"):
+            _mark_prompt(self, inputs if inputs is not None else kwargs.get("input_ids"), kwargs.get("attention_mask"))
+        return original(self, inputs, *args, **kwargs)
+
+    generate._pjrt_aware = True
+    mixin.generate = generate
+
+
+def _mark_prompt(model: Any, *tensors: Any) -> None:
+    from torch_pjrt.eager import dynamic
+
+    bound = getattr(getattr(model, "config", None), "max_position_embeddings", None) or 0
+    for tensor in tensors:
+        if isinstance(tensor, torch.Tensor) and tensor.device.type == "pjrt" and tensor.dim() == 2:
+            try:
+                dynamic.mark_eager(tensor, 1, bound)
+            except ValueError:
+                continue  # a view of another tensor: left exact
+
+
+PATCHES = {"safetensors.torch": _patch_safetensors, "transformers.generation.utils": _patch_generate}
 
 
 class _PatchingLoader(importlib.abc.Loader):

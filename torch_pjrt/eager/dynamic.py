@@ -37,7 +37,7 @@ import sympy
 import torch
 import torch.fx
 
-from torch_pjrt import _torch_private, storage
+from torch_pjrt import _torch_private, envvars, storage
 from torch_pjrt.ops import padding
 from torch_pjrt.ops.padding import CannotPad
 from torch_pjrt.runtime import client, metrics, programs
@@ -701,9 +701,11 @@ def has_live_lengths() -> bool:
 
 
 def warn_unmaskable(name: str, reason: str, where: str) -> None:
+    """Count an op that ran at true sizes on padded tensors; warn once per op (each time under
+    TORCH_PJRT_DEBUG_RECOMPILE)."""
     metrics.bump("dynamic_unmaskable")
     metrics.unmaskable_ops[name] += 1
-    if metrics.unmaskable_ops[name] == 1:
+    if metrics.unmaskable_ops[name] == 1 or envvars.flag("TORCH_PJRT_DEBUG_RECOMPILE"):
         warnings.warn(
             f"torch_pjrt: {name} cannot run on padded (dynamic) tensors ({reason}); it runs at their true "
             f"sizes, compiling once per size. User line: {where}",

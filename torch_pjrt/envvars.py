@@ -1,0 +1,42 @@
+"""Every environment variable torch_pjrt reads, registered once with its default and meaning.
+
+Readers ask this module (`flag`, `value`), so the table below is the whole list; the README's
+table of variables is generated from the same text.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+
+class Variable(NamedTuple):
+    default: str
+    meaning: str
+
+
+VARIABLES: dict[str, Variable] = {
+    "TORCH_PJRT_PLATFORM": Variable("", "which PJRT platform: cpu, cuda or tpu (default: the best one jaxlib finds)"),
+    "TORCH_PJRT_CPU_DEVICES": Variable("", "N CPU devices (pjrt:0..N-1) on the CPU platform"),
+    "TORCH_PJRT_EAGER_MODE": Variable("", "defer_never (default), defer_never_and_launch_blocking, defer_and_fuse"),
+    "TORCH_PJRT_LAUNCH_BLOCKING": Variable("0", "1: wait for every op"),
+    "TORCH_PJRT_CPU_FALLBACK": Variable("0", "1: run ops with no lowering on CPU instead of raising"),
+    "TORCH_PJRT_CACHE_DIR": Variable("", "persistent cache folder (default ~/.cache/torch_pjrt; 0 disables)"),
+    "TORCH_PJRT_FUSE_MAX_NODES": Variable("1000", "ops recorded before fused mode flushes on its own"),
+    "TORCH_PJRT_DEBUG_RECOMPILE": Variable("0", "1: print why a fused program recompiled, and every op that "
+                                                "ran at true sizes on dynamic tensors"),
+    "TORCH_PJRT_RECOMPILE_BUDGET": Variable("8", "compiles of one torch.compile graph for distinct shapes before "
+                                                 "the warning"),
+    "TORCH_PJRT_DYNAMIC_GENERATE": Variable("1", "0: Hugging Face generate() on pjrt leaves the prompt length "
+                                                 "unmarked (it is marked dynamic by default)"),
+}
+
+
+def value(name: str) -> str:
+    """The variable's value, or its registered default."""
+    return os.environ.get(name, VARIABLES[name].default)
+
+
+def flag(name: str) -> bool:
+    """A variable read as on/off: unset or empty means its default, "0" means off."""
+    return value(name).strip() not in ("", "0")
