@@ -5,8 +5,9 @@ same weights and inputs in that process:
 - generate: Hugging Face `generate()` of a 4-layer Llama (width 128, random weights), greedy, 8 new
   tokens, two warm-up prompts (lengths 7 and 11), then 12 new prompt lengths 5..60. Columns: programs
   compiled over the 12 (and per length), seconds for the 12 on pjrt and on CPU, and whether every
-  token equals CPU's. The user's one line is marking the prompt (`torch_pjrt.mark_dynamic(ids, 1,
-  max=128)`, and the mask) before `generate`.
+  token equals CPU's. Marks: none (TORCH_PJRT_DYNAMIC_GENERATE=0), automatic (generate() marks the
+  prompt itself, power-of-two buckets), or the user's `torch_pjrt.mark_dynamic(ids, 1, max=128,
+  buckets=[64, 128])` (and the mask) before `generate`.
 - train: the GPT of examples/gpt.py (batch 4), SGD, 12 steps over sequence lengths 16..128; programs
   compiled after the first step of each bucket, and the largest loss difference from CPU.
 Run: .venv/bin/python bench/dynamic_eager.py [--only generate|train]
@@ -40,7 +41,7 @@ GENERATE = textwrap.dedent(
 
     def generate(model, ids, device):
         mask = torch.ones_like(ids)
-        if device == "pjrt" and marks != "none":
+        if device == "pjrt" and marks not in ("none", "automatic"):
             buckets = None if marks == "powers of two" else [64, 128]
             for t in (ids, mask):
                 torch_pjrt.mark_dynamic(t, 1, max=128, buckets=buckets)
@@ -129,8 +130,8 @@ TRAIN = textwrap.dedent(
 )
 
 
-def run(code: str) -> dict:
-    env = {**os.environ, "TORCH_PJRT_CACHE_DIR": "0"}
+def run(code: str, **env_vars: str) -> dict:
+    env = {**os.environ, "TORCH_PJRT_CACHE_DIR": "0", **env_vars}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     if result.returncode:
         raise RuntimeError(result.stderr[-3000:])
@@ -145,10 +146,12 @@ def main() -> None:
         print("generate(): 4-layer Llama, 8 new tokens, 12 new prompt lengths 5..60 after 2 warm-ups")
         print(f"{'mode':<8}{'cache':<9}{'marks':<24}{'compiles':>9}{'per length':>11}{'pjrt s':>8}"
               f"{'cpu s':>7}{'ratio':>7}  tokens equal")
-        for mode, cache, marks in (("strict", "dynamic", "none"), ("strict", "dynamic", "powers of two"),
+        for mode, cache, marks in (("strict", "dynamic", "none"), ("strict", "dynamic", "automatic"),
                                    ("strict", "dynamic", "64,128"), ("strict", "static", "64,128"),
-                                   ("fused", "dynamic", "64,128"), ("fused", "static", "64,128")):
-            row = run(GENERATE.format(mode=mode, marks=marks, cache=cache))
+                                   ("fused", "dynamic", "automatic"), ("fused", "dynamic", "64,128"),
+                                   ("fused", "static", "64,128")):
+            row = run(GENERATE.format(mode=mode, marks=marks, cache=cache),
+                      TORCH_PJRT_DYNAMIC_GENERATE="0" if marks == "none" else "1")
             print(f"{mode:<8}{cache:<9}{marks:<24}{row['compiles']:>9.0f}{row['compiles'] / 12:>11.1f}"
                   f"{row['pjrt_s']:>8.2f}{row['cpu_s']:>7.2f}{row['pjrt_s'] / row['cpu_s']:>7.1f}  {row['equal']}"
                   + (f" ({row['unmaskable']:.0f} unmaskable ops)" if row["unmaskable"] else ""), flush=True)
