@@ -6,11 +6,13 @@ same weights and inputs in that process:
   tokens, two warm-up prompts (lengths 7 and 11), then 12 new prompt lengths 5..60. Columns: programs
   compiled over the 12 (and per length), seconds for the 12 on pjrt and on CPU, and whether every
   token equals CPU's. Marks: none (TORCH_PJRT_DYNAMIC_GENERATE=0), automatic (generate() marks the
-  prompt itself, power-of-two buckets), or the user's `torch_pjrt.mark_dynamic(ids, 1, max=128,
+  prompt itself: buckets 64, 128, 256), or the user's `torch_pjrt.mark_dynamic(ids, 1, max=128,
   buckets=[64, 128])` (and the mask) before `generate`.
 - train: the GPT of examples/gpt.py (batch 4), SGD, 12 steps over sequence lengths 16..128; programs
   compiled after the first step of each bucket, and the largest loss difference from CPU.
-Run: .venv/bin/python bench/dynamic_eager.py [--only generate|train]
+- compiled: that GPT's forward under torch.compile(backend="pjrt") over 43 lengths 2..128, every
+  program compiled (graphs, pads, slices, eager ops) counted, and the largest difference from CPU.
+Run: .venv/bin/python bench/dynamic_eager.py [--only generate|train|compiled]
 """
 
 from __future__ import annotations
@@ -130,6 +132,34 @@ TRAIN = textwrap.dedent(
 )
 
 
+COMPILED = textwrap.dedent(
+    """
+    import json, sys, time, warnings, torch, torch_pjrt
+    sys.path.insert(0, {examples!r})
+    from gpt import GPT
+    warnings.simplefilter("ignore")
+    torch.manual_seed(0)
+    cpu = GPT(width=64, layers=2, heads=4, context=128)
+    pjrt = GPT(width=64, layers=2, heads=4, context=128)
+    pjrt.load_state_dict(cpu.state_dict())
+    forward = torch.compile(pjrt.to("pjrt"), backend="pjrt")
+    counts = torch_pjrt.metrics.counters
+    before = counts()["compiles"]
+    worst = 0.0
+    start = time.perf_counter()
+    for length in range(2, 129, 3):
+        tokens = torch.randint(0, 256, (2, length))
+        if {marks!r}:
+            torch_pjrt.mark_dynamic(tokens, 1, min=2, max=128)
+        with torch.no_grad():
+            got = forward(tokens.to("pjrt")).cpu()
+        worst = max(worst, (got - cpu(tokens)).abs().max().item())
+    print(json.dumps(dict(compiles=counts()["compiles"] - before, graph=counts()["graph_compiles"],
+                          seconds=time.perf_counter() - start, worst=worst)))
+    """
+)
+
+
 def run(code: str, **env_vars: str) -> dict:
     env = {**os.environ, "TORCH_PJRT_CACHE_DIR": "0", **env_vars}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
@@ -140,14 +170,14 @@ def run(code: str, **env_vars: str) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", choices=["generate", "train"])
+    parser.add_argument("--only", choices=["generate", "train", "compiled"])
     only = parser.parse_args().only
     if only in (None, "generate"):
         print("generate(): 4-layer Llama, 8 new tokens, 12 new prompt lengths 5..60 after 2 warm-ups")
         print(f"{'mode':<8}{'cache':<9}{'marks':<24}{'compiles':>9}{'per length':>11}{'pjrt s':>8}"
               f"{'cpu s':>7}{'ratio':>7}  tokens equal")
         for mode, cache, marks in (("strict", "dynamic", "none"), ("strict", "dynamic", "automatic"),
-                                   ("strict", "dynamic", "64,128"), ("strict", "static", "64,128"),
+                                   ("strict", "dynamic", "64,128"), ("strict", "static", "automatic"),
                                    ("fused", "dynamic", "automatic"), ("fused", "dynamic", "64,128"),
                                    ("fused", "static", "64,128")):
             row = run(GENERATE.format(mode=mode, marks=marks, cache=cache),
@@ -164,6 +194,17 @@ def main() -> None:
             row = run(TRAIN.format(examples=examples, mode=mode, marks=marks))
             print(f"{mode:<8}{marks:<16}{row['compiles_after_first']:>35.0f}{row['pjrt_s']:>8.2f}"
                   f"{row['cpu_s']:>7.2f}{row['worst_loss_difference']:>17.2e}", flush=True)
+
+    if only in (None, "compiled"):
+        examples = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples")
+        print("\ntorch.compile(backend='pjrt') GPT forward (batch 2), 43 lengths 2..128")
+        print(f"{'marks':<28}{'programs compiled (all kinds)':>31}{'graph programs':>16}{'seconds':>9}"
+              f"{'worst difference':>18}")
+        for marks in (False, True):
+            row = run(COMPILED.format(examples=examples, marks=marks))
+            label = "mark_dynamic(max=128)" if marks else "none"
+            print(f"{label:<28}{row['compiles']:>31.0f}{row['graph']:>16.0f}{row['seconds']:>9.1f}"
+                  f"{row['worst']:>18.2e}", flush=True)
 
 
 if __name__ == "__main__":

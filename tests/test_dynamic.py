@@ -202,3 +202,23 @@ def test_hugging_face_generate_marks_the_prompt_itself() -> None:
         assert torch.equal(got.cpu(), want)
     # lengths 9..17 stay in the bucket 16: the third prompt compiles only the pad of its inputs
     assert new_programs[2] <= 1, new_programs
+
+
+def test_a_compiled_graph_takes_and_returns_padded_tensors_without_per_length_programs() -> None:
+    torch.manual_seed(8)
+    weight = torch.randn(8, 8)
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return (x @ weight.to(x.device)).softmax(1) * 2
+
+    compiled = torch.compile(fn, backend="pjrt")
+    new_programs = []
+    for length in (20, 27, 23, 30):
+        x = torch.randn(3, length, 8)
+        torch_pjrt.mark_dynamic(x, 1, min=2, max=64)
+        before = torch_pjrt.metrics.counters()["compiles"]
+        got = compiled(x.to("pjrt"))
+        assert torch_pjrt.get_dynamism_info(got)["dims"] == {1: {"size": length, "bucket": 32}}
+        torch.testing.assert_close(got.cpu(), fn(x))
+        new_programs.append(torch_pjrt.metrics.counters()["compiles"] - before)
+    assert sum(new_programs[1:]) == 0, new_programs

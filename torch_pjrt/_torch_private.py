@@ -218,3 +218,15 @@ def symbolic_fake_mode(values: list[int]) -> tuple[Any, Any, list[Any], list[tor
         symbols.append(symbol)
         sizes.append(env.create_symintnode(symbol, hint=value))
     return env, mode, symbols, sizes
+
+
+_DYNAMO_MARKS = ("_has_dynamo_dim_marking", "_specialize_on", "_dynamo_dynamic_indices", "_dynamo_dynamic_range",
+                 "_dynamo_hint_overrides")
+
+
+def copy_dynamo_marks(source: torch.Tensor, target: torch.Tensor) -> None:
+    """Carry torch._dynamo.mark_dynamic's marks (tensor attributes) from a tensor to its device copy."""
+    for name in _DYNAMO_MARKS:
+        if name in source.__dict__:
+            value = source.__dict__[name]
+            target.__dict__[name] = value.copy() if hasattr(value, "copy") else value

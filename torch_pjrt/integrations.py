@@ -4,9 +4,9 @@ safetensors' Rust core only accepts the device names it knows, so `load_file(pat
 device="pjrt")` is wrapped to load on CPU and move each tensor (one transfer per tensor).
 
 Hugging Face `generate()` on pjrt marks the prompt's length dynamic (input_ids and attention_mask,
-dim 1, up to the model's max_position_embeddings): prompts of new lengths and the KV cache growing
-by one token then reuse the programs of their bucket instead of compiling per length, with no line
-of the user's code. Marks never change values; `TORCH_PJRT_DYNAMIC_GENERATE=0` turns this off.
+dim 1, buckets 64, 128, ... up to the model's max_position_embeddings): prompts of new lengths and
+the KV cache growing by one token then reuse the programs of their bucket instead of compiling per
+length, with no line of the user's code. Marks never change values; `TORCH_PJRT_DYNAMIC_GENERATE=0` turns this off.
 """
 
 from __future__ import annotations
@@ -60,14 +60,19 @@ def _patch_generate(module: Any) -> None:
     mixin.generate = generate
 
 
+GENERATE_SMALLEST_BUCKET = 64
+
+
 def _mark_prompt(model: Any, *tensors: Any) -> None:
     from torch_pjrt.eager import dynamic
 
     bound = getattr(getattr(model, "config", None), "max_position_embeddings", None) or 0
+    # Powers of two from 64: a short prompt's padding is cheap, and every prompt under 64 shares a bucket.
+    buckets = dynamic.ladder(GENERATE_SMALLEST_BUCKET, bound) if bound > GENERATE_SMALLEST_BUCKET else bound
     for tensor in tensors:
         if isinstance(tensor, torch.Tensor) and tensor.device.type == "pjrt" and tensor.dim() == 2:
             try:
-                dynamic.mark_eager(tensor, 1, bound)
+                dynamic.mark_eager(tensor, 1, buckets)
             except ValueError:
                 continue  # a view of another tensor: left exact
 

@@ -26,6 +26,7 @@ import torch.fx
 
 from torch_pjrt import _registration, _torch_private, storage
 from torch_pjrt.compile import padding
+from torch_pjrt.eager import dynamic
 from torch_pjrt.ops import graph
 from torch_pjrt.runtime import client, disk_store, metrics, programs, rng
 
@@ -162,7 +163,8 @@ class CompiledGraph:
             self.bounds = None
         self.symbolic_constants = any(isinstance(out.constant, torch.SymInt) for out in self.outputs)
 
-    def _program(self, signature: tuple, padded: dict[Any, int] | None, example: tuple) -> SignatureProgram:
+    def _program(self, signature: tuple, padded: dict[Any, int] | None, example: tuple,
+                 out_buckets: tuple[int, ...] = ()) -> SignatureProgram:
         """The program for one input signature, and the layouts of its outputs (known once traced).
 
         The program takes the flat storages of the pjrt inputs (each once) and reads every input
@@ -170,7 +172,7 @@ class CompiledGraph:
         back as flat storages, and mutated inputs as their storages' new flat arrays. With padded
         sizes, inputs and outputs of symbolic shape are flat buffers with their true elements first.
         """
-        key = (signature, None if padded is None else tuple(padded.values()))
+        key = (signature, None if padded is None else tuple(padded.values()), out_buckets)
         found = self.programs.get(key)
         if found is not None:
             return found
@@ -190,6 +192,10 @@ class CompiledGraph:
                     inputs.append(storage.read_view(flats[slot], storage_dtype, view))
                 elif entry[0] == "padded":
                     inputs.append(padding.expand(flats[entry[1]], meta, sizes))
+                elif entry[0] == "block":
+                    _, slot, leaf, symbols = entry
+                    inputs.append(dynamic.read_leaf(flats[slot], leaf, [sizes.true[s] for s in symbols],
+                                                    [padded[s] for s in symbols]))
                 elif entry[0] == "size":
                     inputs.append(sizes.real(meta))
                 elif entry[0] == "host":
@@ -212,6 +218,7 @@ class CompiledGraph:
             outputs = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
             tensors = []
             layouts.clear()
+            buckets = iter(out_buckets)
             for value, out in zip(outputs, described):
                 if not out.is_tensor or value is None:
                     layouts.append(None)
@@ -219,8 +226,11 @@ class CompiledGraph:
                     layouts.append(("host",))
                     tensors.append(value)
                 elif sizes is not None and padding.is_symbolic(out.meta):
-                    layouts.append((storage.torch_dtype(value.dtype), out.meta))
-                    tensors.append(padding.compact(value, out.meta, sizes))
+                    factors = [dynamic.factors_of(size) for size in out.meta.shape]
+                    padded_factors = [[f if isinstance(f, int) else next(buckets) for f in dim] for dim in factors]
+                    true_factors = [[f if isinstance(f, int) else sizes.value(f) for f in dim] for dim in factors]
+                    layouts.append(("block", storage.torch_dtype(value.dtype), factors))
+                    tensors.append(dynamic.finish(value, padded_factors, true_factors))
                 else:
                     shape = tuple(value.shape)
                     strides = storage.strides_in_order(shape, out.order) if out.order else None
@@ -262,7 +272,7 @@ class CompiledGraph:
         """Which input and dimension kept changing, and the user's line, for the budget warning."""
         names = [n.name for n in self.gm.graph.nodes if n.op == "placeholder"]
         shapes: dict[tuple[int, int], set[int]] = {}
-        for signature, _ in self.programs:
+        for signature, *_ in self.programs:
             for position, entry in enumerate(signature):
                 sizes = entry[2].sizes if entry[0] == "pjrt" else entry[1] if entry[0] == "host" else ()
                 for dim, size in enumerate(sizes):
@@ -306,6 +316,15 @@ class CompiledGraph:
         for value, meta in zip(args, self.metas):
             if isinstance(value, torch.Tensor) and not value.is_cpu:
                 device = device or value.device
+                block = None if padded is None or not padding.is_symbolic(meta) else _block_input(
+                    value, meta, padded, values)
+                if block is not None:
+                    signature.append(("block", len(stores), *block))
+                    stores.append(None)
+                    layout = storage.storage_of(value).array
+                    flats.append(layout.array.resolve() if isinstance(layout.array, storage.PendingArray)
+                                 else layout.array)
+                    continue
                 if padded is not None and padding.is_symbolic(meta):
                     signature.append(("padded", len(stores)))
                     stores.append(None)
@@ -331,7 +350,8 @@ class CompiledGraph:
         key = rng.state(device.index).next_key() if self.random else None
         # True sizes are traced program arguments: a new size in the same bucket must not recompile.
         true = [] if padded is None else [np.asarray(values[s], np.int64) for s in padded]
-        found = self._program(tuple(signature), padded, (flats, hosts, key, true))
+        out_buckets = () if padded is None else self._out_buckets(values)
+        found = self._program(tuple(signature), padded, (flats, hosts, key, true), out_buckets)
         tensors, written, host_updates = found.program.call(flats, hosts, key, true)
         # After the inputs were read: the eager part writes into CPU inputs the program reads as they were.
         computed = self._run_eager_part(args)
@@ -340,6 +360,39 @@ class CompiledGraph:
         for index, value in zip(found.host_mutations, client.to_host_many(host_updates) if host_updates else []):
             args[index].copy_(storage.host_tensor(value))
         return self._results(computed, values, found.layouts, tensors, device)
+
+    def _out_buckets(self, values: dict[Any, int]) -> tuple[int, ...]:
+        """The bucket of every dynamic factor of the outputs' sizes in this call (part of the key)."""
+        found = []
+        for out in self.outputs:
+            if out.is_tensor and not out.transferred and padding.is_symbolic(out.meta):
+                for size in out.meta.shape:
+                    for factor in dynamic.factors_of(size):
+                        if not isinstance(factor, int):
+                            true = padding.concrete_expr(factor, values)
+                            found.append(dynamic.bucket(true, self._bound_of(factor)) or true)
+        return tuple(found)
+
+    def _bound_of(self, expr: Any) -> int:
+        return dynamic.bound_of(expr, list(self.bounds), list(self.bounds.values()))
+
+    def _block_output(self, array: Any, dtype: torch.dtype, factors: list[tuple[Any, ...]], values: dict[Any, int],
+                      device: torch.device) -> torch.Tensor:
+        """A padded graph output as an eager tensor held padded (eager/dynamic.py)."""
+        shape, padded, bounds, sizes = [], [], [], []
+        for dim in factors:
+            size = 1
+            for factor in dim:
+                true = factor if isinstance(factor, int) else padding.concrete_expr(factor, values)
+                bound = None if isinstance(factor, int) else self._bound_of(factor)
+                bucket = None if bound is None else dynamic.bucket(true, bound)
+                shape.append(true)
+                padded.append(bucket or true)
+                bounds.append(bound if bucket is not None else None)
+                size *= true
+            sizes.append(size)
+        layout = storage.Padded(array, tuple(shape), tuple(padded), tuple(bounds))
+        return storage.new_tensor(layout, dtype, device, sizes, storage.contiguous_strides(sizes), math.prod(sizes))
 
     def _run_eager_part(self, args: Sequence[Any]) -> list[Any]:
         return self.eager_part.forward(*args) if self.eager_part is not None else []
@@ -356,14 +409,43 @@ class CompiledGraph:
                 results.append(_constant(out.constant, values))
             elif layout[0] == "host":
                 results.append(storage.host_tensor(client.to_host(next(produced))))
-            elif len(layout) == 2:
-                flat = next(produced)
-                sizes = [padding.concrete(s, values) for s in layout[1].shape]
-                results.append(storage.new_tensor(flat, layout[0], device, sizes, numel=flat.shape[0]))
+            elif layout[0] == "block":
+                results.append(self._block_output(next(produced), layout[1], layout[2], values, device))
             else:
                 dtype, shape, strides, numel = layout
                 results.append(storage.new_tensor(next(produced), dtype, device, shape, strides, numel))
         return results
+
+
+def _block_input(tensor: torch.Tensor, meta: torch.Tensor, padded: dict[Any, int],
+                 values: dict[Any, int]) -> tuple[Any, tuple[Any, ...]] | None:
+    """An input held padded (eager/dynamic.py) whose dynamic dims are the graph's symbols at the
+    graph's buckets: the program reads its padded array as it is, so no program pads it per size.
+    Returns its padded view and the graph symbol of each of its size classes."""
+    st = storage.storage_of(tensor)
+    if not isinstance(st.array, storage.Padded):
+        return None
+    symbols = dynamic.Symbols()
+    leaf = dynamic.describe(tensor, st, 0, symbols)
+    if leaf is None or leaf.relayouts or leaf.starts:
+        return None
+    classes: list[Any] = [None] * len(symbols.values)
+    for size, factors in zip(meta.shape, leaf.dims):
+        if not isinstance(size, torch.SymInt):
+            if factors is not None:
+                return None
+            continue
+        expr = size.node.expr
+        if factors is None or len(factors) != 1 or factors[0][1] != 0 or not expr.is_Symbol:
+            return None
+        cls = factors[0][0]
+        if classes[cls] not in (None, expr) or symbols.values[cls] != values.get(expr) or (
+                symbols.buckets()[cls] != padded[expr]):
+            return None
+        classes[cls] = expr
+    if any(c is None for c in classes):
+        return None
+    return leaf, tuple(classes)
 
 
 def _can_store() -> bool:

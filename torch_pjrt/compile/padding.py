@@ -24,8 +24,8 @@ from torch_pjrt.ops.padding import (  # noqa: F401 (the backend reaches the rule
     PaddedInterpreter,
     Sizes,
     bucket,
-    compact,
     concrete,
+    concrete_expr,
     expand,
     is_symbolic,
 )

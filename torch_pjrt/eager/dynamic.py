@@ -24,6 +24,7 @@ as a plain int: padding never changes values, only which programs run.
 
 from __future__ import annotations
 
+import bisect
 import builtins
 import collections
 import functools
@@ -48,22 +49,38 @@ from torch_pjrt.storage import Padded, View
 # Lengths marked dynamic lately (true size -> (upper bound, ops executed when last seen)), newest
 # last: factories with such a size pad. A length counts for _LIVE_OPS ops after it was last seen
 # (marked, or a dynamic size of a padded result), so code that never met it is left alone.
-_LIVE_LENGTHS: collections.OrderedDict[int, tuple[int, float]] = collections.OrderedDict()
+_LIVE_LENGTHS: collections.OrderedDict[int, tuple[Bound, float]] = collections.OrderedDict()
 _LIVE_LIMIT = 16
 _LIVE_OPS = 512
 
 
-def bucket(size: int, upper: int) -> int | None:
-    """The padded size of a dynamic dim (upper 0: powers of two, unbounded), or None when it is
-    exact: past its bound, or below 2."""
-    if size < 2 or (upper and size > upper):
+Bound = Any  # how a dynamic dim is bucketed: an upper bound (0: powers of two, unbounded) or a ladder of sizes
+
+
+def bucket(size: int, upper: Bound) -> int | None:
+    """The padded size of a dynamic dim, or None when it is exact: past its bound, or below 2.
+    `upper` is an int bound (powers of two up to it, or the ladder mark_dynamic registered for it;
+    0: powers of two, unbounded) or a tuple of bucket sizes."""
+    if size < 2:
+        return None
+    if isinstance(upper, tuple):
+        return None if size > upper[-1] else upper[bisect.bisect_left(upper, size)]
+    if upper and size > upper:
         return None
     if not upper:
         return 1 << (size - 1).bit_length()
     return padding.bucket(size, upper)
 
 
-def note_length(size: int, upper: int) -> None:
+def ladder(smallest: int, upper: int) -> tuple[int, ...]:
+    """Powers of two from `smallest` up to `upper`, and `upper` (a floor keeps short sizes in one bucket)."""
+    sizes = [smallest]
+    while sizes[-1] < upper:
+        sizes.append(min(sizes[-1] * 2, upper))
+    return tuple(sizes)
+
+
+def note_length(size: int, upper: Bound) -> None:
     if size < 2:
         return
     _LIVE_LENGTHS.pop(size, None)
@@ -72,7 +89,7 @@ def note_length(size: int, upper: int) -> None:
         _LIVE_LENGTHS.popitem(last=False)
 
 
-def live_bound(size: int) -> int | None:
+def live_bound(size: int) -> Bound | None:
     """The bound of `size` when it is a length marked dynamic lately, else None."""
     found = _LIVE_LENGTHS.get(size)
     if found is None or metrics.counters_now("ops_executed") - found[1] > _LIVE_OPS:
@@ -94,19 +111,19 @@ def mark_dynamic(
     dim = dim % builtins.max(tensor.dim(), 1)
     if tensor.shape[dim] < 2:
         return
+    sizes = None
     if buckets is not None:
-        ladder = tuple(sorted({int(b) for b in buckets}))
-        if ladder[-1] < max:
-            raise ValueError(f"torch_pjrt.mark_dynamic: the largest bucket {ladder[-1]} is below max={max}.")
-        padding.LADDERS[max] = ladder
+        sizes = tuple(sorted({int(b) for b in buckets}))
+        if sizes[-1] < max:
+            raise ValueError(f"torch_pjrt.mark_dynamic: the largest bucket {sizes[-1]} is below max={max}.")
+        padding.LADDERS[max] = sizes
     torch._dynamo.mark_dynamic(tensor, dim, min=None if min is None else builtins.max(min, 2), max=max)
-    mark_eager(tensor, dim, max or 0)
+    mark_eager(tensor, dim, sizes or max or 0)
 
 
-def mark_eager(tensor: torch.Tensor, dim: int, upper: int) -> None:
-    """Hold a tensor's storage padded along `dim` (a CPU tensor is padded when it moves to pjrt).
-
-    `upper` is the bound whose ladder buckets the size (0: powers of two, unbounded)."""
+def mark_eager(tensor: torch.Tensor, dim: int, upper: Bound) -> None:
+    """Hold a tensor's storage padded along `dim` (a CPU tensor is padded when it moves to pjrt);
+    `upper` says how the size is bucketed (see `bucket`)."""
     size = tensor.shape[dim]
     if bucket(size, upper) is None:
         return
@@ -166,10 +183,10 @@ def _padder(shape: tuple[int, ...], padded_shape: tuple[int, ...], dtype: torch.
     return _padders[key]
 
 
-def pad_host(array: np.ndarray, sizes: Sequence[int], marks: dict[int, int]) -> tuple[np.ndarray, Padded]:
+def pad_host(array: np.ndarray, sizes: Sequence[int], marks: dict[int, Bound]) -> tuple[np.ndarray, Padded]:
     """A marked CPU tensor's elements padded on the host (free: it is copied anyway), and its layout."""
     shape = tuple(sizes)
-    bounds: list[int | None] = [None] * len(shape)
+    bounds: list[Bound | None] = [None] * len(shape)
     for dim, upper in marks.items():
         if bucket(shape[dim], upper) is not None:
             bounds[dim] = upper
@@ -178,7 +195,7 @@ def pad_host(array: np.ndarray, sizes: Sequence[int], marks: dict[int, int]) -> 
     return np.pad(array.reshape(shape), widths), Padded(None, shape, padded_shape, tuple(bounds))
 
 
-def host_marks(tensor: torch.Tensor) -> dict[int, int] | None:
+def host_marks(tensor: torch.Tensor) -> dict[int, Bound] | None:
     return getattr(tensor, "_pjrt_dynamic", None)
 
 
@@ -187,7 +204,7 @@ def get_dynamism_info(tensor: torch.Tensor) -> dict[str, Any]:
     storage's true and padded shapes (None when it is not padded)."""
     if tensor.device.type == "cpu":
         marks = host_marks(tensor) or {}
-        return {"dims": {d: {"size": tensor.shape[d], "bucket": bucket(tensor.shape[d], u), "max": u or None}
+        return {"dims": {d: {"size": tensor.shape[d], "bucket": bucket(tensor.shape[d], u)}
                          for d, u in marks.items()}, "storage": None}
     st = storage.storage_of(tensor)
     layout = st.array
@@ -351,11 +368,11 @@ class Symbols:
     __slots__ = ("index", "values", "uppers")
 
     def __init__(self) -> None:
-        self.index: dict[tuple[int, int | None], int] = {}
+        self.index: dict[tuple[int, Bound], int] = {}
         self.values: list[int] = []
-        self.uppers: list[int] = []
+        self.uppers: list[Bound] = []
 
-    def of(self, value: int, upper: int) -> int:
+    def of(self, value: int, upper: Bound) -> int:
         key = (value, upper)
         found = self.index.get(key)
         if found is None:
@@ -671,7 +688,7 @@ def factors_of(size: Any) -> tuple[Any, ...]:
     return (expr,)
 
 
-def bound_of(expr: Any, symbols: Sequence[Any], uppers: Sequence[int]) -> int:
+def bound_of(expr: Any, symbols: Sequence[Any], uppers: Sequence[Bound]) -> Bound:
     """The bound a result factor is bucketed by: that of the first symbol in it."""
     for symbol, upper in zip(symbols, uppers):
         if symbol in expr.free_symbols:

@@ -27,6 +27,7 @@ def to_pjrt(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype | Non
     """A new pjrt tensor with a CPU tensor's contents (one transfer); dense layouts keep their strides.
     A tensor marked dynamic is padded to its buckets on the way (eager/dynamic.py)."""
     marks = dynamic.host_marks(tensor)
+    source = tensor
     if dtype is not None and dtype != tensor.dtype:
         tensor = tensor.to(dtype)
     sizes, strides = tuple(tensor.shape), tuple(tensor.stride())
@@ -35,7 +36,9 @@ def to_pjrt(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype | Non
         strides, order = storage.contiguous_strides(sizes), tuple(range(len(sizes)))
         padded, layout = dynamic.pad_host(storage.host_array(tensor), sizes, marks)
         layout.array = client.to_device(padded, device.index)
-        return storage.new_tensor(layout, tensor.dtype, device, sizes, strides)
+        result = storage.new_tensor(layout, tensor.dtype, device, sizes, strides)
+        _torch_private.copy_dynamo_marks(source, result)
+        return result
     if order is None:
         strides, order = storage.contiguous_strides(sizes), tuple(range(len(sizes)))
     physical = storage.host_array(tensor.permute(order))

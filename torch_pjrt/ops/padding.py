@@ -52,6 +52,11 @@ def bucket(size: int, upper: int) -> int:
 def is_symbolic(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in value.shape)
 
+def concrete_expr(expr: Any, values: dict[sympy.Symbol, int]) -> int:
+    """A sympy size expression with its symbols bound to these values."""
+    return int(sympy.sympify(expr).xreplace(values))
+
+
 def concrete(size: Any, values: dict[sympy.Symbol, int]) -> int:
     """A size (int or SymInt) with its symbols bound to these values."""
     return int(sympy.sympify(size.node.expr).xreplace(values)) if isinstance(size, torch.SymInt) else int(size)
