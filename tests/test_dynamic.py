@@ -72,7 +72,7 @@ def test_ops_on_marked_tensors_match_cpu_and_reuse_the_bucket_program() -> None:
         results = _ops(marked(x), w.to("pjrt"), marked(ids), table.to("pjrt"))
         seen.append(compiles() - before)
         for got, want in zip(results, _ops(x, w, ids, table)):
-            assert got.shape == want.shape
+            assert got.shape == want.shape and got.stride() == want.stride()
             torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4)
     assert seen[1] == 0 and seen[2] == 0, seen
     assert torch_pjrt.metrics.counters()["dynamic_padded_ops"] > 0

@@ -230,3 +230,8 @@ def copy_dynamo_marks(source: torch.Tensor, target: torch.Tensor) -> None:
         if name in source.__dict__:
             value = source.__dict__[name]
             target.__dict__[name] = value.copy() if hasattr(value, "copy") else value
+
+
+def hint(size: Any) -> int:
+    """A size as an int: a SymInt's value in the call it was made for (its hint)."""
+    return int(size.node.hint) if isinstance(size, torch.SymInt) else int(size)

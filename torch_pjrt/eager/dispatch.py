@@ -314,7 +314,14 @@ def _meta_from(tensor: torch.Tensor, described: Any, symbols: Any = None) -> tor
         sizes = [n if factors is None else math.prod(
             [f if isinstance(f, int) else symbols[f[0]] + f[1] for f in factors])
             for n, factors in zip(described.view.sizes, described.dims)]
-        return torch.empty(sizes, dtype=described.view.dtype, device="meta")
+        # the view's dim order in memory, so results keep PyTorch's layout (a transposed input's)
+        order = storage.physical_order(described.view.sizes, described.view.strides) or range(len(sizes))
+        strides = [0] * len(sizes)
+        running: Any = 1
+        for d in reversed(list(order)):
+            strides[d] = running
+            running = running * sizes[d]
+        return torch.empty_strided(sizes, strides, dtype=described.view.dtype, device="meta")
     return torch.empty(described[2], dtype=described[1], device="meta" if not described[2] else "cpu")
 
 
@@ -476,10 +483,10 @@ def _build(plan: OpPlan, scan: Scan, values: list[Any], described: list[Any], fo
         if form is not None:
             values_out = [v for value in outputs[:n_fresh] for v in (value if isinstance(value, (list, tuple))
                                                                       else [value]) if v is not None]
-            for value, (padded_dims, factor_exprs) in zip(values_out, out_factors):
+            for value, (padded_dims, factor_exprs, order) in zip(values_out, out_factors):
                 true_dims = [[f if isinstance(f, int) else sizes.value(f) for f in dim]
                              for dim in factor_exprs]
-                flat_outputs.append(dynamic.finish(value, padded_dims, true_dims))
+                flat_outputs.append(dynamic.finish(value, padded_dims, true_dims, order))
         for value, spec in zip(outputs[:n_fresh], fresh_specs):
             if isinstance(spec, list):
                 flat_outputs.extend(storage.pack(v, s[1], s[2]) for v, s in zip(value, spec))
@@ -513,13 +520,14 @@ def _build(plan: OpPlan, scan: Scan, values: list[Any], described: list[Any], fo
                  form, padded_positions, padded_slots, out_padded)
 
 
-def _output_factors(form: Any, out_padded: tuple[int, ...]) -> list[tuple[list[list[int]], list[list[Any]]]]:
-    """Per fresh tensor result: each dim's padded factor sizes and its factors (ints or sympy)."""
+def _output_factors(form: Any, out_padded: tuple[int, ...]) -> list[tuple[list[list[int]], list[list[Any]], Any]]:
+    """Per fresh tensor result: each dim's padded factor sizes, its factors (ints or sympy), and
+    the order of its dims in memory."""
     padded = iter(out_padded)
     found = []
     for layout in form.flat_layouts:
         dims = [[f if isinstance(f, int) else next(padded) for f in factors] for factors in layout.dims]
-        found.append((dims, [list(factors) for factors in layout.dims]))
+        found.append((dims, [list(factors) for factors in layout.dims], layout.order))
     return found
 
 

@@ -493,9 +493,17 @@ def _prefix_to_block(value: Any, axis: int, padded: Sequence[int], true: Sequenc
 
 
 class OutputLayout(NamedTuple):
-    """How one fresh result is stored: per dim its factors (ints, or sympy expressions)."""
+    """How one fresh result is stored: per dim its factors (ints, or sympy expressions), and the
+    order its dims take in memory (PyTorch's strides for the result: a permuted input's layout)."""
 
     dims: tuple[tuple[Any, ...], ...]
+    order: tuple[int, ...]
+
+
+def _layout(meta: torch.Tensor) -> OutputLayout:
+    sizes = [_torch_private.hint(s) for s in meta.shape]
+    order = storage.physical_order(sizes, [_torch_private.hint(s) for s in meta.stride()])
+    return OutputLayout(tuple(factors_of(s) for s in meta.shape), order or tuple(range(meta.dim())))
 
 
 class Form:
@@ -512,7 +520,7 @@ class Form:
         self.metas = metas
         self.arg_metas = arg_metas
         fresh = [m for meta in metas[:n_fresh] for m in (meta if isinstance(meta, (list, tuple)) else [meta])]
-        self.layouts = [None if m is None else OutputLayout(tuple(factors_of(s) for s in m.shape)) for m in fresh]
+        self.layouts = [None if m is None else _layout(m) for m in fresh]
         self.dtypes = [None if m is None else m.dtype for m in fresh]
         self.flat_layouts = [layout for layout in self.layouts if layout is not None]
         position = {symbol: i for i, symbol in enumerate(self.symbols)}
@@ -536,27 +544,25 @@ class Form:
             if layout is None:
                 found.append(None)
                 continue
-            shape, padded_shape, bounds = [], [], []
+            per_dim = []  # (true, padded, bound) of each factor, per logical dim
             sizes = []
             for factors in layout.dims:
-                size = 1
+                parts = []
                 for f in factors:
                     if isinstance(f, int):
-                        shape.append(f)
-                        padded_shape.append(f)
-                        bounds.append(None)
-                        size *= f
+                        parts.append((f, f, None))
                         continue
                     t, p, b = next(true_it), next(padded_it), next(bounds_it)
-                    shape.append(t)
-                    padded_shape.append(p)
-                    bounds.append(b if bucket(t, b) is not None else None)
-                    size *= t
-                sizes.append(size)
+                    parts.append((t, p, b if bucket(t, b) is not None else None))
+                per_dim.append(parts)
+                sizes.append(math.prod(part[0] for part in parts))
+            in_memory = [part for d in layout.order for part in per_dim[d]]
+            shape, padded_shape, bounds = (tuple(column) for column in zip(*in_memory)) if in_memory else ((), (), ())
             sizes_t = tuple(sizes)
             pad = None if shape == padded_shape and all(b is None for b in bounds) else Padded(
-                None, tuple(shape), tuple(padded_shape), tuple(bounds))
-            found.append((dtype, sizes_t, storage.contiguous_strides(sizes_t), math.prod(sizes_t), pad))
+                None, shape, padded_shape, bounds)
+            strides = storage.strides_in_order(sizes_t, layout.order)
+            found.append((dtype, sizes_t, strides, math.prod(sizes_t), pad))
         return found
 
 
@@ -696,9 +702,10 @@ def bound_of(expr: Any, symbols: Sequence[Any], uppers: Sequence[Bound]) -> Boun
     return 0
 
 
-def finish(value: Any, padded: Sequence[Sequence[int]], true: Sequence[Sequence[Any]]) -> Any:
+def finish(value: Any, padded: Sequence[Sequence[int]], true: Sequence[Sequence[Any]],
+           order: Sequence[int] | None = None) -> Any:
     """A rule's result (true values first along each dim) laid out as its storage: each dim cut or
-    padded to its bucket, products split into blocks of their factors."""
+    padded to its bucket, products split into blocks of their factors, dims in memory `order`."""
     jnp = client.jax_module().numpy
     lax = client.jax_module().lax
     for axis, (pf, tf) in enumerate(zip(padded, true)):
@@ -710,6 +717,9 @@ def finish(value: Any, padded: Sequence[Sequence[int]], true: Sequence[Sequence[
         elif value.shape[axis] < target:
             value = jnp.pad(value, [(0, target - value.shape[axis]) if d == axis else (0, 0)
                                     for d in range(value.ndim)])
+    if order is not None and tuple(order) != tuple(range(value.ndim)):
+        value = jnp.transpose(value, order)
+        padded = [padded[d] for d in order]
     return value.reshape([f for pf in padded for f in pf])
 
 
