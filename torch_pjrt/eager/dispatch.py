@@ -696,7 +696,10 @@ def execute(plan: OpPlan, args: tuple, kwargs: dict) -> Any:
         _cache.put(key, entry)
     else:
         outputs = _run(entry, _inputs(entry, scan, plan, values))
-    return _complete(plan, values, scan, entry, outputs, entry.outputs)
+    result = _complete(plan, values, scan, entry, outputs, entry.outputs)
+    if scan.plain:
+        dynamic.repad(result)
+    return result
 
 
 def _complete(plan: OpPlan, values: list[Any], scan: Scan, entry: Entry, outputs: Any, specs: list[Any]) -> Any:

@@ -723,6 +723,21 @@ def finish(value: Any, padded: Sequence[Sequence[int]], true: Sequence[Sequence[
     return value.reshape([f for pf in padded for f in pf])
 
 
+def repad(result: Any) -> None:
+    """After an op ran at true sizes on padded inputs, pad its results again where a dim has a length
+    marked lately, so the ops after it run padded instead of at true sizes too (one small program)."""
+    for tensor in storage.iter_tensors(result if isinstance(result, (list, tuple)) else [result]):
+        if tensor.device.type != "pjrt":
+            continue
+        for dim, size in enumerate(tensor.shape):
+            upper = live_bound(size)
+            if upper is not None:
+                try:
+                    mark_eager(tensor, dim, upper)
+                except ValueError:
+                    return  # a view of another storage: left at true sizes
+
+
 def has_live_lengths() -> bool:
     return bool(_LIVE_LENGTHS)
 
