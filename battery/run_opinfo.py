@@ -131,14 +131,26 @@ def _to_pjrt(value: Any) -> Any:
     return value.detach().to("pjrt").requires_grad_(value.requires_grad)
 
 
+def _to_pjrt_with_storage(value: Any) -> Any:
+    """A pjrt copy of a sample tensor's whole storage, viewed as the sample is (same sizes, strides, offset)."""
+    if not isinstance(value, torch.Tensor):
+        return _to_pjrt(value)
+    whole = value.detach().as_strided((value.untyped_storage().nbytes() // value.element_size(),), (1,), 0)
+    view = whole.to("pjrt").as_strided(value.size(), value.stride(), value.storage_offset())
+    return view.requires_grad_(value.requires_grad)
+
+
 # Arguments PyTorch requires on the CPU whatever the device (CUDA raises the same error for them).
 CPU_ARGUMENTS = {"tensor_split": 0}
+# Entries that address their input's storage, not its view: as_strided.partial_views reads elements outside
+# the view (base[5:15] with storage_offset 0 or 10), which a plain copy (test_compare_cpu's) does not carry.
+STORAGE_ENTRIES = frozenset({"as_strided", "as_strided_copy"})
 
 
 def on_pjrt(sample: Any, name: str = "") -> Any:
-    """The sample with pjrt copies of its tensors; a "cpu" argument (the sample's device, as in `x.to("cpu")`
-    or `torch.zeros(..., device="cpu")`) names pjrt instead."""
-    moved = sample.transform(_to_pjrt)
+    """The sample with pjrt copies of its tensors (with their whole storage for STORAGE_ENTRIES); a "cpu"
+    argument (the sample's device, as in `x.to("cpu")` or `torch.zeros(..., device="cpu")`) names pjrt instead."""
+    moved = sample.transform(_to_pjrt_with_storage if name in STORAGE_ENTRIES else _to_pjrt)
     if name in CPU_ARGUMENTS and sample.args:
         position = CPU_ARGUMENTS[name]
         moved.args = (*moved.args[:position], sample.args[position], *moved.args[position + 1:])

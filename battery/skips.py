@@ -21,10 +21,6 @@ SKIPS: dict[str, dict[str, str]] = {
     "topk": {dtype: TIES for dtype in ("bool", "bfloat16", "float16", "int32", "int64")},
     "argsort": {dtype: TIES for dtype in ("bool", "bfloat16", "float16")},
     "kthvalue": {dtype: TIES for dtype in ("int32", "int64")},
-    # The samples read storage outside their view (base[5:15] with storage_offset 0 or 10); a copy to any device
-    # carries only the view, so CPU and pjrt inputs differ (PyTorch's test_compare_cpu skips it too).
-    # tests/test_ops_shape.py checks such views made on the device.
-    "as_strided.partial_views": {"*": "the samples read storage outside the view, which a device copy does not carry"},
     # PyTorch's |x| > 5 branch of J0 and Y1 evaluates Cephes' QQ polynomial without its leading coefficient 1
     # (p1evl), off by up to ~3e-7; pjrt matches the true value (tests/test_ops_pointwise.py checks float64
     # against the exact power series).
