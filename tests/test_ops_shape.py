@@ -135,7 +135,7 @@ def test_shape_backward():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.int64])
 def test_as_strided_partial_views(dtype):
     """as_strided of a view made on the device reads the whole storage: its own offset by default, an explicit
-    offset anywhere in the base (the OpInfo samples cannot show it: a device copy carries only the view)."""
+    offset anywhere in the base (the battery copies as_strided samples with their whole storage to show it)."""
 
     def views(base):
         part = base[5:15]
@@ -149,6 +149,21 @@ def test_as_strided_partial_view_gradient():
     check(lambda base: _grads(lambda b: torch.as_strided(b[5:15], (2, 2), (1, 2), storage_offset=10), base),
           torch.randn(20))
     check(lambda base: _grads(lambda b: torch.as_strided(b[5:15], (3, 2), (1, 2)), base), torch.randn(20))
+
+
+@pytest.mark.parametrize("offset", [None, 0, 3, 10])
+def test_as_strided_gradient_of_a_partial_view_leaf(offset):
+    """The OpInfo backward samples: the leaf is the view base[5:15] itself (the base needs no gradient), and
+    as_strided may read (overlapping) elements outside it, which get no gradient."""
+
+    def grads(base):
+        leaf = base[5:15].requires_grad_()
+        args = ((3, 2), (1, 0)) if offset is None else ((3, 2, 2), (2, 1, 2), offset)
+        out = torch.as_strided(leaf, *args)
+        weight = torch.linspace(-1, 1, out.numel()).reshape(out.shape).to(out.device)
+        return torch.autograd.grad((out * weight).sum(), leaf)
+
+    check(grads, torch.randn(20))
 
 
 def test_out_variants_write_through_unsafe_view() -> None:
