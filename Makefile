@@ -30,13 +30,15 @@ bench: $(STAMP)
 	$(PY) bench/dynamic_lengths.py
 
 # OpInfo battery: every op_db entry on pjrt vs CPU in 2 worker processes (first 4 samples per cell in
-# float32, 2 in the other dtypes, as in the committed report; raise the caps for a longer run); writes
-# docs/op-coverage.md, torch_pjrt/data/op_coverage.json and the rows in docs/opinfo-results.jsonl.gz.
+# float32, 2 in the other dtypes; raise the caps for a longer run, or empty them for every sample:
+# `make battery-ops FLOAT32_SAMPLES= OTHER_SAMPLES=`); writes docs/op-coverage.md,
+# torch_pjrt/data/op_coverage.json and the rows in docs/opinfo-results.jsonl.gz.
 FLOAT32_SAMPLES ?= 4
 OTHER_SAMPLES ?= 2
 battery-ops: $(STAMP)
-	$(PY) -m battery.run_opinfo --jobs 2 --fresh --no-report --dtypes float32 --max-samples $(FLOAT32_SAMPLES)
-	$(PY) -m battery.run_opinfo --jobs 2 --no-report --max-samples $(OTHER_SAMPLES) \
+	$(PY) -m battery.run_opinfo --jobs 2 --fresh --no-report --dtypes float32 \
+		$(if $(FLOAT32_SAMPLES),--max-samples $(FLOAT32_SAMPLES))
+	$(PY) -m battery.run_opinfo --jobs 2 --no-report $(if $(OTHER_SAMPLES),--max-samples $(OTHER_SAMPLES)) \
 		--dtypes float64 bfloat16 int64 complex64 float16 int32 bool
 	$(PY) -m battery.report build/opinfo/results.jsonl --save-rows docs/opinfo-results.jsonl.gz
 

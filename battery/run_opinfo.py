@@ -353,21 +353,24 @@ class AtenRecorder(torch.utils._python_dispatch.TorchDispatchMode):
 
 def run_cell(op: Any, key: str, dtype: str, direction: str, max_samples: int | None,
              recorder: AtenRecorder | None = None, tick: Callable[[], None] | None = None) -> dict[str, Any]:
-    """Every sample of one (entry, dtype, direction); the worst sample decides the status."""
+    """Every sample of one (entry, dtype, direction), or the first max_samples (then "capped" says whether
+    more were left); the worst sample decides the status."""
     started = time.perf_counter()
     row: dict[str, Any] = {"key": key, "dtype": dtype, "direction": direction}
     reason = skip_reason(key, dtype)
     if reason:
-        return {**row, "status": "skip", "detail": reason, "passed": 0, "total": 0, "seconds": 0.0}
+        return {**row, "status": "skip", "detail": reason, "passed": 0, "total": 0, "capped": False, "seconds": 0.0}
     random = is_random(key, op)
     backward = direction == "backward"
     outcomes: dict[str, list[str]] = {s: [] for s in STATUS_ORDER}
     cpu_errors = 0
     far = 0
+    capped = False
     try:
         samples = op.sample_inputs("cpu", DTYPES[dtype], requires_grad=backward)
         for index, sample in enumerate(samples):
             if max_samples is not None and index >= max_samples:
+                capped = True
                 break
             outcome, detail, near = _one_sample(op, sample, random, backward, recorder)
             far += outcome == "fail-wrong" and not near
@@ -387,7 +390,7 @@ def run_cell(op: Any, key: str, dtype: str, direction: str, max_samples: int | N
     if status == "fail-wrong":
         row["near"] = far == 0
     return {**row, "status": status, "detail": detail, "passed": len(outcomes["pass"]), "total": total,
-            "random": random, "seconds": round(time.perf_counter() - started, 2)}
+            "capped": capped, "random": random, "seconds": round(time.perf_counter() - started, 2)}
 
 
 def _one_sample(op: Any, sample: Any, random: bool, backward: bool,

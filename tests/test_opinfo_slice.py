@@ -67,3 +67,19 @@ def test_exact_reference_excuses_only_floating_rounding() -> None:
     with_nan = near.clone()
     with_nan[2] = float("nan")
     assert not check(with_nan.to("pjrt"), cpu, exact)
+
+
+def test_report_counts_samples_and_capped_cells() -> None:
+    """The report says how many samples an entry compared, and whether a capped run left some out."""
+    from battery import report
+
+    op = entries()["add"]
+    capped = run_opinfo.run_cell(op, "add", "int32", "forward", 2)
+    whole = run_opinfo.run_cell(op, "add", "float32", "forward", None)
+    assert capped["capped"] and capped["total"] == 2
+    assert not whole["capped"] and whole["total"] > 2
+    entry = {"cells": {("int32", "forward"): capped, ("float32", "forward"): whole}}
+    assert report.samples_run(entry, capped_runs=True) == f"{2 + whole['total']}+"
+    del capped["capped"]
+    assert report.samples_run(entry, capped_runs=True) == f"{2 + whole['total']}?"
+    assert report.samples_run(entry, capped_runs=False) == f"{2 + whole['total']}"
