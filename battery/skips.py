@@ -21,6 +21,10 @@ SKIPS: dict[str, dict[str, str]] = {
     "topk": {dtype: TIES for dtype in ("bool", "bfloat16", "float16", "int32", "int64")},
     "argsort": {dtype: TIES for dtype in ("bool", "bfloat16", "float16")},
     "kthvalue": {dtype: TIES for dtype in ("int32", "int64")},
+    # Its (3000,) sample holds each value many times in these dtypes, and CPU returns the index of an arbitrary
+    # occurrence of the mode (from ~100 elements neither the first nor the last; PyTorch's test_compare_cpu skips
+    # float32 on CUDA for this sample). Values and indices are still compared in float32 and float64.
+    "mode": {dtype: TIES for dtype in ("bool", "bfloat16", "float16", "int32", "int64")},
     # PyTorch's |x| > 5 branch of J0 and Y1 evaluates Cephes' QQ polynomial without its leading coefficient 1
     # (p1evl), off by up to ~3e-7; pjrt matches the true value (tests/test_ops_pointwise.py checks float64
     # against the exact power series).
