@@ -93,6 +93,20 @@ def test_in_place_writes_reach_only_true_elements() -> None:
         assert torch_pjrt.get_dynamism_info(d)["dims"] == {1: {"size": length, "bucket": 32}}
 
 
+def test_writes_at_padded_positions_into_a_static_cache() -> None:
+    """A static KV cache written at marked positions (index_copy_): padded positions write nothing."""
+    torch.manual_seed(9)
+    cache = torch.randn(1, 2, 64, 4)
+    device_cache = cache.to("pjrt")
+    for length in (9, 13):
+        positions, source = torch.arange(3, 3 + length), torch.randn(1, 2, length, 4)
+        device_cache.index_copy_(2, marked(positions, dim=0, max=64), marked(source, dim=2, max=64))
+        cache.index_copy_(2, positions, source)
+        assert torch.equal(device_cache.cpu(), cache)
+        filled = device_cache.index_fill(2, marked(positions, dim=0, max=64), 5.0)
+        assert torch.equal(filled.cpu(), cache.index_fill(2, positions, 5.0))
+
+
 def test_a_kv_cache_growing_by_one_compiles_once_per_bucket() -> None:
     torch.manual_seed(2)
     prompt = torch.randn(1, 2, 5, 8)

@@ -299,6 +299,8 @@ class PaddedInterpreter:
             return self._mean
         if packet in (aten.var, aten.std, aten.var_mean, aten.std_mean):
             return self._variance
+        if packet in (aten.index_copy, aten.index_fill) and is_symbolic(metas[2]):
+            return self._index_write
         if packet in (aten.nll_loss_forward, aten.nll_loss_backward):
             return self._nll_loss
         if packet in REDUCTION_IDENTITY:
@@ -387,6 +389,13 @@ class PaddedInterpreter:
         if packet in (aten.var, aten.std):
             return spread
         return spread, (mean if keepdim else mean.squeeze(dims))
+
+    def _index_write(self, op, node, metas, args, kwargs, rng):
+        """Padded index entries point past the dim, so their writes are dropped."""
+        dim = args[1] % max(metas[0].dim(), 1)
+        past_end = args[0].shape[dim] if args[0].ndim else 1
+        args = (args[0], args[1], _fill(args[2], metas[2], self.sizes, past_end), *args[3:])
+        return self._plain(op, node, metas, args, kwargs, rng)
 
     def _nll_loss(self, op, node, metas, args, kwargs, rng):
         """Padded rows get the ignored class: they count neither in the sum nor the mean's weight."""
