@@ -3,7 +3,8 @@
 Each row is a new process (empty compile cache) that runs the GPT of bench/train_step.py, compiled
 with backend="pjrt", forward and backward of its loss at every length in the sweep, and counts
 the graph programs XLA compiled (forward and backward graphs) and the small per-length programs
-that copy an input into its bucket. Without bounds Dynamo makes the length dynamic after the
+that copy an input into its bucket (none when the inputs are marked before they move to pjrt: they
+are padded during the transfer). Without bounds Dynamo makes the length dynamic after the
 second one and every new length compiles; `torch_pjrt.mark_dynamic(t, 1, min=1, max=128)` pads
 to power-of-two buckets, so the graphs compile once per bucket (Dynamo specialises length 1).
 Run: .venv/bin/python bench/dynamic_lengths.py [--lengths 1 128]
@@ -35,11 +36,11 @@ CHILD = textwrap.dedent(
     compiled = torch.compile(loss, backend="pjrt")
     start = time.perf_counter()
     for length in range({first}, {longest} + 1):
-        tokens, targets = (torch.randint(0, 256, (8, length)).to("pjrt") for _ in range(2))
+        tokens, targets = (torch.randint(0, 256, (8, length)) for _ in range(2))
         if {bounded!r}:
             for t in (tokens, targets):
                 torch_pjrt.mark_dynamic(t, 1, min=1, max={longest})
-        compiled(tokens, targets).backward()
+        compiled(tokens.to("pjrt"), targets.to("pjrt")).backward()
         torch.pjrt.synchronize()
     counters = torch_pjrt.metrics.counters()
     counters["wall_seconds"] = time.perf_counter() - start
