@@ -237,15 +237,15 @@ def get_device_capability(device: Any = None) -> tuple[int, int]:
 
 def memory_allocated(device: Any = None) -> int:
     """Bytes held by live pjrt tensors' storages on the device."""
-    from torch_pjrt import storage
+    from torch_pjrt.runtime import memory
 
-    return storage.memory.allocated.get(_index(device), 0)
+    return memory.stats.allocated.get(_index(device), 0)
 
 
 def max_memory_allocated(device: Any = None) -> int:
-    from torch_pjrt import storage
+    from torch_pjrt.runtime import memory
 
-    return storage.memory.peak.get(_index(device), 0)
+    return memory.stats.peak.get(_index(device), 0)
 
 
 def memory_reserved(device: Any = None) -> int:
@@ -261,13 +261,13 @@ def max_memory_reserved(device: Any = None) -> int:
 
 def memory_stats(device: Any = None) -> dict[str, Any]:
     """torch.cuda-style keys from torch_pjrt's accounting, plus PJRT's own figures as `pjrt.*`."""
-    from torch_pjrt import storage
+    from torch_pjrt.runtime import memory
 
     index = _index(device)
     stats: dict[str, Any] = {
         "allocated_bytes.all.current": memory_allocated(index),
         "allocated_bytes.all.peak": max_memory_allocated(index),
-        "allocation.all.allocated": storage.memory.allocations.get(index, 0),
+        "allocation.all.allocated": memory.stats.allocations.get(index, 0),
     }
     for key, value in _pjrt_stats(index).items():
         stats[f"pjrt.{key}"] = value
@@ -275,9 +275,9 @@ def memory_stats(device: Any = None) -> dict[str, Any]:
 
 
 def reset_peak_memory_stats(device: Any = None) -> None:
-    from torch_pjrt import storage
+    from torch_pjrt.runtime import memory
 
-    storage.memory.reset_peak(_index(device))
+    memory.stats.reset_peak(_index(device))
 
 
 def reset_max_memory_allocated(device: Any = None) -> None:

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from torch_pjrt import _torch_private, native
-from torch_pjrt.runtime import client
+from torch_pjrt.runtime import client, memory
 
 TORCH_TO_NUMPY: dict[torch.dtype, Any] = {
     torch.bool: np.bool_,
@@ -105,29 +105,6 @@ def _new_address(nbytes: int) -> int:
     return address
 
 
-class MemoryStats:
-    """Bytes held by live pjrt storages, per device (what torch.cuda.memory_allocated counts)."""
-
-    def __init__(self) -> None:
-        self.allocated: dict[int, int] = {}
-        self.peak: dict[int, int] = {}
-        self.allocations: dict[int, int] = {}
-
-    def add(self, index: int, nbytes: int) -> None:
-        now = self.allocated.get(index, 0) + nbytes
-        self.allocated[index] = now
-        if now > self.peak.get(index, 0):
-            self.peak[index] = now
-        if nbytes > 0:
-            self.allocations[index] = self.allocations.get(index, 0) + 1
-
-    def reset_peak(self, index: int) -> None:
-        self.peak[index] = self.allocated.get(index, 0)
-
-
-memory = MemoryStats()
-
-
 class PendingArray:
     """An array that a deferred (fused) program will produce; `resolve()` runs it."""
 
@@ -203,10 +180,10 @@ class DeviceStorage:
         self.numel = numel
         self.device = device
         self.nbytes = numel * dtype.itemsize
-        memory.add(device.index, self.nbytes)
+        memory.stats.add(device.index, self.nbytes)
 
     def __del__(self) -> None:
-        memory.add(self.device.index, -self.nbytes)
+        memory.stats.add(self.device.index, -self.nbytes)
 
     def materialize(self) -> Any:
         """The flat array; an uninitialised storage (torch.empty) reads as zeros."""

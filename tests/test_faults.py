@@ -1,0 +1,97 @@
+"""Faults, each with a test: out of device memory, threads, fork, a cache folder that cannot be written."""
+
+from __future__ import annotations
+
+import gc
+import sys
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+import torch_pjrt
+from torch_pjrt.runtime import memory
+
+FUSE = torch.pjrt.EagerMode.DEFER_AND_FUSE
+
+
+# --- several threads at once -----------------------------------------------------------------
+
+
+def train_and_compute(seed: int, device: str, width: int) -> list[torch.Tensor]:
+    """A small model's training steps and some ops, seeded: the same numbers on any device."""
+    generator = torch.Generator().manual_seed(seed)
+    model = nn.Sequential(nn.Linear(width, 16), nn.Tanh(), nn.Linear(16, 3))
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.3)
+    data = [(torch.randn(5, width, generator=generator), torch.randn(5, 3, generator=generator)) for _ in range(4)]
+    model = model.to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    results = []
+    for inputs, targets in data:
+        optimizer.zero_grad()
+        loss = ((model(inputs.to(device)) - targets.to(device)) ** 2).mean()
+        loss.backward()
+        optimizer.step()
+        values = inputs.to(device)
+        results += [loss.detach().cpu(), (values.sin() * seed).cumsum(0).amax(1).cpu(), values.argsort(1).cpu()]
+    return results + [p.detach().cpu() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_ops_from_several_threads_at_once_give_cpu_results(fused: bool) -> None:
+    threads = 4
+    expected = {seed: train_and_compute(seed, "cpu", 6 + seed) for seed in range(threads)}
+    with torch.pjrt.set_eager_mode(FUSE if fused else torch.pjrt.EagerMode.DEFER_NEVER):
+        before_ops = torch_pjrt.metrics.counters()["ops_executed"]
+        train_and_compute(0, "pjrt", 30)  # ops of one run, counted (other shapes: the threads compile theirs)
+        ops_per_run = torch_pjrt.metrics.counters()["ops_executed"] - before_ops
+        gc.collect()
+        before_memory = torch.pjrt.memory_allocated()
+        before_ops = torch_pjrt.metrics.counters()["ops_executed"]
+        barrier = threading.Barrier(threads)
+        results: dict[int, list[torch.Tensor]] = {}
+        errors: list[BaseException] = []
+
+        def work(seed: int) -> None:
+            try:
+                barrier.wait()
+                results[seed] = train_and_compute(seed, "pjrt", 6 + seed)
+            except BaseException as error:  # noqa: BLE001 (reported by the main thread)
+                errors.append(error)
+
+        workers = [threading.Thread(target=work, args=(seed,)) for seed in range(threads)]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join(timeout=300)
+        assert not errors, errors
+        for seed in range(threads):
+            for got, want in zip(results[seed], expected[seed], strict=True):
+                torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        assert torch_pjrt.metrics.counters()["ops_executed"] - before_ops == threads * ops_per_run
+    gc.collect()
+    assert torch.pjrt.memory_allocated() == before_memory
+
+
+def test_memory_accounting_loses_no_update_under_threads() -> None:
+    stats = memory.MemoryStats()
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible
+
+    def churn() -> None:
+        for _ in range(50_000):
+            stats.add(0, 64)
+            stats.add(0, -64)
+
+    try:
+        workers = [threading.Thread(target=churn) for _ in range(4)]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert stats.allocated[0] == 0 and stats.allocations[0] == 200_000
