@@ -5,15 +5,85 @@ from __future__ import annotations
 import gc
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
 import torch_pjrt
-from torch_pjrt.runtime import memory
+from torch_pjrt.runtime import client, memory
 
 FUSE = torch.pjrt.EagerMode.DEFER_AND_FUSE
+
+
+def small_op_works() -> None:
+    x = torch.randn(5, 7)
+    torch.testing.assert_close((x.to("pjrt").sin() @ x.to("pjrt").T).cpu(), x.sin() @ x.T)
+
+
+# --- out of device memory ------------------------------------------------------------------
+
+
+def test_an_allocation_larger_than_the_device_raises_out_of_memory_and_the_process_goes_on() -> None:
+    asked = 10**13
+    assert asked > torch.pjrt.get_device_properties().total_memory
+    held = torch.ones(1000, device="pjrt")
+    before = torch.pjrt.memory_allocated()
+    with pytest.raises(torch.OutOfMemoryError) as raised:
+        torch.empty(asked, dtype=torch.uint8, device="pjrt")
+    message = str(raised.value)
+    assert isinstance(raised.value, RuntimeError)
+    assert "tried to allocate 9.09 TiB" in message
+    assert f"pjrt tensors hold {memory.format_size(before)} (torch.pjrt.memory_allocated())" in message
+    assert torch.pjrt.memory_allocated() == before
+    with pytest.raises(torch.OutOfMemoryError, match="tried to allocate 9.09 TiB"):
+        torch.empty(0, dtype=torch.uint8, device="pjrt").resize_(asked)
+    small_op_works()
+    assert held.sum().item() == 1000
+
+
+def test_an_op_whose_output_is_too_large_raises_out_of_memory_before_it_runs() -> None:
+    column = torch.randn(10**6).to("pjrt")
+    before = torch.pjrt.memory_allocated()
+    with pytest.raises(torch.OutOfMemoryError, match="tried to allocate 3.64 TiB"):
+        column[:, None] * column[None, :]
+    with pytest.raises(torch.OutOfMemoryError, match="tried to allocate 3.64 TiB"):
+        torch.zeros(10**12, device="pjrt")
+    assert torch.pjrt.memory_allocated() == before
+    small_op_works()
+
+
+@pytest.fixture
+def without_size_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A device that looks limitless, so only XLA's own allocation can fail (how we see its error)."""
+    if client.platform() == "cpu":
+        try:
+            overcommit = Path("/proc/sys/vm/overcommit_memory").read_text().strip()
+        except OSError:
+            overcommit = "unknown"
+        if overcommit not in ("0", "2"):
+            pytest.skip(f"vm.overcommit_memory={overcommit}: the host might grant 3.6 TiB and exhaust itself")
+    monkeypatch.setattr(client, "memory_limit", lambda index: (1 << 60, "limitless for this test"))
+    monkeypatch.setattr(client, "free_memory", lambda index: 1 << 60)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_an_allocation_xla_cannot_make_raises_out_of_memory(without_size_check: None, fused: bool) -> None:
+    x = torch.randn(10**6)
+    column = x.to("pjrt")
+    with torch.pjrt.set_eager_mode(FUSE if fused else torch.pjrt.EagerMode.DEFER_NEVER):
+        with pytest.raises(torch.OutOfMemoryError, match=r"tried to allocate 3.64 TiB.*Out of memory"):
+            outer = column[:, None] * column[None, :]
+            neighbour = column[:3] + 1
+            outer.cpu()
+        if fused:  # computed by the program that failed: it has no value, and says so
+            with pytest.raises(RuntimeError):
+                neighbour.cpu()
+        del outer, neighbour
+        small_op_works()
+        torch.pjrt.synchronize()
+        torch.testing.assert_close((column * 2).cpu(), x * 2)
 
 
 # --- several threads at once -----------------------------------------------------------------

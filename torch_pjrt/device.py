@@ -6,7 +6,6 @@ Nothing here loads jax until a function needs a device: `import torch` stays fas
 from __future__ import annotations
 
 import dataclasses
-import os
 import threading
 import time
 import types
@@ -212,12 +211,7 @@ def get_device_properties(device: Any = None) -> DeviceProperties:
     client = _client()
     index = _index(device)
     handle = client.device_for(index)
-    stats = _pjrt_stats(index)
-    if "bytes_limit" in stats:
-        total, source = int(stats["bytes_limit"]), "PJRT bytes_limit"
-    else:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        source = "host memory: PJRT reports no limit for this device"
+    total, source = client.memory_limit(index)
     name = getattr(handle, "device_kind", str(handle))
     return DeviceProperties(str(name), client.platform(), index, total, source)
 
@@ -289,10 +283,10 @@ def empty_cache() -> None:
 
 
 def mem_get_info(device: Any = None) -> tuple[int, int]:
-    stats = _pjrt_stats(_index(device))
-    if "bytes_limit" not in stats:
-        raise RuntimeError("PJRT reports no memory limit for this device, so free memory is unknown.")
-    return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0)), int(stats["bytes_limit"])
+    """(free, total) bytes: PJRT's figures, or the host's memory where the device is host memory (CPU)."""
+    client = _client()
+    index = _index(device)
+    return client.free_memory(index), client.memory_limit(index)[0]
 
 
 # --- streams and events ----------------------------------------------------------------------

@@ -191,8 +191,9 @@ class DeviceStorage:
             self.array = self.array.resolve()
         if self.array is None:
             jax = client.jax_module()
-            zeros = np.zeros(self.numel, numpy_dtype(self.dtype))
-            self.array = jax.device_put(zeros, client.device_for(self.device.index))
+            with client.out_of_memory_translated((), self.device.index):
+                zeros = np.zeros(self.numel, numpy_dtype(self.dtype))
+                self.array = jax.device_put(zeros, client.device_for(self.device.index))
         return self.array
 
 
@@ -219,6 +220,8 @@ def new_tensor(
     if numel is None:
         numel = storage_numel(sizes, strides, 0)
     nbytes = numel * dtype.itemsize
+    if array is None:
+        client.check_fits(device.index, nbytes)
     make = native.tensor_factory()
     if make is not None:
         tensor = make(device.index, dtype, sizes, strides, _new_address(nbytes), nbytes)
@@ -233,6 +236,7 @@ def replace_storage(tensor: torch.Tensor, numel: int, sizes: Sequence[int], stri
     """Point a tensor at a new, larger storage (resize_), keeping nothing of the old one."""
     device = tensor.device
     nbytes = numel * tensor.dtype.itemsize
+    client.check_fits(device.index, nbytes)
     storage = _torch_private.new_storage(_new_address(nbytes), device, nbytes)
     storage._pjrt = DeviceStorage(None, tensor.dtype, numel, device)
     _torch_private.repoint(tensor, storage, 0, sizes, strides)

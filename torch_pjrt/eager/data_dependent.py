@@ -19,6 +19,7 @@ from jax import lax
 from torch_pjrt import storage
 from torch_pjrt.eager import dispatch
 from torch_pjrt.ops import indexing
+from torch_pjrt.runtime import client
 
 aten = torch.ops.aten
 
@@ -48,7 +49,7 @@ def _empty(device: torch.device) -> torch.Tensor:
 
 def _host_int(value: Any) -> int:
     """The one sync of a kernel: a device scalar read to the host."""
-    return int(jax.device_get(value))
+    return int(client.to_host(value))
 
 
 @jax.jit

@@ -350,6 +350,12 @@ def _spec(meta: torch.Tensor) -> tuple[torch.dtype, tuple[int, ...], tuple[int, 
     return meta.dtype, sizes, strides, math.prod(sizes)
 
 
+def _spec_bytes(specs: list[Any]) -> int:
+    """Bytes of an op's new outputs: checked against the device once, when its program is built."""
+    flat = [s for spec in specs if spec is not None for s in (spec if isinstance(spec, list) else [spec])]
+    return sum(numel * dtype.itemsize for dtype, _, _, numel in flat)
+
+
 def _build(plan: OpPlan, scan: Scan, values: list[Any], described: list[Any], form: Any = None,
            out_padded: tuple[int, ...] = ()) -> Entry:
     """The program of one call signature. With `form` (padded arguments), it reads and writes
@@ -366,6 +372,7 @@ def _build(plan: OpPlan, scan: Scan, values: list[Any], described: list[Any], fo
             fresh_specs.append([_spec(m) for m in meta])
         else:
             fresh_specs.append(None if meta is None else _spec(meta))
+    client.check_fits(scan.device.index, _spec_bytes(fresh_specs))
 
     # mutated arguments: their views, their storages, and out= resizes
     mutated_views: list[list[tuple[int, Any, Any] | None]] = []
@@ -710,7 +717,7 @@ def _complete(plan: OpPlan, values: list[Any], scan: Scan, entry: Entry, outputs
     metrics.bump("ops_executed")
     metrics.op_counts[plan.name] += 1
     if modes.state.blocking:
-        client.jax_module().block_until_ready(outputs)
+        client.synchronize(outputs)
     device_module.note_output(scan.device.index, outputs)
     for slot, array in zip(entry.mutated_slots, outputs[n_fresh + n_resized:]):
         st = scan.storages[slot]

@@ -34,19 +34,25 @@ fused_sizes: list[int] = []
 
 
 class Deferred(storage.PendingArray):
-    """One output of a recorded op; holds its array once the graph has run."""
+    """One output of a recorded op; holds its array once the graph has run, or the error it failed with."""
 
-    __slots__ = ("graph", "node", "index", "value", "__weakref__")
+    __slots__ = ("graph", "node", "index", "value", "failure", "__weakref__")
 
     def __init__(self, graph: PendingGraph, node: int, index: int) -> None:
         self.graph = graph
         self.node = node
         self.index = index
         self.value: Any = None
+        self.failure: BaseException | None = None
 
     def resolve(self) -> Any:
-        if self.value is None:
+        if self.value is None and self.failure is None:
             self.graph.flush("read")
+        if self.failure is not None:
+            raise RuntimeError(
+                f"this pjrt tensor has no value: the fused program that should have computed it failed "
+                f"({self.failure}); compute it again."
+            ) from self.failure
         return self.value
 
 
@@ -62,12 +68,9 @@ class PendingGraph:
 
     def _ref(self, value: Any) -> Any:
         if isinstance(value, Deferred):
-            if value.value is not None:
-                value = value.value
-            elif value.graph is self:
+            if value.value is None and value.failure is None and value.graph is self:
                 return ("n", value.node, value.index)
-            else:
-                value = value.resolve()
+            value = value.resolve()
         if isinstance(value, (bool, int, float, complex)):
             self.inputs.append(value)
             return ("s", len(self.inputs) - 1, type(value))
@@ -114,7 +117,12 @@ class PendingGraph:
                     _explain_recompile(nodes, where)
                 program = _programs.put(structure, _fused_program(nodes, wanted, donated))
                 _seen.append((nodes, where))
-            results = program.call(*inputs)
+            try:
+                results = program.call(*inputs)
+            except BaseException as error:
+                for deferred in live:
+                    deferred.failure = error
+                raise
             for deferred, value in zip(live, results):
                 deferred.value = value
 

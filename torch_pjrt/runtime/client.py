@@ -1,18 +1,23 @@
-"""The PJRT client: platform choice, devices, host<->device transfers.
+"""The PJRT client: platform choice, devices, host<->device transfers, device memory.
 
 jax is configured here, once, before its first backend use: 64-bit types on (PyTorch
 has real float64/int64), the CPU device count, and the persistent compile cache.
+Faults are handled here too: allocations the device cannot hold become torch.OutOfMemoryError.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import re
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
+import torch
 
-from torch_pjrt.runtime import metrics
+from torch_pjrt.runtime import memory, metrics
 
 PLATFORM_ALIASES = {"cpu": "cpu", "cuda": "cuda", "gpu": "cuda", "tpu": "tpu", "rocm": "rocm"}
 
@@ -120,7 +125,8 @@ def to_device(value: np.ndarray, index: int) -> Any:
     """A device array of a host array that the caller gives up (jax may read it later, or keep it on CPU)."""
     metrics.bump("transfers_to_device")
     metrics.bump("bytes_to_device", value.nbytes)
-    return jax_module().device_put(value, device_for(index), may_alias=True)
+    with out_of_memory_translated((), index):
+        return jax_module().device_put(value, device_for(index), may_alias=True)
 
 
 def to_host(array: Any) -> np.ndarray:
@@ -128,8 +134,15 @@ def to_host(array: Any) -> np.ndarray:
 
 
 def to_host_many(arrays: list[Any]) -> list[np.ndarray]:
-    """Several arrays to the host in one transfer request (one wait, not one per array)."""
-    values = [np.asarray(v) for v in jax_module().device_get(list(arrays))]
+    """Several arrays to the host in one transfer request (one wait, not one per array).
+
+    It waits first: jaxlib aborts the process when it converts an array whose program failed
+    (an allocation XLA could not make), where waiting raises that failure.
+    """
+    jax = jax_module()
+    with out_of_memory_translated(arrays):
+        jax.block_until_ready(list(arrays))
+        values = [np.asarray(v) for v in jax.device_get(list(arrays))]
     metrics.bump("transfers_to_host", len(values))
     metrics.bump("bytes_to_host", sum(v.nbytes for v in values))
     return values
@@ -138,6 +151,97 @@ def to_host_many(arrays: list[Any]) -> list[np.ndarray]:
 def synchronize(arrays: Any = None) -> None:
     """Wait for queued work: for the given arrays, or for every live array."""
     jax = jax_module()
-    targets = arrays if arrays is not None else jax.live_arrays()
-    for array in targets:
-        array.block_until_ready()
+    targets = list(arrays) if arrays is not None else jax.live_arrays()
+    with out_of_memory_translated(targets):
+        for array in targets:
+            array.block_until_ready()
+
+
+# --- device memory ---------------------------------------------------------------------------
+
+# A request under this share of the device is left to its allocator, without a memory query.
+_UNCHECKED_SHARE = 16
+
+
+@functools.cache
+def memory_limit(index: int) -> tuple[int, str]:
+    """What pjrt:index can hold, and where that figure comes from (PJRT's CPU client reports none)."""
+    stats = device_for(index).memory_stats() or {}
+    if "bytes_limit" in stats:
+        return int(stats["bytes_limit"]), "PJRT bytes_limit"
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return host, "host memory: PJRT reports no limit for this device"
+
+
+def free_memory(index: int) -> int:
+    """Bytes pjrt:index can still allocate: PJRT's limit less its bytes in use, else the host's available memory."""
+    stats = device_for(index).memory_stats() or {}
+    if "bytes_limit" in stats:
+        return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    # No /proc (not Linux): the host's size less what pjrt tensors hold.
+    return memory_limit(index)[0] - memory.stats.allocated.get(index, 0)
+
+
+def check_fits(index: int, nbytes: int) -> None:
+    """Raise torch.OutOfMemoryError before allocating more than pjrt:index has free.
+
+    Where the device is host memory (the CPU platform), an allocation the host cannot hold may
+    still be granted (memory overcommit), and then exhausts the machine as it is written.
+    """
+    total, source = memory_limit(index)
+    if nbytes * _UNCHECKED_SHARE < total:
+        return
+    free = free_memory(index)
+    if nbytes > free:
+        raise memory.out_of_memory(index, nbytes, total, source, free)
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """An allocation failure: XLA's RESOURCE_EXHAUSTED (or a failure it caused), or the host's MemoryError."""
+    from jax.errors import JaxRuntimeError
+
+    if isinstance(error, MemoryError):
+        return True
+    # A program given the result of a failed one fails with INTERNAL, naming the original failure.
+    text = str(error)
+    return isinstance(error, JaxRuntimeError) and ("RESOURCE_EXHAUSTED" in text or "Out of memory" in text)
+
+
+def out_of_memory_from(error: BaseException, values: Sequence[Any], index: int | None = None) -> torch.OutOfMemoryError:
+    """An allocation failure as torch.OutOfMemoryError, on the given device or else that of the first array."""
+    if index is None:
+        index = _index_of(values)
+    text = str(error).strip()
+    asked = re.search(r"(\d+) bytes", text)
+    total, source = memory_limit(index)
+    detail = text.splitlines()[0] if text else type(error).__name__
+    return memory.out_of_memory(index, int(asked.group(1)) if asked else None, total, source, detail=detail)
+
+
+@contextlib.contextmanager
+def out_of_memory_translated(values: Sequence[Any], index: int | None = None) -> Iterator[None]:
+    """Turn an allocation failure inside into torch.OutOfMemoryError; other errors pass unchanged."""
+    try:
+        yield
+    except (RuntimeError, MemoryError) as error:
+        if not is_out_of_memory(error):
+            raise
+        raise out_of_memory_from(error, values, index) from None
+
+
+def _index_of(values: Sequence[Any]) -> int:
+    array = jax_module().Array
+    for value in values:
+        if isinstance(value, array):
+            placed = value.devices()
+            for index, device in enumerate(devices()):
+                if device in placed:
+                    return index
+    return 0

@@ -1,8 +1,10 @@
-"""Device memory accounting: bytes held by live pjrt storages, per device."""
+"""Device memory accounting, and the out-of-memory error users see (torch.OutOfMemoryError, as on CUDA)."""
 
 from __future__ import annotations
 
 import threading
+
+import torch
 
 
 class MemoryStats:
@@ -34,3 +36,30 @@ class MemoryStats:
 
 
 stats = MemoryStats()
+
+
+def format_size(nbytes: int) -> str:
+    """Bytes as CUDA's messages show them (1.50 GiB)."""
+    if nbytes < 1024:
+        return f"{nbytes} bytes"
+    value = nbytes / 1024
+    for unit in ("KiB", "MiB", "GiB"):
+        if value < 1024:
+            return f"{value:.2f} {unit}"
+        value /= 1024
+    return f"{value:.2f} TiB"
+
+
+def out_of_memory(
+    index: int, asked: int | None, total: int, source: str, free: int | None = None, detail: str = ""
+) -> torch.OutOfMemoryError:
+    """The error for an allocation pjrt:index cannot hold: the size asked, the device, what is in use."""
+    size = "an unknown size" if asked is None else format_size(asked)
+    free_part = "" if free is None else f", {format_size(free)} free"
+    cause = f" ({detail})" if detail else ""
+    return torch.OutOfMemoryError(
+        f"pjrt:{index} is out of memory: tried to allocate {size} on a device of {format_size(total)} "
+        f"({source}{free_part}) where pjrt tensors hold {format_size(stats.allocated.get(index, 0))} "
+        f"(torch.pjrt.memory_allocated()){cause}; free tensors that are no longer needed, or use smaller "
+        "sizes or batches."
+    )

@@ -14,7 +14,7 @@ class Program:
     """One jitted function. Compiles are counted by the client's jax event listener (so retraces for
     new input shapes count too); a program with a `counter` also counts its first call there."""
 
-    __slots__ = ("call", "_jitted", "name", "counter")
+    __slots__ = ("_run", "_jitted", "name", "counter", "device_index")
 
     def __init__(self, fn: Callable, name: str, donate: tuple[int, ...] = (), device_index: int | None = None,
                  counter: str | None = None) -> None:
@@ -26,7 +26,18 @@ class Program:
         self.name = name
         # A metrics counter of its own kind (e.g. "graph_compiles"), counted besides "compiles".
         self.counter = counter
-        self.call = self._first_call
+        self.device_index = device_index
+        self._run = self._first_call
+
+    def call(self, *args: Any) -> Any:
+        """Run the program. Every program runs here, so faults are handled here, not per op: an allocation
+        the device cannot make raises torch.OutOfMemoryError, and the process goes on."""
+        try:
+            return self._run(*args)
+        except (RuntimeError, MemoryError) as error:
+            if not client.is_out_of_memory(error):
+                raise
+            raise client.out_of_memory_from(error, args, self.device_index) from None
 
     def _first_call(self, *args: Any) -> Any:
         start = time.perf_counter()
@@ -37,7 +48,7 @@ class Program:
         if self.counter:
             metrics.bump(self.counter)
             metrics.bump(f"{self.counter}_seconds", seconds)
-        self.call = self._jitted
+        self._run = self._jitted
         return result
 
     def lower_text(self, *args: Any) -> str:
