@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import gc
+import os
+import subprocess
 import sys
+import textwrap
 import threading
 from pathlib import Path
 
@@ -15,6 +18,13 @@ import torch_pjrt
 from torch_pjrt.runtime import client, memory
 
 FUSE = torch.pjrt.EagerMode.DEFER_AND_FUSE
+
+
+def run_script(script: str, cache: str = "0", timeout: int = 240) -> subprocess.CompletedProcess:
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True,
+                            timeout=timeout, env={**os.environ, "TORCH_PJRT_CACHE_DIR": cache})
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
 
 
 def small_op_works() -> None:
@@ -165,3 +175,50 @@ def test_memory_accounting_loses_no_update_under_threads() -> None:
     finally:
         sys.setswitchinterval(interval)
     assert stats.allocated[0] == 0 and stats.allocations[0] == 200_000
+
+
+# --- fork ---------------------------------------------------------------------------------------
+
+
+FORK = """
+    import torch, torch_pjrt
+    from torch.utils.data import DataLoader, Dataset
+
+    x = torch.randn(4, 4)
+    on_device = x.to("pjrt")
+    assert torch.equal((on_device * 2).cpu(), x * 2)
+
+    class HostData(Dataset):
+        def __init__(self):
+            self.device_tensors = [torch.ones(3, device="pjrt") for _ in range(8)]
+
+        def __len__(self):
+            return 8
+
+        def __getitem__(self, i):
+            self.device_tensors[i] = None  # an inherited device tensor freed in the worker
+            return torch.full((2,), float(i)), torch.pjrt._is_in_bad_fork()
+
+    class DeviceData(HostData):
+        def __getitem__(self, i):
+            return (self.device_tensors[i] + i).cpu()
+
+    def loader(data):
+        return DataLoader(data, batch_size=2, num_workers=2, multiprocessing_context="fork")
+
+    total = torch.zeros((), device="pjrt")
+    for batch, bad_fork in loader(HostData()):
+        assert bad_fork.all()
+        total += batch.to("pjrt").sum()
+    print("host", total.item(), torch.pjrt._is_in_bad_fork())
+    try:
+        list(loader(DeviceData()))
+    except RuntimeError as error:
+        print("device", "multiprocessing_context='spawn'" in str(error))
+    print("after", torch.equal((on_device + 1).cpu(), x + 1))
+"""
+
+
+def test_forked_data_loader_workers_work_on_cpu_and_refuse_the_device_at_once() -> None:
+    lines = run_script(FORK, timeout=180).stdout.splitlines()
+    assert lines == ["host 56.0 False", "device True", "after True"]

@@ -61,7 +61,10 @@ def _lazy_init() -> None:
 
 
 def _is_in_bad_fork() -> bool:
-    return False
+    """True in a process forked from one that had started the device (torch.manual_seed skips it then)."""
+    from torch_pjrt.runtime import client
+
+    return client.forked
 
 
 def device_count() -> int:

@@ -198,6 +198,7 @@ class DeviceStorage:
 
 
 def storage_of(tensor: torch.Tensor) -> DeviceStorage:
+    client.refuse_in_forked_child()
     try:
         return tensor.untyped_storage()._pjrt
     except AttributeError:

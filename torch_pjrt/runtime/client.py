@@ -2,7 +2,8 @@
 
 jax is configured here, once, before its first backend use: 64-bit types on (PyTorch
 has real float64/int64), the CPU device count, and the persistent compile cache.
-Faults are handled here too: allocations the device cannot hold become torch.OutOfMemoryError.
+Faults are handled here too: allocations the device cannot hold become torch.OutOfMemoryError,
+and a forked child of a process that started jax refuses device work (it would hang).
 """
 
 from __future__ import annotations
@@ -35,11 +36,34 @@ def cache_dir() -> str | None:
     return value or _default_cache_dir()
 
 
+FORKED_MESSAGE = (
+    "pjrt cannot run in a process forked from one that had started it (jax's runtime threads do not survive "
+    "fork, so it would hang): start DataLoader workers and subprocesses with multiprocessing_context='spawn', "
+    "or keep the work of forked workers on CPU tensors."
+)
+# True in a child forked after jax started (what torch.pjrt._is_in_bad_fork reports).
+forked = False
+
+
+def _in_forked_child() -> None:
+    global forked
+    forked = True
+    jax_module.cache_clear()
+
+
+def refuse_in_forked_child() -> None:
+    """Raise at once where a forked child would otherwise hang in jax."""
+    if forked:
+        raise RuntimeError(FORKED_MESSAGE)
+
+
 @functools.cache
 def jax_module() -> Any:
     """Import and configure jax on first device use (keeps `import torch` fast)."""
+    refuse_in_forked_child()
     import jax
 
+    os.register_at_fork(after_in_child=_in_forked_child)
     jax.config.update("jax_enable_x64", True)
     cpu_devices = os.environ.get("TORCH_PJRT_CPU_DEVICES")
     if cpu_devices:

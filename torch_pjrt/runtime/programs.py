@@ -31,7 +31,9 @@ class Program:
 
     def call(self, *args: Any) -> Any:
         """Run the program. Every program runs here, so faults are handled here, not per op: an allocation
-        the device cannot make raises torch.OutOfMemoryError, and the process goes on."""
+        the device cannot make raises torch.OutOfMemoryError (and the process goes on), and a forked child
+        refuses at once instead of hanging."""
+        client.refuse_in_forked_child()
         try:
             return self._run(*args)
         except (RuntimeError, MemoryError) as error:
