@@ -222,3 +222,56 @@ FORK = """
 def test_forked_data_loader_workers_work_on_cpu_and_refuse_the_device_at_once() -> None:
     lines = run_script(FORK, timeout=180).stdout.splitlines()
     assert lines == ["host 56.0 False", "device True", "after True"]
+
+
+# --- a cache folder that cannot be written ------------------------------------------------------
+
+
+CACHE = """
+    import errno, warnings, torch, torch_pjrt
+
+    def work(scale):
+        x = torch.arange(scale * (scale + 1)).reshape(scale, scale + 1) / 10  # new shapes: new programs
+        on = x.to("pjrt")
+        got = [((on.sin() * scale + on.t().sum()).cos()).cpu(), torch.compile(lambda t: (t * scale).relu().sum(),
+                                                                               backend="pjrt")(on).cpu()]
+        want = [(x.sin() * scale + x.t().sum()).cos(), (x * scale).relu().sum()]
+        return all(torch.allclose(a, b, atol=1e-4, rtol=1e-4) for a, b in zip(got, want))
+
+    def fill_the_disk():
+        from jax._src import lru_cache
+        from torch_pjrt.runtime import disk_store
+
+        def full(*args, **kwargs):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        lru_cache.LRUCache.put = full
+        disk_store.tempfile.NamedTemporaryFile = full
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first = work(3)
+        if FULL:
+            fill_the_disk()
+        second = work(4)
+    cache_warnings = [str(w.message) for w in caught if "cache" in str(w.message)]
+    print(first, second, len(cache_warnings))
+    print(cache_warnings)
+"""
+
+
+def test_a_cache_folder_that_cannot_be_made_costs_one_warning(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")  # root ignores permissions, not a file in the way
+    result = run_script("FULL = False\n" + textwrap.dedent(CACHE), cache=str(blocker / "cache"))
+    summary, warnings = result.stdout.splitlines()
+    assert summary == "True True 1", warnings
+    assert "cannot be written" in warnings and "TORCH_PJRT_CACHE_DIR" in warnings
+
+
+def test_a_cache_folder_that_fills_up_costs_one_warning(tmp_path: Path) -> None:
+    result = run_script("FULL = True\n" + textwrap.dedent(CACHE), cache=str(tmp_path))
+    summary, warnings = result.stdout.splitlines()
+    assert summary == "True True 1", warnings
+    assert "No space left on device" in warnings
+    assert any((tmp_path / "xla").iterdir())  # written before the disk filled

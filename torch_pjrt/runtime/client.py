@@ -3,7 +3,8 @@
 jax is configured here, once, before its first backend use: 64-bit types on (PyTorch
 has real float64/int64), the CPU device count, and the persistent compile cache.
 Faults are handled here too: allocations the device cannot hold become torch.OutOfMemoryError,
-and a forked child of a process that started jax refuses device work (it would hang).
+a forked child of a process that started jax refuses device work (it would hang), and a cache
+folder that cannot be written turns caching off with one warning.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import contextlib
 import functools
 import os
 import re
+import threading
+import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -28,12 +31,81 @@ def _default_cache_dir() -> str:
     return os.path.join(base, "torch_pjrt")
 
 
+_cache_lock = threading.Lock()
+_cache_failures: list[OSError] = []
+
+
 def cache_dir() -> str | None:
-    """The persistent compile cache folder, or None when TORCH_PJRT_CACHE_DIR=0 disables it."""
+    """The persistent compile cache folder, or None when TORCH_PJRT_CACHE_DIR=0 disables it
+    or writing to it has failed."""
     value = os.environ.get("TORCH_PJRT_CACHE_DIR")
-    if value == "0":
+    if value == "0" or _cache_failures:
         return None
     return value or _default_cache_dir()
+
+
+def cache_failed(error: OSError) -> None:
+    """The cache folder cannot be written (read-only, full, not a folder): warn once, cache nothing more.
+
+    Compiling still works, only the saving is lost; jax itself would warn once per program.
+    """
+    with _cache_lock:
+        if _cache_failures:
+            return
+        folder = cache_dir()
+        _cache_failures.append(error)
+    warnings.warn(
+        f"torch_pjrt: the compile cache folder {folder} cannot be written ({error}); compiling without a "
+        "persistent cache from now on: set TORCH_PJRT_CACHE_DIR to a writable folder with free space, or to 0.",
+        RuntimeWarning,
+        stacklevel=2,
+    )
+
+
+class _GuardedCache:
+    """jax's persistent cache with its I/O errors sent to `cache_failed`, not to jax (which warns once per
+    program); after a failure it reads and writes nothing."""
+
+    def __init__(self, base: Any) -> None:
+        self.base = base
+
+    def get(self, key: str) -> bytes | None:
+        if _cache_failures:
+            return None
+        try:
+            return self.base.get(key)
+        except OSError as error:
+            cache_failed(error)
+            return None
+
+    def put(self, key: str, value: bytes) -> None:
+        if _cache_failures:
+            return
+        try:
+            self.base.put(key, value)
+        except OSError as error:
+            cache_failed(error)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.base, name)
+
+
+def _guard_jax_cache() -> None:
+    """Make jax build its persistent cache as a `_GuardedCache` (through jax's private module, pinned
+    with jaxlib): a folder it cannot create or write then costs one warning, not one per program."""
+    from jax._src import compilation_cache
+
+    make = compilation_cache.get_file_cache
+
+    def guarded(path: str) -> tuple[_GuardedCache, str] | None:
+        try:
+            cache, where = make(path)
+        except OSError as error:
+            cache_failed(error)
+            return None
+        return _GuardedCache(cache), where
+
+    compilation_cache.get_file_cache = guarded
 
 
 FORKED_MESSAGE = (
@@ -70,6 +142,7 @@ def jax_module() -> Any:
         jax.config.update("jax_num_cpu_devices", int(cpu_devices))
     folder = cache_dir()
     if folder:
+        _guard_jax_cache()
         jax.config.update("jax_compilation_cache_dir", os.path.join(folder, "xla"))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

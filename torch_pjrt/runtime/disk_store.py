@@ -48,7 +48,7 @@ def read(kind: str, key: str) -> bytes | None:
 
 
 def write(kind: str, key: str, payload: bytes) -> None:
-    """Store a payload; a cache folder that cannot be written only costs the saving."""
+    """Store a payload; a cache folder that cannot be written only costs the saving (and one warning)."""
     path = _path(kind, key)
     if path is None:
         return
@@ -57,7 +57,8 @@ def write(kind: str, key: str, payload: bytes) -> None:
         with tempfile.NamedTemporaryFile(dir=path.parent, prefix=".partial-", delete=False) as temporary:
             temporary.write(hashlib.sha256(payload).digest() + payload)
         os.replace(temporary.name, path)
-    except OSError:
+    except OSError as error:
+        client.cache_failed(error)
         return
     metrics.bump("disk_store_writes")
 
