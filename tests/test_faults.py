@@ -53,6 +53,18 @@ def test_an_allocation_larger_than_the_device_raises_out_of_memory_and_the_proce
     assert held.sum().item() == 1000
 
 
+def test_empty_tensors_count_against_the_device_before_they_are_written() -> None:
+    total = torch.pjrt.get_device_properties().total_memory
+    half = (total - torch.pjrt.memory_allocated()) // 2 + 1
+    if torch.pjrt.mem_get_info()[0] < half:
+        pytest.skip("the device has less than half of itself free")
+    first = torch.empty(half, dtype=torch.uint8, device="pjrt")  # no memory taken until written
+    with pytest.raises(torch.OutOfMemoryError, match=f"tried to allocate {memory.format_size(half)}"):
+        torch.empty(half, dtype=torch.uint8, device="pjrt")
+    del first
+    small_op_works()
+
+
 def test_an_op_whose_output_is_too_large_raises_out_of_memory_before_it_runs() -> None:
     column = torch.randn(10**6).to("pjrt")
     before = torch.pjrt.memory_allocated()

@@ -271,10 +271,18 @@ def memory_limit(index: int) -> tuple[int, str]:
 
 
 def free_memory(index: int) -> int:
-    """Bytes pjrt:index can still allocate: PJRT's limit less its bytes in use, else the host's available memory."""
+    """Bytes pjrt:index can still allocate: PJRT's limit less its bytes in use; on host memory, the host's
+    available memory, and never more than its size less what pjrt storages hold (torch.empty ones included,
+    which take no memory until written)."""
     stats = device_for(index).memory_stats() or {}
     if "bytes_limit" in stats:
         return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+    left = memory_limit(index)[0] - memory.stats.allocated.get(index, 0)
+    return min(left, _host_available(left))
+
+
+def _host_available(otherwise: int) -> int:
+    """The kernel's MemAvailable (free plus reclaimable memory), or `otherwise` without /proc (not Linux)."""
     try:
         with open("/proc/meminfo") as meminfo:
             for line in meminfo:
@@ -282,8 +290,7 @@ def free_memory(index: int) -> int:
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    # No /proc (not Linux): the host's size less what pjrt tensors hold.
-    return memory_limit(index)[0] - memory.stats.allocated.get(index, 0)
+    return otherwise
 
 
 def check_fits(index: int, nbytes: int) -> None:
