@@ -461,20 +461,13 @@ def _valid(dims: Sequence[Any], shape: Sequence[int], true: Sequence[Any]) -> An
     return mask
 
 
-def _strides_of(sizes: Sequence[Any]) -> list[Any]:
-    strides, running = [], 1
-    for size in reversed(sizes):
-        strides.append(running)
-        running = running * size
-    return strides[::-1]
-
-
 def _block_to_prefix(value: Any, axis: int, padded: Sequence[int], true: Sequence[Any]) -> Any:
     """A merged dim laid out in padded blocks, re-read with its true elements first."""
     jnp = client.jax_module().numpy
     position = jnp.arange(value.shape[axis])
     index = 0
-    for size, true_stride, padded_stride in zip(true, _strides_of(true), _strides_of(padded)):
+    strides = zip(padding.row_major_strides(true), padding.row_major_strides(padded))
+    for size, (true_stride, padded_stride) in zip(true, strides):
         index = index + (position // true_stride) % jnp.maximum(size, 1) * padded_stride
     return jnp.take(value, index, axis=axis, mode="clip")
 
@@ -484,7 +477,8 @@ def _prefix_to_block(value: Any, axis: int, padded: Sequence[int], true: Sequenc
     jnp = client.jax_module().numpy
     position = jnp.arange(math.prod(padded))
     index = 0
-    for size, true_stride, padded_stride in zip(padded, _strides_of(true), _strides_of(padded)):
+    strides = zip(padding.row_major_strides(true), padding.row_major_strides(padded))
+    for size, (true_stride, padded_stride) in zip(padded, strides):
         index = index + (position // padded_stride) % size * true_stride
     return jnp.take(value, index, axis=axis, mode="clip")
 

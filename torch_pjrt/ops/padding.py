@@ -135,7 +135,8 @@ def _leading_only(meta: torch.Tensor) -> bool:
     return all(not isinstance(s, torch.SymInt) for s in meta.shape[1:])
 
 
-def _strides(sizes: Sequence[Any]) -> list[Any]:
+def row_major_strides(sizes: Sequence[Any]) -> list[Any]:
+    """Row-major strides of sizes that may be traced values (no max(): a traced size cannot branch)."""
     strides, running = [], 1
     for size in reversed(sizes):
         strides.append(running)
@@ -150,7 +151,7 @@ def expand(flat: Any, meta: torch.Tensor, sizes: Sizes) -> Any:
     flat = storage.flat_array(flat)
     if _leading_only(meta):
         return flat[: math.prod(padded)].reshape(padded)
-    true_strides = _strides([sizes.real(s) for s in meta.shape])
+    true_strides = row_major_strides([sizes.real(s) for s in meta.shape])
     index = sum(
         jnp.arange(n).reshape([-1 if d == i else 1 for d in range(len(padded))]) * stride
         for i, (n, stride) in enumerate(zip(padded, true_strides))
@@ -167,7 +168,7 @@ def compact(value: Any, meta: torch.Tensor, sizes: Sizes) -> Any:
     true = [sizes.real(s) for s in meta.shape]
     position = jnp.arange(math.prod(padded))
     index = 0
-    for size, true_stride, padded_stride in zip(true, _strides(true), _strides(padded)):
+    for size, true_stride, padded_stride in zip(true, row_major_strides(true), row_major_strides(padded)):
         index = index + (position // true_stride) % jnp.maximum(size, 1) * padded_stride
     return jnp.take(value.reshape(-1), index, mode="clip")
 
