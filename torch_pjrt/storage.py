@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from torch_pjrt import _torch_private, native
-from torch_pjrt.runtime import client, memory
+from torch_pjrt.runtime import client, memory, metrics, programs
 
 TORCH_TO_NUMPY: dict[torch.dtype, Any] = {
     torch.bool: np.bool_,
@@ -138,8 +138,6 @@ class Padded(PendingArray):
         return Padded(array, self.shape, self.padded, self.bounds)
 
     def resolve(self) -> Any:
-        from torch_pjrt.runtime import metrics
-
         inner = self.array.resolve() if isinstance(self.array, PendingArray) else self.array
         metrics.bump("dynamic_compactions")
         return compactor(self.shape, self.padded)[1].call(inner)
@@ -158,8 +156,6 @@ def compactor(shape: tuple[int, ...], padded: tuple[int, ...]) -> tuple[Any, Any
     """The function, and its program, that cut a padded array down to its true elements, flat."""
     found = _compactors.get((shape, padded))
     if found is None:
-        from torch_pjrt.runtime import programs
-
         box = tuple(slice(0, n) for n in shape)
 
         def compact(array: Any) -> Any:

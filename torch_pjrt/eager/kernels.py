@@ -33,7 +33,7 @@ def to_pjrt(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype | Non
     sizes, strides = tuple(tensor.shape), tuple(tensor.stride())
     order = storage.physical_order(sizes, strides)
     if marks:
-        strides, order = storage.contiguous_strides(sizes), tuple(range(len(sizes)))
+        strides = storage.contiguous_strides(sizes)
         padded, layout = dynamic.pad_host(storage.host_array(tensor), sizes, marks)
         layout.array = client.to_device(padded, device.index)
         result = storage.new_tensor(layout, tensor.dtype, device, sizes, strides)
