@@ -12,6 +12,6 @@ except ImportError:
     setup()
 else:
     setup(
-        ext_modules=[CppExtension("torch_pjrt._hooks", ["torch_pjrt/csrc/hooks.cpp"], extra_compile_args=["-O2"])],
+        ext_modules=[CppExtension("torch_pjrt._hooks", ["torch_pjrt/csrc/hooks.cpp", "torch_pjrt/csrc/dispatch.cpp"], extra_compile_args=["-O2"])],
         cmdclass={"build_ext": BuildExtension},
     )

@@ -236,13 +236,13 @@ def memory_allocated(device: Any = None) -> int:
     """Bytes held by live pjrt tensors' storages on the device."""
     from torch_pjrt.runtime import memory
 
-    return memory.stats.allocated.get(_index(device), 0)
+    return memory.stats.counts(_index(device))[0]
 
 
 def max_memory_allocated(device: Any = None) -> int:
     from torch_pjrt.runtime import memory
 
-    return memory.stats.peak.get(_index(device), 0)
+    return memory.stats.counts(_index(device))[1]
 
 
 def memory_reserved(device: Any = None) -> int:
@@ -264,7 +264,7 @@ def memory_stats(device: Any = None) -> dict[str, Any]:
     stats: dict[str, Any] = {
         "allocated_bytes.all.current": memory_allocated(index),
         "allocated_bytes.all.peak": max_memory_allocated(index),
-        "allocation.all.allocated": memory.stats.allocations.get(index, 0),
+        "allocation.all.allocated": memory.stats.counts(index)[2],
     }
     for key, value in _pjrt_stats(index).items():
         stats[f"pjrt.{key}"] = value
@@ -296,6 +296,11 @@ def mem_get_info(device: Any = None) -> tuple[int, int]:
 # PJRT runs a device's programs in issue order on one queue. A Stream is that queue: work
 # cannot be split across streams, so wait_* calls are no-ops and synchronize waits for the
 # device. An Event marks the last program issued when it is recorded.
+
+
+def newest_outputs() -> dict[int, Any]:
+    """The live table `note_output` fills (the native dispatch fills it directly)."""
+    return _last_output
 
 
 def note_output(index: int, outputs: Any) -> None:

@@ -27,6 +27,8 @@ VARIABLES: dict[str, Variable] = {
                                                 "ran at true sizes on dynamic tensors"),
     "TORCH_PJRT_RECOMPILE_BUDGET": Variable("8", "compiles of one torch.compile graph for distinct shapes before "
                                                  "the warning"),
+    "TORCH_PJRT_NATIVE_DISPATCH": Variable("1", "0: every eager op runs its Python kernel (no native cache hits; "
+                                                "for debugging and bisecting)"),
     "TORCH_PJRT_DYNAMIC_GENERATE": Variable("1", "0: Hugging Face generate() on pjrt leaves the prompt length "
                                                  "unmarked (it is marked dynamic by default)"),
 }

@@ -50,6 +50,30 @@ def tensor_factory() -> Callable[..., torch.Tensor] | None:
     return getattr(module, "new_tensor", None)
 
 
+def dispatch_module() -> ModuleType | None:
+    """The module whose native kernels run strict eager's cache hits (csrc/dispatch.cpp), or None: not
+    built, or turned off by TORCH_PJRT_NATIVE_DISPATCH=0 (every op then runs its Python kernel)."""
+    from torch_pjrt import envvars
+
+    module = _module()
+    if module is None or not hasattr(module, "register_kernel") or not envvars.flag("TORCH_PJRT_NATIVE_DISPATCH"):
+        return None
+    return module
+
+
+@functools.cache
+def counting_module() -> ModuleType | None:
+    """The module whose storages count their own bytes (runtime/memory.py reads it), or None."""
+    module = _module()
+    return module if module is not None and hasattr(module, "memory_counts") else None
+
+
+def new_address(nbytes: int) -> int | None:
+    """A fresh fake storage address from the native allocator (None without the module: Python allocates)."""
+    module = _module()
+    return None if module is None else module.new_address(nbytes)
+
+
 def installed() -> bool:
     module = _module()
     return module is not None and module.installed()

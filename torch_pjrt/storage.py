@@ -99,6 +99,11 @@ _next_address = [_ADDRESS_BASE]
 
 
 def _new_address(nbytes: int) -> int:
+    """A fresh fake address; the native allocator's when the module is built (native kernels make
+    storages too, and both must never hand out the same address)."""
+    address = native.new_address(nbytes)
+    if address is not None:
+        return address
     with _address_lock:
         address = _next_address[0]
         _next_address[0] += max(_ALIGN, -(-nbytes // _ALIGN) * _ALIGN)
@@ -166,7 +171,11 @@ def compactor(shape: tuple[int, ...], padded: tuple[int, ...]) -> tuple[Any, Any
 
 
 class DeviceStorage:
-    """The device side of one PyTorch storage: a flat jax array, or None while uninitialised."""
+    """The device side of one PyTorch storage: a flat jax array, or None while uninitialised.
+
+    Plain data: the native dispatch makes these without calling Python code, and the PyTorch
+    storage counts its own bytes (csrc/hooks.cpp); `CountedDeviceStorage` counts them where the
+    native module is not built."""
 
     __slots__ = ("array", "dtype", "numel", "device", "nbytes", "__weakref__")
 
@@ -176,10 +185,6 @@ class DeviceStorage:
         self.numel = numel
         self.device = device
         self.nbytes = numel * dtype.itemsize
-        memory.stats.add(device.index, self.nbytes)
-
-    def __del__(self) -> None:
-        memory.stats.add(self.device.index, -self.nbytes)
 
     def materialize(self) -> Any:
         """The flat array; an uninitialised storage (torch.empty) reads as zeros."""
@@ -191,6 +196,23 @@ class DeviceStorage:
                 zeros = np.zeros(self.numel, numpy_dtype(self.dtype))
                 self.array = jax.device_put(zeros, client.device_for(self.device.index))
         return self.array
+
+
+class CountedDeviceStorage(DeviceStorage):
+    """A DeviceStorage that counts its bytes in the device's memory figures itself (no native module)."""
+
+    __slots__ = ()
+
+    def __init__(self, array: Any, dtype: torch.dtype, numel: int, device: torch.device) -> None:
+        super().__init__(array, dtype, numel, device)
+        memory.stats.add(device.index, self.nbytes)
+
+    def __del__(self) -> None:
+        memory.stats.add(self.device.index, -self.nbytes)
+
+
+def _storage_class() -> type[DeviceStorage]:
+    return DeviceStorage if native.counting_module() is not None else CountedDeviceStorage
 
 
 def storage_of(tensor: torch.Tensor) -> DeviceStorage:
@@ -225,7 +247,7 @@ def new_tensor(
         storage = tensor.untyped_storage()
     else:
         tensor, storage = _torch_private.new_tensor(device, dtype, sizes, strides, 0, _new_address(nbytes), nbytes)
-    storage._pjrt = DeviceStorage(array, dtype, numel, device)
+    storage._pjrt = _storage_class()(array, dtype, numel, device)
     return tensor
 
 
@@ -234,8 +256,12 @@ def replace_storage(tensor: torch.Tensor, numel: int, sizes: Sequence[int], stri
     device = tensor.device
     nbytes = numel * tensor.dtype.itemsize
     client.check_fits(device.index, nbytes)
-    storage = _torch_private.new_storage(_new_address(nbytes), device, nbytes)
-    storage._pjrt = DeviceStorage(None, tensor.dtype, numel, device)
+    module = native.counting_module()
+    if module is not None:
+        storage = module.new_storage(device.index, _new_address(nbytes), nbytes)
+    else:
+        storage = _torch_private.new_storage(_new_address(nbytes), device, nbytes)
+    storage._pjrt = _storage_class()(None, tensor.dtype, numel, device)
     _torch_private.repoint(tensor, storage, 0, sizes, strides)
     return storage._pjrt
 

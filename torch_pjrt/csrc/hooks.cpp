@@ -1,9 +1,11 @@
-// Native PrivateUse1 device guard, hooks and generator for the pjrt device.
+// Native PrivateUse1 device guard, hooks and generator, and the pjrt tensors and storages themselves.
 //
 // PyTorch's Python-side guard reports one device and its Python hooks have no
 // generators, so autograd gets a single device queue and torch.Generator(device="pjrt")
 // fails. These C++ versions are registered before the Python ones (which then skip
 // their own registration). Streams and events are trivial: pjrt ops are ordered by jax.
+// Storages sit at fake addresses from one allocator, and each counts its bytes in the device's
+// memory figures from when it is made until its DataPtr is freed.
 
 #include <ATen/core/Generator.h>
 #include <c10/core/CPUAllocator.h>
@@ -13,7 +15,10 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/Dtype.h>
 #include <torch/csrc/Generator.h>
+#include <torch/csrc/Storage.h>
 #include <torch/extension.h>
+
+#include "native.h"
 
 #include <algorithm>
 #include <atomic>
@@ -21,6 +26,7 @@
 #include <limits>
 #include <map>
 #include <mutex>
+#include <tuple>
 #include <unordered_set>
 
 namespace torch_pjrt {
@@ -367,20 +373,99 @@ at::Tensor new_tensor(
   TORCH_CHECK(THPDtype_Check(dtype.ptr()), "new_tensor expects a torch.dtype");
   TORCH_CHECK(sizes.size() == strides.size(), "new_tensor: sizes and strides differ in length");
   const auto scalar_type = reinterpret_cast<THPDtype*>(dtype.ptr())->scalar_type;
-  const c10::Device device(kPjrt, static_cast<c10::DeviceIndex>(index));
-  c10::Storage storage(
+  return make_tensor(static_cast<c10::DeviceIndex>(index), scalar_type, sizes, strides, address, nbytes);
+}
+
+constexpr int64_t kAddressBase = int64_t{1} << 52;
+constexpr int64_t kAlign = 64;
+std::atomic<int64_t> next_address{kAddressBase};
+
+// Bytes held by live pjrt storages per device (torch.pjrt.memory_allocated): counted when a storage
+// is made here and released by its DataPtr's deleter, on whichever thread frees it.
+struct DeviceBytes {
+  int64_t allocated = 0;
+  int64_t peak = 0;
+  int64_t allocations = 0;
+};
+std::mutex bytes_mutex;
+std::map<c10::DeviceIndex, DeviceBytes> bytes_by_device;
+
+struct HeldBytes {
+  c10::DeviceIndex index;
+  int64_t nbytes;
+};
+
+void release_bytes(void* context) {
+  auto* held = static_cast<HeldBytes*>(context);
+  {
+    std::lock_guard<std::mutex> lock(bytes_mutex);
+    bytes_by_device[held->index].allocated -= held->nbytes;
+  }
+  delete held;
+}
+
+c10::DataPtr counted_data_ptr(int64_t address, c10::Device device, int64_t nbytes) {
+  {
+    std::lock_guard<std::mutex> lock(bytes_mutex);
+    DeviceBytes& bytes = bytes_by_device[device.index()];
+    bytes.allocated += nbytes;
+    bytes.peak = std::max(bytes.peak, bytes.allocated);
+    bytes.allocations += nbytes > 0 ? 1 : 0;
+  }
+  return c10::DataPtr(
+      reinterpret_cast<void*>(static_cast<intptr_t>(address)), new HeldBytes{device.index(), nbytes}, &release_bytes,
+      device);
+}
+
+c10::Storage counted_storage(c10::Device device, int64_t address, int64_t nbytes) {
+  return c10::Storage(
       c10::Storage::use_byte_size_t(),
       static_cast<size_t>(nbytes),
-      c10::DataPtr(reinterpret_cast<void*>(static_cast<intptr_t>(address)), device),
+      counted_data_ptr(address, device, nbytes),
       /*allocator=*/nullptr,
       /*resizable=*/false);
+}
+
+// A storage alone (resize_ gives a tensor a new one), counted like a tensor's.
+py::object new_storage(int64_t index, int64_t address, int64_t nbytes) {
+  const c10::Device device(kPjrt, static_cast<c10::DeviceIndex>(index));
+  return py::reinterpret_steal<py::object>(THPStorage_Wrap(counted_storage(device, address, nbytes)));
+}
+
+// (allocated, peak, allocations) of pjrt:index.
+std::tuple<int64_t, int64_t, int64_t> memory_counts(int64_t index) {
+  std::lock_guard<std::mutex> lock(bytes_mutex);
+  const DeviceBytes& bytes = bytes_by_device[static_cast<c10::DeviceIndex>(index)];
+  return {bytes.allocated, bytes.peak, bytes.allocations};
+}
+
+void reset_peak(int64_t index) {
+  std::lock_guard<std::mutex> lock(bytes_mutex);
+  DeviceBytes& bytes = bytes_by_device[static_cast<c10::DeviceIndex>(index)];
+  bytes.peak = bytes.allocated;
+}
+
+}  // namespace
+
+int64_t new_address(int64_t nbytes) {
+  const int64_t span = std::max(kAlign, (nbytes + kAlign - 1) / kAlign * kAlign);
+  return next_address.fetch_add(span, std::memory_order_relaxed);
+}
+
+at::Tensor make_tensor(
+    c10::DeviceIndex index,
+    c10::ScalarType scalar_type,
+    c10::IntArrayRef sizes,
+    c10::IntArrayRef strides,
+    int64_t address,
+    int64_t nbytes) {
+  c10::Storage storage = counted_storage(c10::Device(kPjrt, index), address, nbytes);
   auto tensor = at::detail::make_tensor<c10::TensorImpl>(
       std::move(storage), c10::DispatchKeySet(c10::DispatchKey::PrivateUse1), c10::scalarTypeToTypeMeta(scalar_type));
   tensor.unsafeGetTensorImpl()->set_sizes_and_strides(sizes, strides);
   return tensor;
 }
 
-}  // namespace
 }  // namespace torch_pjrt
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -394,6 +479,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("new_tensor", &torch_pjrt::new_tensor, py::arg("index"), py::arg("dtype"), py::arg("sizes"),
         py::arg("strides"), py::arg("address"), py::arg("nbytes"),
         "A pjrt tensor over a new non-owning storage at a fake address.");
+  m.def("new_address", &torch_pjrt::new_address, py::arg("nbytes"),
+        "A fresh fake address for a storage of nbytes (unique for the process).");
+  m.def("new_storage", &torch_pjrt::new_storage, py::arg("index"), py::arg("address"), py::arg("nbytes"),
+        "A pjrt storage at a fake address, counted in the device's memory figures.");
+  m.def("memory_counts", &torch_pjrt::memory_counts, py::arg("index"),
+        "(allocated, peak, allocations) bytes and count of the live pjrt storages of a device.");
+  m.def("reset_peak", &torch_pjrt::reset_peak, py::arg("index"), "Set the device's peak to what it holds now.");
+  torch_pjrt::init_dispatch(m);
   m.def("default_generator", &torch_pjrt::default_generator, py::arg("index"),
         "The default torch.Generator of pjrt:index.");
 }

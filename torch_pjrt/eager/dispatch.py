@@ -75,6 +75,8 @@ class OpPlan:
     # str(op): hashed per call as part of the cache key (an OpOverload's hash is computed in Python)
     name: str
     allow_cpu: bool
+    # every return is a tensor, an optional tensor or a tensor list (what the native cache can wrap)
+    native_returns: bool
 
     def normalize(self, args: tuple, kwargs: dict) -> list[Any]:
         values = list(args)
@@ -128,6 +130,7 @@ def plan_for(op: OpOverload) -> OpPlan | None:
         has_device_arg=Arg.DEVICE in kinds,
         name=str(op),
         allow_cpu=op in CPU_TENSORS_ALLOWED,
+        native_returns=all(str(r.type) in ("Tensor", "Optional[Tensor]", "List[Tensor]") for r in schema.returns),
     )
 
 
@@ -661,6 +664,12 @@ def _describe(plan: OpPlan, values: list[Any], plain: bool) -> tuple[Scan, list[
 
 
 def execute(plan: OpPlan, args: tuple, kwargs: dict) -> Any:
+    return _execute(plan, args, kwargs)[0]
+
+
+def _execute(plan: OpPlan, args: tuple, kwargs: dict) -> tuple[Any, Entry | None]:
+    """Run one call; also the entry of its plain cached program (None where the call went another way:
+    padded, compacted, a fallback, a factory placed elsewhere)."""
     values = plan.normalize(args, kwargs)
     try:
         scan, described = _describe(plan, values, False)
@@ -671,7 +680,7 @@ def execute(plan: OpPlan, args: tuple, kwargs: dict) -> Any:
         try:
             scan.device = _target_device(values, plan, scan.device)
         except ElsewhereDevice as elsewhere:
-            return _factory_elsewhere(plan, args, kwargs, elsewhere.device)
+            return _factory_elsewhere(plan, args, kwargs, elsewhere.device), None
     if scan.symbols is not None:
         try:
             entry, inputs, specs = _padded_entry(plan, scan, values, described)
@@ -680,7 +689,7 @@ def execute(plan: OpPlan, args: tuple, kwargs: dict) -> Any:
             scan, described = _describe(plan, values, True)
             scan.device = _target_device(values, plan, scan.device)
         else:
-            return _complete(plan, values, scan, entry, _run(entry, inputs), specs)
+            return _complete(plan, values, scan, entry, _run(entry, inputs), specs), None
     key = cache_key(scan, described)
     try:
         entry = _cache.get(key)
@@ -697,7 +706,7 @@ def execute(plan: OpPlan, args: tuple, kwargs: dict) -> Any:
             from torch_pjrt.eager import fallback
 
             if fallback.cpu_fallback_enabled():
-                return fallback.run_on_cpu(plan.op, args, kwargs)
+                return fallback.run_on_cpu(plan.op, args, kwargs), None
             detail = "" if missing.op == plan.op else f" (its decomposition reaches {missing.op})"
             raise NotImplementedError(fallback.missing_message(plan.op) + detail) from None
         _cache.put(key, entry)
@@ -706,7 +715,34 @@ def execute(plan: OpPlan, args: tuple, kwargs: dict) -> Any:
     result = _complete(plan, values, scan, entry, outputs, entry.outputs)
     if scan.plain:
         dynamic.repad(result)
-    return result
+        return result, None
+    return result, entry
+
+
+def native_miss(plan: OpPlan, args: tuple, kwargs: dict) -> tuple[Any, tuple | None]:
+    """A call the native hit path (csrc/dispatch.cpp) did not have: run it here, and hand back what
+    the native cache needs to run the same signature itself next time (None: it cannot)."""
+    result, entry = _execute(plan, args, kwargs)
+    if entry is None or entry.resized or modes.state.fusing or not plan.native_returns:
+        return result, None
+    program = entry.program
+    if not program.compiled:
+        return result, None
+    specs = iter(entry.outputs)
+    returns = []
+    for alias in plan.return_aliases:
+        if alias is not None:
+            returns.append((0, alias, ()))
+            continue
+        spec = next(specs)
+        if spec is None:
+            returns.append((1, -1, ()))
+        elif isinstance(spec, list):
+            returns.append((3, -1, tuple(spec)))
+        else:
+            returns.append((2, -1, (spec,)))
+    fresh = entry.output_count - len(entry.mutated_slots)
+    return result, (program.jitted, program, entry.passed_slots, entry.random, returns, entry.mutated_slots, fresh)
 
 
 def _complete(plan: OpPlan, values: list[Any], scan: Scan, entry: Entry, outputs: Any, specs: list[Any]) -> Any:
@@ -839,6 +875,24 @@ def _returns(plan: OpPlan, values: list[Any], arrays: Any, specs: list[Any], dev
     if not plan.return_aliases:
         return None
     return results[0] if len(results) == 1 else tuple(results)
+
+
+def register_native(module: Any, op: OpOverload, plan: OpPlan) -> None:
+    """Give `op` the native kernel (csrc/dispatch.cpp): cache hits run there, misses come to `native_miss`.
+    Factories and ops with a device argument are never cached natively (their device is chosen here)."""
+    schema = op._schema
+    module.register_kernel(schema.name.split("::")[-1], schema.overload_name, plan, [k.value for k in plan.kinds],
+                           plan.static_scalars, plan.allow_cpu, not plan.factory and not plan.has_device_arg)
+
+
+def configure_native(module: Any) -> None:
+    """Hand the native dispatch what its hit path reads: the storage class, jax's array type, the mode,
+    the counters it bumps, the device's newest outputs and the default random key source."""
+    jax = client.jax_module()
+    array_type = type(jax.device_put(np.zeros((0,), np.float32), client.device_for(0)))
+    module.configure_dispatch(native_miss, storage.DeviceStorage, array_type, modes.state, metrics.counter_table(),
+                              metrics.op_counts, device_module.newest_outputs(),
+                              lambda index: rng.state(index).next_key())
 
 
 def make_kernel(plan: OpPlan) -> Callable[..., Any]:

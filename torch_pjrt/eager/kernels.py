@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from torch_pjrt import _torch_private, storage
+from torch_pjrt import _torch_private, native, storage
 from torch_pjrt.eager import dispatch, dynamic, fusion
 from torch_pjrt.runtime import client
 
@@ -281,6 +281,9 @@ def register_all() -> list[torch.library.Library]:
 
     special = {**SPECIAL, **data_dependent.KERNELS}
     library = torch.library.Library("aten", "IMPL")
+    native_dispatch = native.dispatch_module()
+    if native_dispatch is not None:
+        dispatch.configure_native(native_dispatch)
     for op in _aten_overloads():
         name = op.name()
         if _torch_private.has_kernel(name, "CompositeImplicitAutograd"):
@@ -288,11 +291,19 @@ def register_all() -> list[torch.library.Library]:
         if op in special:
             library.impl(op, special[op], KEY)
         elif _is_view(op) or op in METADATA_OPS:
-            if not _torch_private.has_kernel(name, "CompositeExplicitAutograd"):
+            if _torch_private.has_kernel(name, "CompositeExplicitAutograd"):
+                continue
+            if native_dispatch is not None:
+                native_dispatch.register_metadata_kernel(op._schema.name.split("::")[-1], op._schema.overload_name)
+            else:
                 library.impl(op, _metadata_kernel(op), KEY)
         else:
             plan = dispatch.plan_for(op)
-            if plan is not None:
+            if plan is None:
+                continue
+            if native_dispatch is not None:
+                dispatch.register_native(native_dispatch, op, plan)
+            else:
                 library.impl(op, dispatch.make_kernel(plan), KEY)
     return [library]
 

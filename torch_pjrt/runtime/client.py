@@ -277,7 +277,7 @@ def free_memory(index: int) -> int:
     stats = device_for(index).memory_stats() or {}
     if "bytes_limit" in stats:
         return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
-    left = memory_limit(index)[0] - memory.stats.allocated.get(index, 0)
+    left = memory_limit(index)[0] - memory.stats.allocated(index)
     return min(left, _host_available(left))
 
 

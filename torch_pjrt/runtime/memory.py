@@ -6,33 +6,52 @@ import threading
 
 import torch
 
+from torch_pjrt import native
+
 
 class MemoryStats:
     """Bytes held by live pjrt storages, per device (what torch.cuda.memory_allocated counts).
 
-    Storages are made and freed on every thread (autograd's device threads, a user's threads, the
-    garbage collector), so updates take a lock: unlocked read-modify-writes lose updates under threads.
+    With the native module, storages count themselves (csrc/hooks.cpp: from when they are made until
+    their DataPtr is freed). Without it, DeviceStorage objects call `add` when made and freed; they are
+    made and freed on every thread (autograd's device threads, a user's threads, the garbage
+    collector), so updates take a lock: unlocked read-modify-writes lose updates under threads.
     """
 
     def __init__(self) -> None:
-        self.allocated: dict[int, int] = {}
-        self.peak: dict[int, int] = {}
-        self.allocations: dict[int, int] = {}
+        self._allocated: dict[int, int] = {}
+        self._peak: dict[int, int] = {}
+        self._allocations: dict[int, int] = {}
         # Reentrant: a storage's __del__ may run on this thread while it holds the lock.
         self._lock = threading.RLock()
 
     def add(self, index: int, nbytes: int) -> None:
         with self._lock:
-            now = self.allocated.get(index, 0) + nbytes
-            self.allocated[index] = now
-            if now > self.peak.get(index, 0):
-                self.peak[index] = now
+            now = self._allocated.get(index, 0) + nbytes
+            self._allocated[index] = now
+            if now > self._peak.get(index, 0):
+                self._peak[index] = now
             if nbytes > 0:
-                self.allocations[index] = self.allocations.get(index, 0) + 1
+                self._allocations[index] = self._allocations.get(index, 0) + 1
+
+    def counts(self, index: int) -> tuple[int, int, int]:
+        """(bytes allocated, peak bytes, allocations made) on pjrt:index."""
+        module = native.counting_module()
+        if module is not None:
+            return module.memory_counts(index)
+        with self._lock:
+            return self._allocated.get(index, 0), self._peak.get(index, 0), self._allocations.get(index, 0)
+
+    def allocated(self, index: int) -> int:
+        return self.counts(index)[0]
 
     def reset_peak(self, index: int) -> None:
+        module = native.counting_module()
+        if module is not None:
+            module.reset_peak(index)
+            return
         with self._lock:
-            self.peak[index] = self.allocated.get(index, 0)
+            self._peak[index] = self._allocated.get(index, 0)
 
 
 stats = MemoryStats()
@@ -59,7 +78,7 @@ def out_of_memory(
     cause = f" ({detail})" if detail else ""
     return torch.OutOfMemoryError(
         f"pjrt:{index} is out of memory: tried to allocate {size} on a device of {format_size(total)} "
-        f"({source}{free_part}) where pjrt tensors hold {format_size(stats.allocated.get(index, 0))} "
+        f"({source}{free_part}) where pjrt tensors hold {format_size(stats.allocated(index))} "
         f"(torch.pjrt.memory_allocated()){cause}; free tensors that are no longer needed, or use smaller "
         "sizes or batches."
     )

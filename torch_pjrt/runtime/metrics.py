@@ -46,6 +46,11 @@ def bump(name: str, amount: float = 1) -> None:
     _counts[name] += amount
 
 
+def counter_table() -> Counter:
+    """The live table behind `bump` (the native dispatch bumps it directly)."""
+    return _counts
+
+
 def counters_now(name: str) -> float:
     """One counter's value (cheap: for code that reads it per op)."""
     return _counts[name]

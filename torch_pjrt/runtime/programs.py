@@ -37,9 +37,22 @@ class Program:
         try:
             return self._run(*args)
         except (RuntimeError, MemoryError) as error:
-            if not client.is_out_of_memory(error):
-                raise
+            self.reraise(error, args)
+
+    def reraise(self, error: BaseException, args: tuple) -> None:
+        """Raise a failed call's error: a device allocation failure as torch.OutOfMemoryError, the rest as is."""
+        if isinstance(error, (RuntimeError, MemoryError)) and client.is_out_of_memory(error):
             raise client.out_of_memory_from(error, args, self.device_index) from None
+        raise error
+
+    @property
+    def compiled(self) -> bool:
+        """Whether the first call (which compiles and counts) is done, so `jitted` can be called directly."""
+        return self._run is self._jitted
+
+    @property
+    def jitted(self) -> Any:
+        return self._jitted
 
     def _first_call(self, *args: Any) -> Any:
         start = time.perf_counter()

@@ -1,0 +1,181 @@
+"""The native hit path (csrc/dispatch.cpp): cache hits run no Python of ours and give what the Python path gives."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+import torch_pjrt
+from torch_pjrt import native
+
+pytestmark = pytest.mark.skipif(native.dispatch_module() is None, reason="native dispatch not built or turned off")
+
+PACKAGE = str(Path(torch_pjrt.__file__).parent)
+
+
+def python_calls_of_ours(fn: Callable[[], object]) -> list[str]:
+    """The torch_pjrt Python functions entered while `fn` runs (on this thread)."""
+    seen: list[str] = []
+
+    def profile(frame, event, arg):  # noqa: ANN001, ANN202
+        if event == "call" and frame.f_code.co_filename.startswith(PACKAGE):
+            seen.append(f"{frame.f_code.co_filename}:{frame.f_code.co_name}")
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return seen
+
+
+def pjrt(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(*shape).to(dtype).to("pjrt")
+
+
+HIT_CASES: dict[str, Callable[[dict], Callable[[float], object]]] = {
+    "add": lambda t: lambda s: t["a"] + t["b"],
+    "add with a traced alpha": lambda t: lambda s: torch.add(t["a"], t["b"], alpha=s),
+    "mul by a changing Python scalar": lambda t: lambda s: t["a"] * s,
+    "in-place add_": lambda t: lambda s: t["c"].add_(t["b"], alpha=s),
+    "out=": lambda t: lambda s: torch.mul(t["a"], t["b"], out=t["out"]),
+    "addmm": lambda t: lambda s: torch.addmm(t["bias"], t["a"], t["w"]),
+    "view, transpose and matmul": lambda t: lambda s: t["a"].t().reshape(16, 16) @ t["b"][:, :16],
+    "reduction with static dims": lambda t: lambda s: t["a"].sum(dim=1, keepdim=True),
+    "integer ops": lambda t: lambda s: (t["i"] * 3) // 2,
+    "tensor list (cat)": lambda t: lambda s: torch.cat([t["a"], t["b"]], dim=0),
+    "multiple returns (max.dim)": lambda t: lambda s: t["a"].max(dim=0),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HIT_CASES))
+def test_a_hit_enters_no_python_of_ours(case: str) -> None:
+    tensors = {"a": pjrt(16, 16), "b": pjrt(16, 16), "c": pjrt(16, 16), "out": pjrt(16, 16), "w": pjrt(16, 16),
+               "bias": pjrt(16), "i": torch.randint(-50, 50, (8, 8)).to("pjrt")}
+    call = HIT_CASES[case](tensors)
+    call(0.5)  # the miss: Python builds and installs the program
+    call(0.5)
+    assert python_calls_of_ours(lambda: call(0.25)) == []
+
+
+def test_hits_are_counted() -> None:
+    a, b = pjrt(8, 8), pjrt(8, 8)
+    a - b
+    before = torch_pjrt.metrics.counters()
+    for _ in range(5):
+        a - b
+    after = torch_pjrt.metrics.counters()
+    assert after["ops_executed"] - before["ops_executed"] == 5
+    assert after["cache_hits"] - before["cache_hits"] == 5
+    assert after["compiles"] == before["compiles"]
+
+
+def test_memory_figures_follow_native_results() -> None:
+    a = pjrt(64, 64)
+    a * 2
+    baseline = torch.pjrt.memory_allocated()
+    results = [a * 2 for _ in range(10)]
+    assert torch.pjrt.memory_allocated() == baseline + 10 * 64 * 64 * 4
+    del results
+    assert torch.pjrt.memory_allocated() == baseline
+
+
+def workload() -> list[torch.Tensor]:
+    """A small training run through many kinds of call: in-place, out=, views, scalars, backward."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.GELU(), torch.nn.LayerNorm(16),
+                                torch.nn.Linear(16, 3)).to("pjrt")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+    x = torch.randn(20, 12).to("pjrt")
+    y = torch.randint(0, 3, (20,)).to("pjrt")
+    losses = []
+    for _ in range(5):
+        optimizer.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+        losses.append(loss.detach())
+    extra = torch.empty(20, 3, device="pjrt")
+    torch.mul(model(x).detach(), 0.5, out=extra)
+    return [*losses, extra, x.t().contiguous()[2:5].exp_(), *[p.detach() for p in model.parameters()]]
+
+
+def test_native_and_python_paths_give_identical_results() -> None:
+    module = native.dispatch_module()
+    module.set_dispatch_enabled(False)
+    try:
+        python = [t.cpu() for t in workload()]
+    finally:
+        module.set_dispatch_enabled(True)
+    workload()  # warm the native cache, then run on hits
+    fast = [t.cpu() for t in workload()]
+    for expected, got in zip(python, fast, strict=True):
+        assert torch.equal(expected, got)
+
+
+SCRIPT = textwrap.dedent(
+    """
+    import hashlib, torch, torch_pjrt
+    from torch_pjrt import native
+    import tests.test_native_dispatch as t
+    print(native.dispatch_module() is not None)
+    results = t.workload()
+    results = t.workload()
+    print(hashlib.sha256(b"".join(r.cpu().numpy().tobytes() for r in results)).hexdigest())
+    """
+)
+
+
+def test_environment_switch_turns_the_native_path_off_with_identical_results() -> None:
+    outputs = {}
+    for flag in ("0", "1"):
+        env = {**os.environ, "TORCH_PJRT_NATIVE_DISPATCH": flag}
+        run = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=300,
+                             cwd=Path(__file__).parent.parent)
+        assert run.returncode == 0, run.stderr
+        outputs[flag] = run.stdout.split()
+    assert outputs["0"][0] == "False" and outputs["1"][0] == "True"
+    assert outputs["0"][1] == outputs["1"][1]
+
+
+def test_threads_share_the_native_cache() -> None:
+    a_cpu, b_cpu = torch.randn(32, 32), torch.randn(32, 32)
+    a, b = a_cpu.to("pjrt"), b_cpu.to("pjrt")
+    expected = torch.tanh(a_cpu @ b_cpu + 1.5)
+    failures: list[str] = []
+
+    def worker() -> None:
+        for _ in range(30):
+            got = torch.tanh(a @ b + 1.5).cpu()
+            if not torch.allclose(got, expected, atol=1e-5):
+                failures.append("mismatch")
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert failures == []
+
+
+def test_backward_on_autograds_thread_matches_cpu() -> None:
+    w_cpu = torch.randn(8, 8, requires_grad=True)
+    x_cpu = torch.randn(4, 8)
+    w = w_cpu.detach().to("pjrt").requires_grad_()
+    x = x_cpu.to("pjrt")
+    for _ in range(3):
+        w.grad = None
+        (torch.relu(x @ w) * 0.5).sum().backward()
+    (torch.relu(x_cpu @ w_cpu) * 0.5).sum().backward()
+    assert torch.allclose(w.grad.cpu(), w_cpu.grad, atol=1e-6)
