@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from train_step import run_jax, run_torch  # noqa: E402
 
+from torch_pjrt import native  # noqa: E402
 from torch_pjrt.runtime import programs  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
@@ -36,8 +37,17 @@ recording = [False]
 
 
 def record_from_now() -> None:
+    """Record the last step's program calls; the native hit path calls programs without Program.call,
+    so the recorded step runs through the Python kernels (the same programs)."""
     calls.clear()
     recording[0] = True
+    set_native(False)
+
+
+def set_native(on: bool) -> None:
+    module = native.dispatch_module()
+    if module is not None:
+        module.set_dispatch_enabled(on)
 _first_call = programs.Program._first_call
 
 
@@ -82,6 +92,7 @@ def main() -> None:
                         ("pjrt torch.compile", "compile")):
         result = run_torch(model, "pjrt", data, mode, before_last=record_from_now)
         recording[0] = False
+        set_native(True)
         step_ms = statistics.median(result["times"][3:-1]) * 1e3
         rows.append((label, step_ms, len(calls), replay_ms(list(calls))))
     jax_result = run_jax(model, data, 2, 4)

@@ -159,7 +159,21 @@ def mark_eager(tensor: torch.Tensor, dim: int, upper: Bound) -> None:
     bounds[storage_dim] = upper
     padded_shape = tuple(n if b is None else bucket(n, b) for n, b in zip(shape, bounds))
     source = current.resolve() if current is not None else st.materialize()
-    st.array = Padded(_padder(shape, padded_shape, st.dtype).call(source), shape, padded_shape, tuple(bounds))
+    st.array = Padded(_pad_device_array(source, shape, padded_shape, st), shape, padded_shape, tuple(bounds))
+
+
+# A device tensor up to this size is padded through the host: one round trip (it waits for the tensor)
+# and no program, where a padding program would compile for every true length (its input's shape).
+HOST_PAD_BYTES = 16 << 20
+
+
+def _pad_device_array(source: Any, shape: tuple[int, ...], padded_shape: tuple[int, ...],
+                      st: storage.DeviceStorage) -> Any:
+    if st.numel * st.dtype.itemsize <= HOST_PAD_BYTES:
+        widths = [(0, p - n) for n, p in zip(shape, padded_shape)]
+        host = np.asarray(client.to_host(source)).reshape(shape)
+        return client.to_device(np.pad(host, widths), st.device.index)
+    return _padder(shape, padded_shape, st.dtype).call(source)
 
 
 def _storage_dim(view: View, shape: tuple[int, ...], dim: int) -> int | None:
