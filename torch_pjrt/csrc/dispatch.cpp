@@ -174,6 +174,44 @@ c10::IValue none_of(bool is_tensor) {
   return is_tensor ? c10::IValue(at::Tensor()) : c10::IValue();
 }
 
+// A traced Python number, its type in the key (bool, int, float and complex programs differ).
+bool add_number(const c10::IValue& value, bool is_static, Signature& sig) {
+  auto& words = sig.key.words;
+  int64_t tag;
+  int64_t bits[2] = {0, 0};
+  PyObject* object;
+  if (value.isBool()) {
+    tag = 1;
+    bits[0] = value.toBool();
+    object = PyBool_FromLong(value.toBool());
+  } else if (value.isInt()) {
+    tag = 2;
+    bits[0] = value.toInt();
+    object = PyLong_FromLongLong(value.toInt());
+  } else if (value.isDouble()) {
+    tag = 3;
+    bits[0] = double_bits(value.toDouble());
+    object = PyFloat_FromDouble(value.toDouble());
+  } else if (value.isComplexDouble()) {
+    tag = 4;
+    const auto z = value.toComplexDouble();
+    bits[0] = double_bits(z.real());
+    bits[1] = double_bits(z.imag());
+    object = PyComplex_FromDoubles(z.real(), z.imag());
+  } else {
+    return false;
+  }
+  py::object owned = py::reinterpret_steal<py::object>(object);
+  words.push_back(tag);
+  if (is_static) {
+    words.push_back(bits[0]);
+    words.push_back(bits[1]);
+  } else {
+    sig.traced.push_back(std::move(owned));
+  }
+  return true;
+}
+
 // A CPU tensor where PyTorch accepts one (a 0-dim scalar, or an index of the ops that take CPU
 // indices): a traced host array of its own copy, its dtype and shape in the key.
 bool add_host_tensor(const at::Tensor& tensor, bool allow_cpu, Signature& sig) {
@@ -191,15 +229,20 @@ bool add_host_tensor(const at::Tensor& tensor, bool allow_cpu, Signature& sig) {
   return true;
 }
 
-bool add_tensor(const at::Tensor& tensor, Signature& sig, bool allow_cpu) {
+bool add_tensor(const at::Tensor& tensor, Signature& sig, const OpState& op) {
   auto& words = sig.key.words;
   if (!tensor.defined()) {
     words.push_back(-1);
     return true;
   }
+  if (tensor.unsafeGetTensorImpl()->is_wrapped_number()) {
+    // `x + 2`: Python kernels see the number itself, a weakly typed traced scalar
+    words.push_back(-6);
+    return add_number(c10::IValue(tensor.item()), op.static_scalars, sig);
+  }
   const c10::Device device = tensor.device();
   if (device.type() == c10::DeviceType::CPU) {
-    return add_host_tensor(tensor, allow_cpu, sig);
+    return add_host_tensor(tensor, op.allow_cpu, sig);
   }
   if (device.type() != c10::DeviceType::PrivateUse1) {
     return false;
@@ -256,44 +299,6 @@ bool add_tensor(const at::Tensor& tensor, Signature& sig, bool allow_cpu) {
   words.insert(words.end(), sizes.begin(), sizes.end());
   words.insert(words.end(), strides.begin(), strides.end());
   words.push_back(tensor.storage_offset());
-  return true;
-}
-
-// A traced Python number, its type in the key (bool, int, float and complex programs differ).
-bool add_number(const c10::IValue& value, bool is_static, Signature& sig) {
-  auto& words = sig.key.words;
-  int64_t tag;
-  int64_t bits[2] = {0, 0};
-  PyObject* object;
-  if (value.isBool()) {
-    tag = 1;
-    bits[0] = value.toBool();
-    object = PyBool_FromLong(value.toBool());
-  } else if (value.isInt()) {
-    tag = 2;
-    bits[0] = value.toInt();
-    object = PyLong_FromLongLong(value.toInt());
-  } else if (value.isDouble()) {
-    tag = 3;
-    bits[0] = double_bits(value.toDouble());
-    object = PyFloat_FromDouble(value.toDouble());
-  } else if (value.isComplexDouble()) {
-    tag = 4;
-    const auto z = value.toComplexDouble();
-    bits[0] = double_bits(z.real());
-    bits[1] = double_bits(z.imag());
-    object = PyComplex_FromDoubles(z.real(), z.imag());
-  } else {
-    return false;
-  }
-  py::object owned = py::reinterpret_steal<py::object>(object);
-  words.push_back(tag);
-  if (is_static) {
-    words.push_back(bits[0]);
-    words.push_back(bits[1]);
-  } else {
-    sig.traced.push_back(std::move(owned));
-  }
   return true;
 }
 
@@ -361,7 +366,7 @@ bool describe(const OpState& op, c10::ArrayRef<c10::IValue> arguments, Signature
       case Kind::Tensor:
         if (value.isNone()) {
           words.push_back(-3);
-        } else if (!value.isTensor() || !add_tensor(value.toTensor(), sig, op.allow_cpu)) {
+        } else if (!value.isTensor() || !add_tensor(value.toTensor(), sig, op)) {
           return false;
         }
         break;
@@ -370,7 +375,7 @@ bool describe(const OpState& op, c10::ArrayRef<c10::IValue> arguments, Signature
           const auto list = value.toTensorList();
           words.push_back(static_cast<int64_t>(list.size()));
           for (const at::Tensor& tensor : list) {
-            if (!add_tensor(tensor, sig, op.allow_cpu)) {
+            if (!add_tensor(tensor, sig, op)) {
               return false;
             }
           }
@@ -380,7 +385,7 @@ bool describe(const OpState& op, c10::ArrayRef<c10::IValue> arguments, Signature
           for (const auto& item : list) {
             if (item.isNone()) {
               words.push_back(-3);
-            } else if (!item.isTensor() || !add_tensor(item.toTensor(), sig, op.allow_cpu)) {
+            } else if (!item.isTensor() || !add_tensor(item.toTensor(), sig, op)) {
               return false;
             }
           }
