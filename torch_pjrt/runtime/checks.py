@@ -263,16 +263,18 @@ def _line(frame: tuple[str, int]) -> str:
 
 
 def _trace_line(stack_trace: str | None) -> str:
-    """The innermost user frame of a traced node's stack trace, as `file:line: source`."""
+    """The innermost user frame (outside torch) of a traced node's stack trace, as `file:line: source`."""
     if not stack_trace:
         return "an unknown line (an op autograd or a traced graph ran)"
     lines = [line.strip() for line in stack_trace.splitlines()]
-    files = [i for i, line in enumerate(lines) if _FRAME.match(line)]
-    if not files:
+    frames = [(i, _FRAME.match(line)) for i, line in enumerate(lines) if _FRAME.match(line)]
+    if not frames:
         return lines[-1]
-    filename, lineno = _FRAME.match(lines[files[-1]]).groups()
-    source = lines[files[-1] + 1] if files[-1] + 1 < len(lines) else ""
-    return f"{filename}:{lineno}: {source}" if source else f"{filename}:{lineno}"
+    users = [(i, found) for i, found in frames
+             if "/torch/" not in found.group(1) and "torch_pjrt" not in found.group(1)]
+    position, found = (users or frames)[-1]
+    source = lines[position + 1] if position + 1 < len(lines) else ""
+    return f"{found.group(1)}:{found.group(2)}: {source}" if source else f"{found.group(1)}:{found.group(2)}"
 
 
 _FRAME = re.compile(r'File "(.*)", line (\d+)')
