@@ -533,6 +533,7 @@ def _build(plan: OpPlan, scan: Scan, values: list[Any], described: list[Any], fo
         output_count = sum(len(s) if isinstance(s, list) else int(s is not None) for s in fresh_specs)
     output_count += len(resized) + len(mutated_slots)
     padded_positions = tuple(i for i, s in enumerate(passed_slots) if s in padded_slots)
+    # named: `program` fills in its checks when traced
     entry = Entry(compiled, program, fresh_specs, mutated_slots, resized, passed_slots, random, output_count,
                   form, padded_positions, padded_slots, out_padded)
     return entry

@@ -23,6 +23,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from torch_pjrt import envvars
+from torch_pjrt.runtime import metrics
 
 ENABLED = envvars.flag("TORCH_PJRT_DEVICE_CHECKS")
 # Codes read once this many are pending without a host wait (the oldest half, long finished by then).
@@ -173,6 +174,7 @@ def caller() -> tuple[str, int] | None:
 def issued(code: Any, checks: tuple[Check, ...], lines: tuple[Any, ...], at_once: bool = False) -> None:
     """A program with checks was dispatched; `at_once` (launch blocking) raises CPU's exception now."""
     item = Issued(code, checks, lines)
+    metrics.bump("device_check_codes")
     if at_once:
         _raise_first([item], [_host(code)], cpu_style=True)
         return
@@ -228,6 +230,7 @@ def clear() -> None:
 def _read(codes: list[Any]) -> list[Any]:
     import jax
 
+    metrics.bump("device_check_reads")
     return jax.device_get(codes)
 
 
