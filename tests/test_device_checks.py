@@ -275,3 +275,16 @@ def test_checks_off_clamps_silently(monkeypatch: pytest.MonkeyPatch) -> None:
     F.embedding(torch.tensor([20], device="pjrt"), torch.randn(11, 2, device="pjrt")).cpu()
     torch.pjrt.synchronize()
     assert not checks._pending
+
+
+def test_the_first_of_several_checks_in_one_program_wins() -> None:
+    bad_input, bad_target = torch.tensor([0.5, 1.5]), torch.tensor([2.0, 0.5])
+    error = cpu_error(F.binary_cross_entropy, (bad_input, bad_target))
+    F.binary_cross_entropy(bad_input.to("pjrt"), bad_target.to("pjrt"))
+    with pytest.raises(RuntimeError, match=re.escape(str(error))):
+        torch.pjrt.synchronize()
+    with torch.pjrt.set_eager_mode(FUSE):
+        x = torch.randn(5, device="pjrt")
+        total = x.take(torch.tensor([1, 9], device="pjrt")).sum() + x[torch.tensor([6], device="pjrt")].sum()
+        with pytest.raises(RuntimeError, match=r"aten::take: .*index 9 on a tensor of 5 elements"):
+            total.item()

@@ -1358,9 +1358,13 @@ def mse_loss_backward(grad_output: Any, self: Any, target: Any, reduction: int) 
 def binary_cross_entropy(self: Any, target: Any, weight: Any = None, reduction: int = MEAN) -> Any:
     """Logs are clamped at -100, as in PyTorch, so a saturated input gives a finite loss."""
     x, t = _up(self), _up(target)
-    for name, value in (("input", x), ("target", t)):
-        checks.fail_if(~((value >= 0) & (value <= 1)), "aten::binary_cross_entropy",
-                       f"all elements of {name} should be between 0 and 1")
+    # CPU checks element by element, input before target: the first bad element names which
+    bad_input, bad_target = ~((x >= 0) & (x <= 1)), ~((t >= 0) & (t <= 1))
+    order = jnp.arange(x.size).reshape(x.shape)
+    first_target = jnp.min(jnp.where(bad_target, order, x.size), initial=x.size)
+    checks.fail_if(bad_input & (order <= first_target), "aten::binary_cross_entropy",
+                   "all elements of input should be between 0 and 1")
+    checks.fail_if(bad_target, "aten::binary_cross_entropy", "all elements of target should be between 0 and 1")
     loss = -(t * jnp.maximum(jnp.log(x), -100) + (1 - t) * jnp.maximum(jnp.log(1 - x), -100))
     if weight is not None:
         loss = loss * _up(weight)

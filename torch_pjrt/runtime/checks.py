@@ -58,13 +58,22 @@ class Collector:
 
     def code(self) -> Any:
         """Three int64: 1 + the first failed check's index (0: none failed), its first offending value
-        and that value's position."""
+        and that value's position. Reductions are plain mins (an argmax is a slow variadic reduce)."""
         import jax.numpy as jnp
 
-        failed = jnp.stack(self.failed)
-        first = jnp.argmax(failed)
-        found = jnp.stack(self.values)[first]
-        return jnp.concatenate([jnp.where(failed[first], first + 1, 0).astype(jnp.int64)[None], found])
+        if len(self.failed) == 1:
+            return jnp.concatenate([self.failed[0].astype(jnp.int64)[None], self.values[0]])
+        return _first(jnp.stack(self.failed), jnp.stack(self.values), jnp.arange(1, len(self.failed) + 1))
+
+
+def _first(failed: Any, rows: Any, numbers: Any) -> Any:
+    """The code of the first failed row (`numbers` its check number, 0 when none failed)."""
+    import jax.numpy as jnp
+
+    count = failed.shape[0]
+    first = jnp.min(jnp.where(failed, jnp.arange(count), count))
+    picked = jnp.minimum(first, count - 1)
+    return jnp.concatenate([jnp.where(first < count, numbers[picked], 0)[None], rows[picked]])
 
 
 class _Tracing(threading.local):
@@ -120,24 +129,24 @@ def fail_if(bad: Any, op: str, message: str, error: type[Exception] = RuntimeErr
             return
         bad = bad & mask
     flat = bad.reshape(-1)
-    if flat.shape[0] == 0:
+    count = flat.shape[0]
+    if count == 0:
         return
-    first = jnp.argmax(flat)
+    first = jnp.min(jnp.where(flat, jnp.arange(count, dtype=jnp.int64), count))
     offending = jnp.zeros((), jnp.int64) if value is None else jnp.broadcast_to(
-        jnp.asarray(value), bad.shape).reshape(-1)[first].astype(jnp.int64)
+        jnp.asarray(value), bad.shape).reshape(-1)[jnp.minimum(first, count - 1)].astype(jnp.int64)
     collector.checks.append(Check(op, message, error, collector.where))
-    collector.failed.append(flat[first])
-    collector.values.append(jnp.stack([offending, first.astype(jnp.int64)]))
+    collector.failed.append(first < count)
+    collector.values.append(jnp.stack([offending, first]))
 
 
 def combine(codes: Sequence[Any], offsets: Sequence[int]) -> Any:
-    """One code for several programs' codes traced into one (a fused graph): positions offset."""
+    """One code for several programs' codes traced into one (a fused graph): check numbers offset."""
     import jax.numpy as jnp
 
     stacked = jnp.stack(codes)
-    first = jnp.argmax(stacked[:, 0] > 0)
-    base = jnp.asarray(offsets, jnp.int64)[first]
-    return jnp.concatenate([jnp.where(stacked[first, 0] > 0, base + stacked[first, 0], 0)[None], stacked[first, 1:]])
+    failed = stacked[:, 0] > 0
+    return _first(failed, stacked[:, 1:], stacked[:, 0] + jnp.asarray(offsets, jnp.int64))
 
 
 # --- the host side: issued codes, read where the host waits --------------------------------------
