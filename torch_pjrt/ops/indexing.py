@@ -35,7 +35,8 @@ def check_index(index: Any, size: int, op: str, message: str, error: type[Except
     """A device-side check that `index` is in [0, size) (or [-size, size) with `negative`)."""
     index = jnp.asarray(index)
     low = -size if negative else 0
-    checks.fail_if((index < low) | (index >= size), op, message.format(dim=dim, size=size), error, index)
+    message = message.format(dim=dim, size=size)
+    checks.fail_if((index < low) | (index >= size), op, message, error, index if "{value}" in message else None)
 
 
 def _check_indices(self: Any, indices: Sequence[Any], op: str) -> None:

@@ -132,10 +132,15 @@ def fail_if(bad: Any, op: str, message: str, error: type[Exception] = RuntimeErr
     count = flat.shape[0]
     if count == 0:
         return
+    collector.checks.append(Check(op, message, error, collector.where))
+    if value is None and "{position}" not in message:
+        # the message names neither: one cheap `any`, no position or value to find
+        collector.failed.append(jnp.any(flat))
+        collector.values.append(jnp.zeros((2,), jnp.int64))
+        return
     first = jnp.min(jnp.where(flat, jnp.arange(count, dtype=jnp.int64), count))
     offending = jnp.zeros((), jnp.int64) if value is None else jnp.broadcast_to(
         jnp.asarray(value), bad.shape).reshape(-1)[jnp.minimum(first, count - 1)].astype(jnp.int64)
-    collector.checks.append(Check(op, message, error, collector.where))
     collector.failed.append(first < count)
     collector.values.append(jnp.stack([offending, first]))
 
