@@ -288,3 +288,17 @@ def test_the_first_of_several_checks_in_one_program_wins() -> None:
         total = x.take(torch.tensor([1, 9], device="pjrt")).sum() + x[torch.tensor([6], device="pjrt")].sum()
         with pytest.raises(RuntimeError, match=r"aten::take: .*index 9 on a tensor of 5 elements"):
             total.item()
+
+
+def test_a_fused_flush_raises_a_finished_programs_failure() -> None:
+    from torch_pjrt.eager import fusion
+
+    with torch.pjrt.set_eager_mode(FUSE):
+        x = torch.randn(5, device="pjrt")
+        picked = x[torch.tensor([8], device="pjrt")] + 1
+        fusion.flush("test")  # the size cap, say: no wait
+        checks._pending[-1].code.block_until_ready()  # the program has finished by the next flush
+        later = x * 2
+        with pytest.raises(RuntimeError, match="index 8 is out of bounds"):
+            fusion.flush("test")
+        del picked, later

@@ -98,10 +98,12 @@ class PendingGraph:
         return results
 
     def flush(self, reason: str) -> None:
-        """Run everything recorded so far as one program and fill in the live results."""
+        """Run everything recorded so far as one program and fill in the live results. A failed device-side
+        check of a program that has already finished is raised here first (without waiting)."""
         with self.lock:
             if not self.nodes:
                 return
+            checks.raise_pending(wait=False)
             live = [deferred for deferred in (ref() for ref in self.outputs) if deferred is not None]
             nodes, inputs, where, check_lines = self.nodes, self.inputs, self.where, self.check_lines
             self.nodes, self.inputs, self.input_slots, self.where, self.check_lines = [], [], {}, [], []
