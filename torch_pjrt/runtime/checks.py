@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import linecache
+import os
 import re
 import sys
 import threading
@@ -22,12 +23,17 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+import torch
+
 from torch_pjrt import envvars
 from torch_pjrt.runtime import metrics
 
 ENABLED = envvars.flag("TORCH_PJRT_DEVICE_CHECKS")
 # Codes read once this many are pending without a host wait (the oldest half, long finished by then).
 MAX_PENDING = 64
+# Frames in these folders are not the user's line (torch_pjrt's, torch's)
+_LIBRARIES = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,
+              os.path.dirname(os.path.abspath(torch.__file__)) + os.sep)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,7 +122,8 @@ def at_source(stack_trace: str | None) -> None:
 
 
 def fail_if(bad: Any, op: str, message: str, error: type[Exception] = RuntimeError, value: Any = None) -> None:
-    """Report a check while tracing a lowering: `bad` marks the elements that fail it."""
+    """Report a check while tracing a lowering: `bad` marks the elements that fail it, `value` (broadcast
+    like `bad`) holds what the message's `{value}` shows; CPU's `error` class and message."""
     if not ENABLED or not _tracing.collectors:
         return
     import jax.numpy as jnp
@@ -179,7 +186,7 @@ def caller() -> tuple[str, int] | None:
     frame = sys._getframe(1)
     while frame is not None:
         name = frame.f_code.co_filename
-        if "torch_pjrt" not in name and "/torch/" not in name and not name.startswith("<frozen"):
+        if not name.startswith(_LIBRARIES) and not name.startswith("<frozen"):
             return name, frame.f_lineno
         frame = frame.f_back
     return None
@@ -190,7 +197,7 @@ def issued(code: Any, checks: tuple[Check, ...], lines: tuple[Any, ...], at_once
     item = Issued(code, checks, lines)
     metrics.bump("device_check_codes")
     if at_once:
-        _raise_first([item], [_host(code)], cpu_style=True)
+        _raise_first([item], _read([code]), cpu_style=True)
         return
     with _lock:
         _pending.append(item)
@@ -248,12 +255,6 @@ def _read(codes: list[Any]) -> list[Any]:
     return jax.device_get(codes)
 
 
-def _host(code: Any) -> Any:
-    import jax
-
-    return jax.device_get(code)
-
-
 def _raise_first(items: Sequence[Issued], values: Sequence[Any], cpu_style: bool = False) -> None:
     for item, value in zip(items, values):
         position = int(value[0])
@@ -282,13 +283,12 @@ def _line(frame: tuple[str, int]) -> str:
 def _trace_line(stack_trace: str | None) -> str:
     """The innermost user frame (outside torch) of a traced node's stack trace, as `file:line: source`."""
     if not stack_trace:
-        return "an unknown line (an op autograd or a traced graph ran)"
+        return "no line of yours (autograd's backward, or a graph without stack traces, issued it)"
     lines = [line.strip() for line in stack_trace.splitlines()]
     frames = [(i, _FRAME.match(line)) for i, line in enumerate(lines) if _FRAME.match(line)]
     if not frames:
         return lines[-1]
-    users = [(i, found) for i, found in frames
-             if "/torch/" not in found.group(1) and "torch_pjrt" not in found.group(1)]
+    users = [(i, found) for i, found in frames if not os.path.abspath(found.group(1)).startswith(_LIBRARIES)]
     position, found = (users or frames)[-1]
     source = lines[position + 1] if position + 1 < len(lines) else ""
     return f"{found.group(1)}:{found.group(2)}: {source}" if source else f"{found.group(1)}:{found.group(2)}"
