@@ -14,6 +14,7 @@ contract; with `at_once` (launch-blocking mode) the op raises CPU's own exceptio
 from __future__ import annotations
 
 import dataclasses
+import functools
 import linecache
 import os
 import re
@@ -23,6 +24,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+import numpy as np
 import torch
 
 from torch_pjrt import envvars
@@ -206,7 +208,28 @@ def issued(code: Any, checks: tuple[Check, ...], lines: tuple[Any, ...], at_once
             oldest = _pending[:MAX_PENDING // 2]
             del _pending[:MAX_PENDING // 2]
     if oldest is not None:
-        _raise_first(oldest, _read([i.code for i in oldest]))
+        _read_oldest(oldest)
+
+
+def _read_oldest(items: list[Issued]) -> None:
+    """Codes pending too long without a host wait: folded into one on the device and read at once
+    (one transfer; they finished long ago). Codes on several devices are read one by one."""
+    offsets = np.cumsum([0] + [len(item.checks) for item in items[:-1]], dtype=np.int64)
+    try:
+        code = _fold()([item.code for item in items], offsets)
+    except ValueError:  # codes on different devices
+        _raise_first(items, _read([item.code for item in items]))
+        return
+    folded = Issued(code, tuple(c for item in items for c in item.checks),
+                    tuple(line for item in items for line in item.lines))
+    _raise_first([folded], _read([code]))
+
+
+@functools.cache
+def _fold() -> Any:
+    import jax
+
+    return jax.jit(combine)
 
 
 def take() -> list[Issued]:
