@@ -80,6 +80,9 @@ CASES: dict[str, tuple[Callable[..., Any], Callable[[], tuple], Callable[[], tup
                              lambda: (torch.rand(3) * 0.8 + 0.1, torch.rand(3))),
     "binary_cross_entropy_input": (F.binary_cross_entropy, lambda: (torch.tensor([0.5, 1.5]), torch.rand(2)),
                                    lambda: (torch.rand(2) * 0.8 + 0.1, torch.rand(2))),
+    "masked_scatter": (lambda x, m, s: x.masked_scatter(m, s),
+                       lambda: (table(2, 3), torch.tensor([True, False, True]), table(3)),
+                       lambda: (table(2, 3), torch.tensor([True, False, True]), table(5))),
     "bernoulli": (lambda p: torch.bernoulli(p) * 0, lambda: (torch.tensor([1.5]),), lambda: (torch.rand(3),)),
 }
 # these sync anyway (their result's size depends on the values): CPU's exception at the op

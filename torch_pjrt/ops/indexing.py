@@ -373,6 +373,8 @@ def masked_scatter(self: Any, mask: Any, source: Any) -> Any:
     mask = jnp.broadcast_to(mask, shape)
     position = jnp.cumsum(mask.reshape(-1).astype(jnp.int64)) - 1
     flat = source.reshape(-1)
+    checks.fail_if(position[-1:] >= flat.shape[0], "aten::masked_scatter",
+                   "Number of elements of source < number of ones in mask")
     picked = flat[jnp.clip(position, 0, max(flat.shape[0] - 1, 0))] if flat.shape[0] else jnp.zeros_like(position)
     return jnp.where(mask, picked.reshape(shape).astype(self.dtype), jnp.broadcast_to(self, shape))
 
