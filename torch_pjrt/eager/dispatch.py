@@ -739,7 +739,8 @@ def native_miss(plan: OpPlan, args: tuple, kwargs: dict) -> tuple[Any, tuple | N
     """A call the native hit path (csrc/dispatch.cpp) did not have: run it here, and hand back what
     the native cache needs to run the same signature itself next time (None: it cannot)."""
     result, entry = _execute(plan, args, kwargs)
-    if entry is None or entry.resized or modes.state.fusing or not plan.native_returns:
+    # a program with device-side checks returns their code last: its calls stay here (_run hands it on)
+    if entry is None or entry.resized or entry.checks or modes.state.fusing or not plan.native_returns:
         return result, None
     program = entry.program
     if not program.compiled:
