@@ -5,7 +5,9 @@ lookups and cross-entropy are checked ops, forward and backward). Checks on and 
 process, in interleaved rounds (on, off, off, on, ...) so drift hits both alike: shown are the best
 round's median step time and the median over rounds of that round's on/off ratio (robust to a
 loaded machine). On and off keep separate program caches (a program's checks are
-fixed when it is traced), as two processes with and without TORCH_PJRT_DEVICE_CHECKS=0 would.
+fixed when it is traced), as two processes with and without TORCH_PJRT_DEVICE_CHECKS=0 would; the
+native dispatch cache (csrc/dispatch.cpp) holds one program per signature, so it is off here and
+strict eager runs its Python kernels in both settings (with checks on, checked ops run there anyway).
 Also shown: device-check codes issued per step, reads of codes alone per step (a read the host
 makes only for checks; codes otherwise ride on the loss.item() transfer, so 0 is the goal), and
 the price of one checked op alone.
@@ -26,6 +28,7 @@ from collections.abc import Callable
 import torch
 
 import torch_pjrt
+from torch_pjrt import native
 from torch_pjrt.eager import dispatch
 from torch_pjrt.runtime import checks, programs
 
@@ -71,6 +74,10 @@ def timed_steps(step: Callable, mode: str, data: list, count: int) -> tuple[list
 
 
 def main() -> None:
+    native_dispatch = native.dispatch_module()
+    if native_dispatch is not None:
+        torch.zeros(1, device="pjrt")  # the device starts (and configures the native dispatch)
+        native_dispatch.set_dispatch_enabled(False)
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps-per-round", type=int, default=6)
