@@ -15,6 +15,7 @@ import torch
 
 from torch_pjrt.eager import modes
 from torch_pjrt.eager.modes import EagerMode, set_eager_mode
+from torch_pjrt.runtime import checks
 
 _local = threading.local()
 _last_output: dict[int, Any] = {}
@@ -121,6 +122,7 @@ def synchronize(device: Any = None) -> None:
     index = _index(device)
     target = client.device_for(index)
     client.synchronize([a for a in client.jax_module().live_arrays() if target in a.devices()])
+    checks.raise_pending()
 
 
 # --- random numbers ----------------------------------------------------------------------
@@ -393,8 +395,10 @@ class Event:
         return self.completed_at is not None or _is_ready(self.outputs)
 
     def synchronize(self) -> None:
+        """Wait for the recorded work; a failed device-side check of an op that finished raises here."""
         if self.watcher is not None:
             self.watcher.join()
+        checks.raise_pending(wait=False)
 
     def wait(self, stream: Stream | None = None) -> None:
         """Ordering is implied by the single queue per device."""

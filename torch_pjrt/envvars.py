@@ -31,6 +31,8 @@ VARIABLES: dict[str, Variable] = {
                                                 "for debugging and bisecting)"),
     "TORCH_PJRT_DYNAMIC_GENERATE": Variable("1", "0: Hugging Face generate() on pjrt leaves the prompt length "
                                                  "unmarked (it is marked dynamic by default)"),
+    "TORCH_PJRT_DEVICE_CHECKS": Variable("1", "0: no device-side checks of indices and values (XLA clamps out-of-range "
+                                              "indices silently, as other XLA bridges do)"),
 }
 
 

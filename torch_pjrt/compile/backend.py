@@ -26,9 +26,9 @@ import torch.fx
 
 from torch_pjrt import _registration, _torch_private, storage
 from torch_pjrt.compile import padding
-from torch_pjrt.eager import dynamic
+from torch_pjrt.eager import dynamic, modes
 from torch_pjrt.ops import graph
-from torch_pjrt.runtime import client, disk_store, metrics, programs, rng
+from torch_pjrt.runtime import checks, client, disk_store, metrics, programs, rng
 
 aten = torch.ops.aten
 # Compiles of one graph for distinct input shapes before a warning names what keeps changing.
@@ -134,6 +134,7 @@ class SignatureProgram(NamedTuple):
     layouts: list[Any]  # how each output comes back; filled in when the program is traced
     written: list[int]  # storage slots of the mutated pjrt inputs, in the program's output order
     host_mutations: list[int]  # CPU inputs the program's host updates are copied into
+    checks: list[checks.Check]  # the device-side checks its lowerings made (filled in when traced)
 
 
 class CompiledGraph:
@@ -181,6 +182,7 @@ class CompiledGraph:
         mutated = [index for index, _ in self.mutations]
         written = sorted({signature[index][1] for index in mutated if signature[index][0] == "pjrt"})
         layouts: list[Any] = []
+        made: list[checks.Check] = []
 
         def run(flats: list[Any], hosts: list[Any], key: Any, true: list[Any]) -> Any:
             sizes = None if padded is None else padding.Sizes(padded, dict(zip(padded, true)))
@@ -206,7 +208,9 @@ class CompiledGraph:
             if key is not None:
                 keys = graph.KeySource(client.jax_module().random.wrap_key_data(key, impl="threefry2x32"))
             interpret = None if sizes is None else padding.PaddedInterpreter(sizes)
-            outputs, updates = graph.evaluate(gm, inputs, keys, extra, interpret)
+            with checks.collecting() as found:
+                outputs, updates = graph.evaluate(gm, inputs, keys, extra, interpret)
+            made[:] = found.checks
             new_flats = list(flats)
             host_updates = []
             for index, value in zip(mutated, updates):
@@ -238,15 +242,16 @@ class CompiledGraph:
                     numel = storage.storage_numel(shape, strides, 0)
                     layouts.append((storage.torch_dtype(value.dtype), shape, strides, numel))
                     tensors.append(storage.pack(value, shape, strides))
-            return tensors, [new_flats[slot] for slot in written], host_updates
+            code = found.code() if found.checks else None
+            return tensors, [new_flats[slot] for slot in written], host_updates, code
 
         found = None
         if padded is None and _can_store():
             stored = self._stored_key(signature)
-            found = _load_stored(stored) or _export_stored(run, example, layouts, stored)
-        program, layouts = found or (_graph_program(run), layouts)
+            found = _load_stored(stored) or _export_stored(run, example, layouts, made, stored)
+        program, layouts, made = found or (_graph_program(run), layouts, made)
         host_mutations = [index for index in mutated if signature[index][0] != "pjrt"]
-        found = self.programs[key] = SignatureProgram(program, layouts, written, host_mutations)
+        found = self.programs[key] = SignatureProgram(program, layouts, written, host_mutations, made)
         if padded is None and len(self.programs) == RECOMPILE_BUDGET + 1:
             warnings.warn(self._recompile_message(), stacklevel=3)
         return found
@@ -258,7 +263,7 @@ class CompiledGraph:
         metas = [(m.dtype, tuple(m.shape), m.stride(), m.device.type) if isinstance(m, torch.Tensor) else m
                  for m in self.metas]
         for part in (disk_store.code_version(), torch.__version__, jax.__version__, client.platform(), self.gm.code,
-                     repr(metas), repr(signature)):
+                     repr(metas), repr(signature), checks.ENABLED):
             digest.update(str(part).encode())
         for node in self.gm.graph.nodes:
             if node.op == "get_attr":
@@ -352,7 +357,9 @@ class CompiledGraph:
         true = [] if padded is None else [np.asarray(values[s], np.int64) for s in padded]
         out_buckets = () if padded is None else self._out_buckets(values)
         found = self._program(tuple(signature), padded, (flats, hosts, key, true), out_buckets)
-        tensors, written, host_updates = found.program.call(flats, hosts, key, true)
+        tensors, written, host_updates, code = found.program.call(flats, hosts, key, true)
+        if code is not None:
+            checks.issued(code, tuple(found.checks), (None,) * len(found.checks), modes.state.blocking)
         # After the inputs were read: the eager part writes into CPU inputs the program reads as they were.
         computed = self._run_eager_part(args)
         for slot, flat in zip(found.written, written):
@@ -458,19 +465,25 @@ def _has_serializer() -> bool:
     return importlib.util.find_spec("flatbuffers") is not None
 
 
-def _load_stored(key: str) -> tuple[programs.Program, list[Any]] | None:
-    """A graph's program as an earlier process traced it (its StableHLO and output layouts)."""
+def _load_stored(key: str) -> tuple[programs.Program, list[Any], list[checks.Check]] | None:
+    """A graph's program as an earlier process traced it (its StableHLO, output layouts and checks)."""
     payload = disk_store.read("graphs", key)
     if payload is None:
         return None
     header, _, module = payload.partition(b"\n")
-    layouts = [_layout_from_json(item) for item in json.loads(header)]
-    return _graph_program(client.jax_module().export.deserialize(bytearray(module)).call), layouts
+    described = json.loads(header)
+    layouts = [_layout_from_json(item) for item in described["layouts"]]
+    made = [checks.Check(op, message, _ERRORS[error], where) for op, message, error, where in described["checks"]]
+    return _graph_program(client.jax_module().export.deserialize(bytearray(module)).call), layouts, made
+
+
+# the exception classes a stored check may name
+_ERRORS = {error.__name__: error for error in (RuntimeError, IndexError, ValueError)}
 
 
 def _export_stored(
-    run: Callable, example: tuple, layouts: list[Any], key: str
-) -> tuple[programs.Program, list[Any]] | None:
+    run: Callable, example: tuple, layouts: list[Any], made: list[checks.Check], key: str
+) -> tuple[programs.Program, list[Any], list[checks.Check]] | None:
     """Trace a graph's program once, store it for later processes, and run it from the stored form
     (so XLA's own cache holds the executable a later process will ask for)."""
     jax = client.jax_module()
@@ -481,9 +494,10 @@ def _export_stored(
         # Custom calls without a stability guarantee (some CPU linear algebra) cannot be stored.
         return None
     metrics.bump("graph_compiles_seconds", time.perf_counter() - start)
-    header = [_layout_to_json(layout) for layout in layouts]
+    header = {"layouts": [_layout_to_json(layout) for layout in layouts],
+              "checks": [[c.op, c.message, c.error.__name__, c.where] for c in made]}
     disk_store.write("graphs", key, json.dumps(header).encode() + b"\n" + exported.serialize())
-    return _graph_program(exported.call), layouts
+    return _graph_program(exported.call), layouts, made
 
 
 def _graph_program(fn: Callable) -> programs.Program:

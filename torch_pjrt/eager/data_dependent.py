@@ -17,9 +17,9 @@ import torch
 from jax import lax
 
 from torch_pjrt import storage
-from torch_pjrt.eager import dispatch
+from torch_pjrt.eager import dispatch, modes
 from torch_pjrt.ops import indexing
-from torch_pjrt.runtime import client
+from torch_pjrt.runtime import checks, client
 
 aten = torch.ops.aten
 
@@ -50,6 +50,11 @@ def _empty(device: torch.device) -> torch.Tensor:
 def _host_int(value: Any) -> int:
     """The one sync of a kernel: a device scalar read to the host."""
     return int(client.to_host(value))
+
+
+def _host_ints(values: Any) -> list[int]:
+    """Several device scalars in one read (still the kernel's one sync)."""
+    return [int(v) for v in client.to_host(values)]
 
 
 @jax.jit
@@ -188,10 +193,32 @@ def _repeat_positions(repeats: Any, total: int) -> Any:
 
 @kernel(aten.repeat_interleave.Tensor)
 def repeat_interleave(repeats: torch.Tensor, *, output_size: int | None = None) -> torch.Tensor:
-    """One sync (the total) unless output_size is given."""
+    """One sync (the total, and the smallest repeat: CPU's check) unless output_size is given; then the
+    check is a device-side one."""
     r = dispatch.read(repeats).reshape(-1)
-    total = _host_int(jnp.sum(r)) if output_size is None else int(output_size)
+    if output_size is None:
+        total, smallest = _host_ints(_sum_and_min(r))
+        if smallest < 0:
+            raise RuntimeError("repeats can not be negative")
+    else:
+        total = int(output_size)
+        if checks.ENABLED:
+            checks.issued(_negative_code(r), (_NEGATIVE_REPEATS,), (checks.caller(),), modes.state.blocking)
     return _wrap(_repeat_positions(r, total), torch.int64, repeats.device)
+
+
+_NEGATIVE_REPEATS = checks.Check("aten::repeat_interleave", "repeats can not be negative")
+
+
+@jax.jit
+def _sum_and_min(r: Any) -> Any:
+    return jnp.stack([jnp.sum(r), jnp.min(r, initial=0)])
+
+
+@jax.jit
+def _negative_code(r: Any) -> Any:
+    """A device-side check's code (runtime/checks.py) for a negative repeat, when no sync is made."""
+    return jnp.stack([jnp.any(r < 0).astype(jnp.int64), jnp.min(r, initial=0).astype(jnp.int64), jnp.argmin(r)])
 
 
 @functools.partial(jax.jit, static_argnums=2)
@@ -202,14 +229,46 @@ def _bincount(x: Any, weights: Any, length: int) -> Any:
     return jnp.zeros((length,), accumulator).at[x].add(weights.astype(accumulator))
 
 
+@jax.jit
+def _min_and_max(x: Any) -> Any:
+    return jnp.stack([jnp.min(x), jnp.max(x)])
+
+
 @kernel(aten.bincount.default)
 def bincount(self: torch.Tensor, weights: torch.Tensor | None = None, minlength: int = 0) -> torch.Tensor:
-    """One sync: the largest value. Float32 weights give float32 counts, others float64 (PyTorch)."""
+    """One sync: the smallest value (CPU's check) and the largest. Float32 weights give float32 counts,
+    others float64 (PyTorch)."""
     x = dispatch.read(self).reshape(-1)
-    largest = _host_int(jnp.max(x)) + 1 if x.shape[0] else 0
+    largest = 0
+    if x.shape[0]:
+        smallest, largest = _host_ints(_min_and_max(x))
+        if smallest < 0:
+            raise RuntimeError("bincount only supports 1-d non-negative integral inputs.")
+        largest += 1
     w = None if weights is None else dispatch.read(weights).reshape(-1)
     dtype = torch.int64 if w is None else (torch.float32 if weights.dtype == torch.float32 else torch.float64)
     return _wrap(_bincount(x, w, max(largest, int(minlength))), dtype, self.device)
+
+
+@jax.jit
+def _min_and_max_or_zero(x: Any) -> Any:
+    return jnp.stack([jnp.min(x, initial=0), jnp.max(x, initial=0)])
+
+
+@kernel(aten.one_hot.default)
+def one_hot(self: torch.Tensor, num_classes: int = -1) -> torch.Tensor:
+    """CPU's checks: with num_classes=-1 one sync reads the values' range (raised at once, as on CPU),
+    otherwise they are device-side checks."""
+    if self.dtype != torch.int64:
+        raise RuntimeError("one_hot is only applicable to index tensor of type LongTensor.")
+    if num_classes == -1:
+        if self.numel() == 0:
+            raise RuntimeError("Can not infer total number of classes from empty tensor.")
+        smallest, largest = _host_ints(_min_and_max_or_zero(dispatch.read(self)))
+        if smallest < 0:
+            raise RuntimeError("Class values must be non-negative.")
+        num_classes = largest + 1
+    return dispatch.execute(dispatch.plan_for(aten.one_hot.default), (self, num_classes), {})
 
 
 # --- linalg error checks ----------------------------------------------------------------------

@@ -25,7 +25,7 @@ from torch_pjrt import _torch_private, storage
 from torch_pjrt import device as device_module
 from torch_pjrt.eager import dynamic, fusion, modes
 from torch_pjrt.ops import graph, padding, registry
-from torch_pjrt.runtime import client, metrics, programs, rng
+from torch_pjrt.runtime import checks, client, metrics, programs, rng
 from torch_pjrt.storage import View
 
 PJRT = "pjrt"
@@ -286,6 +286,9 @@ class Entry:
     padded_positions: tuple[int, ...] = ()
     padded_slots: frozenset[int] = frozenset()
     out_padded: tuple[int, ...] = ()
+    # the device-side checks its lowering made (known once traced); when any, the program's last
+    # output is their code (runtime/checks.py), not counted in output_count
+    checks: tuple[checks.Check, ...] = ()
 
 
 def _meta_tensor(view: View) -> torch.Tensor:
@@ -427,6 +430,13 @@ def _build(plan: OpPlan, scan: Scan, values: list[Any], described: list[Any], fo
     out_factors = _output_factors(form, out_padded) if form is not None else []
 
     def program(*inputs: Any) -> Any:
+        """The op's outputs, then its device-side checks' code when its lowering made any."""
+        with checks.collecting() as found:
+            outputs = body(*inputs)
+        entry.checks = tuple(found.checks)
+        return (*outputs, found.code()) if found.checks else outputs
+
+    def body(*inputs: Any) -> Any:
         jnp = client.jax_module().numpy
         flats: dict[int, Any] = {}
         for position, slot in enumerate(passed_slots):
@@ -526,8 +536,10 @@ def _build(plan: OpPlan, scan: Scan, values: list[Any], described: list[Any], fo
         output_count = sum(len(s) if isinstance(s, list) else int(s is not None) for s in fresh_specs)
     output_count += len(resized) + len(mutated_slots)
     padded_positions = tuple(i for i, s in enumerate(passed_slots) if s in padded_slots)
-    return Entry(compiled, program, fresh_specs, mutated_slots, resized, passed_slots, random, output_count,
-                 form, padded_positions, padded_slots, out_padded)
+    # named: `program` fills in its checks when traced
+    entry = Entry(compiled, program, fresh_specs, mutated_slots, resized, passed_slots, random, output_count,
+                  form, padded_positions, padded_slots, out_padded)
+    return entry
 
 
 def _output_factors(form: Any, out_padded: tuple[int, ...]) -> list[tuple[list[list[int]], list[list[Any]], Any]]:
@@ -647,7 +659,11 @@ def _trace_now(entry: Entry, scan: Scan, inputs: list[Any]) -> None:
 def _run(entry: Entry, inputs: list[Any]) -> tuple[Any, ...]:
     if modes.state.fusing:
         return fusion.graph().record(entry, inputs, entry.output_count)
-    return entry.program.call(*inputs)
+    outputs = entry.program.call(*inputs)
+    if entry.checks:
+        checks.issued(outputs[-1], entry.checks, (checks.caller(),) * len(entry.checks), modes.state.blocking)
+        return outputs[:-1]
+    return outputs
 
 
 def cache_key(scan: Scan, described: list[Any]) -> tuple:
@@ -723,7 +739,8 @@ def native_miss(plan: OpPlan, args: tuple, kwargs: dict) -> tuple[Any, tuple | N
     """A call the native hit path (csrc/dispatch.cpp) did not have: run it here, and hand back what
     the native cache needs to run the same signature itself next time (None: it cannot)."""
     result, entry = _execute(plan, args, kwargs)
-    if entry is None or entry.resized or modes.state.fusing or not plan.native_returns:
+    # a program with device-side checks returns their code last: its calls stay here (_run hands it on)
+    if entry is None or entry.resized or entry.checks or modes.state.fusing or not plan.native_returns:
         return result, None
     program = entry.program
     if not program.compiled:

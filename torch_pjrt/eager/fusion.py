@@ -24,7 +24,7 @@ from collections import Counter
 from typing import Any
 
 from torch_pjrt import storage
-from torch_pjrt.runtime import client, metrics, programs
+from torch_pjrt.runtime import checks, client, metrics, programs
 
 MAX_NODES = int(os.environ.get("TORCH_PJRT_FUSE_MAX_NODES", "1000"))
 DEBUG_RECOMPILE = os.environ.get("TORCH_PJRT_DEBUG_RECOMPILE", "") not in ("", "0")
@@ -64,6 +64,8 @@ class PendingGraph:
         # Every recorded result in recording order, weakly: those still alive at the flush are outputs.
         self.outputs: list[weakref.ref[Deferred]] = []
         self.where: list[str] = []
+        # the user line of each recorded op that makes device-side checks, in recording order
+        self.check_lines: list[Any] = []
         self.lock = threading.RLock()
 
     def _ref(self, value: Any) -> Any:
@@ -87,6 +89,8 @@ class PendingGraph:
             self.nodes.append((entry, refs))
             if DEBUG_RECOMPILE:
                 self.where.append(_user_line())
+            if entry.checks:
+                self.check_lines.append(checks.caller())
             results = tuple([Deferred(self, node, i) for i in range(outputs)])
             self.outputs.extend([weakref.ref(result) for result in results])
         if len(self.nodes) >= MAX_NODES:
@@ -94,13 +98,15 @@ class PendingGraph:
         return results
 
     def flush(self, reason: str) -> None:
-        """Run everything recorded so far as one program and fill in the live results."""
+        """Run everything recorded so far as one program and fill in the live results. A failed device-side
+        check of a program that has already finished is raised here first (without waiting)."""
         with self.lock:
             if not self.nodes:
                 return
+            checks.raise_pending(wait=False)
             live = [deferred for deferred in (ref() for ref in self.outputs) if deferred is not None]
-            nodes, inputs, where = self.nodes, self.inputs, self.where
-            self.nodes, self.inputs, self.input_slots, self.where = [], [], {}, []
+            nodes, inputs, where, check_lines = self.nodes, self.inputs, self.where, self.check_lines
+            self.nodes, self.inputs, self.input_slots, self.where, self.check_lines = [], [], {}, [], []
             self.outputs = []
             flush_reasons[reason] += 1
             metrics.bump("fused_programs")
@@ -125,6 +131,10 @@ class PendingGraph:
                 raise
             for deferred, value in zip(live, results):
                 deferred.value = value
+            if check_lines:
+                made = [entry.checks for entry, _ in nodes if entry.checks]
+                lines = tuple(line for line, found in zip(check_lines, made) for _ in found)
+                checks.issued(results[-1], tuple(c for found in made for c in found), lines)
 
 
 def _unreferenced(inputs: list[Any]) -> tuple[int, ...]:
@@ -143,13 +153,21 @@ def _fused_program(
 ) -> Any:
     functions = [entry.fn for entry, _ in nodes]
     wiring = [refs for _, refs in nodes]
+    # ops with device-side checks: their programs' last output is a code; the graph returns one for all
+    checked = [node for node, (entry, _) in enumerate(nodes) if entry.checks]
+    offsets = [0]
+    for node in checked[:-1]:
+        offsets.append(offsets[-1] + len(nodes[node][0].checks))
 
     def fused(*inputs: Any) -> tuple[Any, ...]:
         values: list[Any] = []
         for fn, refs in zip(functions, wiring):
             args = [values[r[1]][r[2]] if r[0] == "n" else inputs[r[1]] for r in refs]
             values.append(fn(*args))
-        return tuple(values[node][index] for node, index in wanted)
+        results = tuple(values[node][index] for node, index in wanted)
+        if checked:
+            results += (checks.combine([values[node][-1] for node in checked], offsets),)
+        return results
 
     return programs.Program(fused, f"fused[{len(nodes)}]", donate=donated)
 

@@ -11,7 +11,7 @@ from torch.utils import _pytree as pytree
 
 from torch_pjrt import storage
 from torch_pjrt.ops import registry
-from torch_pjrt.runtime import client
+from torch_pjrt.runtime import checks, client
 
 
 def is_array(value: Any) -> bool:
@@ -104,6 +104,7 @@ def evaluate(
             env[node] = jnp.asarray(constant.detach().cpu().numpy()) if isinstance(constant, torch.Tensor) else constant
         elif node.op == "call_function":
             args, kwargs = load(node.args), load(node.kwargs)
+            checks.at_source(node.meta.get("stack_trace"))
             if interpret is not None:
                 env[node] = interpret(node, args, kwargs, rng)
             elif isinstance(node.target, torch._ops.OpOverload):

@@ -17,11 +17,34 @@ import torch
 from jax import lax
 
 from torch_pjrt.ops.registry import register
+from torch_pjrt.runtime import checks
 
 aten = torch.ops.aten
 
 
 # --- shared helpers ----------------------------------------------------------------------------
+
+# CPU's messages for an index out of range (IndexError or RuntimeError, as each CPU kernel raises)
+OUT_OF_BOUNDS = "index {{value}} is out of bounds for dimension {dim} with size {size}"
+OUT_OF_RANGE = "index out of range in self"
+TAKE_OUT_OF_RANGE = "out of range: tried to access index {{value}} on a tensor of {size} elements."
+
+
+def check_index(index: Any, size: int, op: str, message: str, error: type[Exception] = IndexError,
+                negative: bool = False, dim: int = 0) -> None:
+    """A device-side check that `index` is in [0, size) (or [-size, size) with `negative`)."""
+    index = jnp.asarray(index)
+    low = -size if negative else 0
+    message = message.format(dim=dim, size=size)
+    checks.fail_if((index < low) | (index >= size), op, message, error, index if "{value}" in message else None)
+
+
+def _check_indices(self: Any, indices: Sequence[Any], op: str) -> None:
+    """index/index_put's integer indices against the dims they index (negatives count from the end)."""
+    for dim, index in enumerate(indices):
+        if index is not None and not _is_mask(index):
+            check_index(index, self.shape[dim], op, OUT_OF_BOUNDS, negative=True, dim=dim)
+
 
 
 def _dim(dim: int, ndim: int) -> int:
@@ -146,13 +169,30 @@ def _reduce_into(self: Any, where: tuple, src: Any, reduce: str, include_self: b
 # --- advanced indexing -------------------------------------------------------------------------
 
 
-@register(aten.index.Tensor, aten._unsafe_index.Tensor)
-def index(self: Any, indices: list[Any]) -> Any:
+@register(aten._unsafe_index.Tensor)
+def unsafe_index(self: Any, indices: list[Any]) -> Any:
+    """Unchecked: PyTorch's decompositions make these indices in range by construction."""
     return self[_index_tuple(indices)]
 
 
-@register(aten.index_put.default, aten._index_put_impl.default, aten._unsafe_index_put.default)
+@register(aten.index.Tensor)
+def index(self: Any, indices: list[Any]) -> Any:
+    _check_indices(self, indices, "aten::index")
+    return self[_index_tuple(indices)]
+
+
+@register(aten._unsafe_index_put.default)
+def unsafe_index_put(self: Any, indices: list[Any], values: Any, accumulate: bool = False) -> Any:
+    return _index_put(self, indices, values, accumulate)
+
+
+@register(aten.index_put.default, aten._index_put_impl.default)
 def index_put(self: Any, indices: list[Any], values: Any, accumulate: bool = False, unsafe: bool = False) -> Any:
+    _check_indices(self, indices, "aten::index_put")
+    return _index_put(self, indices, values, accumulate)
+
+
+def _index_put(self: Any, indices: list[Any], values: Any, accumulate: bool) -> Any:
     """Duplicates: accumulate adds every one; otherwise one of them wins (as on CUDA)."""
     values = jnp.asarray(values)
     position = _single_mask(indices)
@@ -179,22 +219,27 @@ def _unsafe_masked_index_put_accumulate(self: Any, mask: Any, indices: list[Any]
 
 @register(aten.index_select_backward.default)
 def index_select_backward(grad: Any, self_sizes: list[int], dim: int, index: Any) -> Any:
+    size = self_sizes[_dim(dim, len(self_sizes))] if self_sizes else 1
+    check_index(index, size, "aten::index_select_backward", OUT_OF_RANGE)
     zeros = jnp.zeros(tuple(self_sizes), grad.dtype)
     return _index_update(zeros, dim, index, grad, "add")
 
 
 @register(aten.index_select.default)
 def index_select(self: Any, dim: int, index: Any) -> Any:
+    check_index(index, _as_vector(self).shape[_dim(dim, self.ndim)], "aten::index_select", OUT_OF_RANGE)
     return jnp.take(_as_vector(self), _as_vector(index), axis=_dim(dim, self.ndim))
 
 
 @register(aten.take.default)
 def take(self: Any, index: Any) -> Any:
+    check_index(index, self.size, "aten::take", TAKE_OUT_OF_RANGE, negative=True)
     return self.reshape(-1)[index]
 
 
 @register(aten.put.default)
 def put(self: Any, index: Any, source: Any, accumulate: bool = False) -> Any:
+    check_index(index, self.size, "aten::put", TAKE_OUT_OF_RANGE, negative=True)
     flat, where = self.reshape(-1), index.reshape(-1)
     source = source.reshape(-1).astype(self.dtype)
     return (_combine_at(flat, where, source) if accumulate else flat.at[where].set(source)).reshape(self.shape)
@@ -216,14 +261,20 @@ def gather(self: Any, dim: int, index: Any, *, sparse_grad: bool = False) -> Any
         return jnp.zeros(index.shape, self.dtype)
     data, index = _as_vector(self), _as_vector(index)
     axis = _dim(dim, data.ndim)
+    check_index(index, data.shape[axis], "aten::gather", OUT_OF_BOUNDS, RuntimeError, dim=axis)
     data = data[tuple(slice(None) if d == axis else slice(0, n) for d, n in enumerate(index.shape))]
     return jnp.take_along_axis(data, index, axis=axis)
 
 
-def _scatter(self: Any, dim: int, index: Any, src: Any, reduce: str | None) -> Any:
+def _check_scatter(data: Any, axis: int, index: Any, op: str) -> None:
+    check_index(index, data.shape[axis], op, OUT_OF_BOUNDS, RuntimeError, dim=axis)
+
+
+def _scatter(self: Any, dim: int, index: Any, src: Any, reduce: str | None, op: str) -> Any:
     if index.size == 0:
         return self
     data, index = _as_vector(self), _as_vector(index)
+    _check_scatter(data, _dim(dim, data.ndim), index, op)
     where = _full_index(index, _dim(dim, data.ndim))
     src = jnp.broadcast_to(src, ()) if jnp.ndim(src) == 0 else _fit(_as_vector(src), index.shape)
     src = jnp.broadcast_to(src, index.shape)
@@ -236,22 +287,23 @@ def _scatter(self: Any, dim: int, index: Any, src: Any, reduce: str | None) -> A
 
 @register(aten.scatter.src, aten.scatter.value)
 def scatter(self: Any, dim: int, index: Any, src: Any) -> Any:
-    return _scatter(self, dim, index, src, None)
+    return _scatter(self, dim, index, src, None, "aten::scatter")
 
 
 @register(aten.scatter.reduce, aten.scatter.value_reduce)
 def scatter_reduce_legacy(self: Any, dim: int, index: Any, src: Any, *, reduce: str) -> Any:
-    return _scatter(self, dim, index, src, reduce)
+    return _scatter(self, dim, index, src, reduce, "aten::scatter")
 
 
 @register(aten.scatter_add.default)
 def scatter_add(self: Any, dim: int, index: Any, src: Any) -> Any:
-    return _scatter(self, dim, index, src, "add")
+    return _scatter(self, dim, index, src, "add", "aten::scatter_add")
 
 
 @register(aten.scatter_reduce.two)
 def scatter_reduce(self: Any, dim: int, index: Any, src: Any, reduce: str, *, include_self: bool = True) -> Any:
     data, index = _as_vector(self), _as_vector(index)
+    _check_scatter(data, _dim(dim, data.ndim), index, "aten::scatter_reduce")
     where = _full_index(index, _dim(dim, data.ndim))
     src = _fit(_as_vector(src), index.shape)
     return _reduce_into(data, where, src, reduce, include_self).reshape(self.shape)
@@ -273,6 +325,11 @@ def _index_update(self: Any, dim: int, index: Any, source: Any, how: str) -> Any
 
 @register(aten.index_add.default)
 def index_add(self: Any, dim: int, index: Any, source: Any, *, alpha: Any = 1) -> Any:
+    axis = _dim(dim, self.ndim)
+    if self.ndim <= 1:
+        check_index(index, _as_vector(self).shape[0], "aten::index_add", OUT_OF_RANGE)
+    else:
+        check_index(index, self.shape[axis], "aten::index_add", OUT_OF_BOUNDS, RuntimeError, dim=axis)
     if self.dtype == jnp.bool_:
         return _index_update(self.astype(jnp.int8), dim, index, source, "add") != 0
     return _index_update(self, dim, index, jnp.asarray(source) * alpha, "add")
@@ -280,11 +337,15 @@ def index_add(self: Any, dim: int, index: Any, source: Any, *, alpha: Any = 1) -
 
 @register(aten.index_copy.default)
 def index_copy(self: Any, dim: int, index: Any, source: Any) -> Any:
+    axis = _dim(dim, self.ndim)
+    check_index(index, _as_vector(self).shape[axis], "aten::index_copy", "index_copy_(): " + OUT_OF_BOUNDS, dim=axis)
     return _index_update(self, dim, index, source, "set")
 
 
 @register(aten.index_fill.int_Scalar, aten.index_fill.int_Tensor)
 def index_fill(self: Any, dim: int, index: Any, value: Any) -> Any:
+    axis = _dim(dim, self.ndim)
+    check_index(index, _as_vector(self).shape[axis], "aten::index_fill", OUT_OF_BOUNDS, negative=True, dim=axis)
     return _index_update(self, dim, index, value, "set")
 
 
@@ -292,6 +353,7 @@ def index_fill(self: Any, dim: int, index: Any, value: Any) -> Any:
 def index_reduce(self: Any, dim: int, index: Any, source: Any, reduce: str, *, include_self: bool = True) -> Any:
     data = _as_vector(self)
     axis = _dim(dim, data.ndim)
+    check_index(index, data.shape[axis], "aten::index_reduce", OUT_OF_RANGE)
     source = _as_vector(source).reshape(data.shape[:axis] + (-1,) + data.shape[axis + 1:])
     return _reduce_into(data, _along(axis, _as_vector(index)), source, reduce, include_self).reshape(self.shape)
 
@@ -311,5 +373,31 @@ def masked_scatter(self: Any, mask: Any, source: Any) -> Any:
     mask = jnp.broadcast_to(mask, shape)
     position = jnp.cumsum(mask.reshape(-1).astype(jnp.int64)) - 1
     flat = source.reshape(-1)
+    checks.fail_if(position[-1:] >= flat.shape[0], "aten::masked_scatter",
+                   "Number of elements of source < number of ones in mask")
     picked = flat[jnp.clip(position, 0, max(flat.shape[0] - 1, 0))] if flat.shape[0] else jnp.zeros_like(position)
     return jnp.where(mask, picked.reshape(shape).astype(self.dtype), jnp.broadcast_to(self, shape))
+
+
+# --- class indices and asserts -------------------------------------------------------------------
+
+
+@register(aten.one_hot.default, static_scalars=True)
+def one_hot(self: Any, num_classes: int = -1) -> Any:
+    """num_classes is known here (the eager kernel reads it from the values when it is -1)."""
+    checks.fail_if(self < 0, "aten::one_hot", "Class values must be non-negative.")
+    checks.fail_if(self >= num_classes, "aten::one_hot", "Class values must be smaller than num_classes.")
+    return (self[..., None] == jnp.arange(num_classes, dtype=self.dtype)).astype(jnp.int64)
+
+
+@register(aten._assert_async.default, aten._assert_async.msg)
+def assert_async(self: Any, assert_msg: str = "Expected Tensor with single nonzero value, but got zero") -> tuple:
+    """PyTorch's own device-side assert (decompositions emit it): a check, raised as CPU raises it."""
+    checks.fail_if(jnp.asarray(self) == 0, "aten::_assert_async", assert_msg)
+    return ()
+
+
+@register(aten._functional_assert_async.msg)
+def functional_assert_async(self: Any, assert_msg: str, dep_token: Any) -> Any:
+    checks.fail_if(jnp.asarray(self) == 0, "aten::_assert_async", assert_msg)
+    return dep_token

@@ -20,7 +20,9 @@ import numpy as np
 import torch
 
 from torch_pjrt import storage
+from torch_pjrt.ops.indexing import OUT_OF_RANGE, check_index
 from torch_pjrt.ops.registry import register
+from torch_pjrt.runtime import checks
 
 aten = torch.ops.aten
 
@@ -1183,6 +1185,7 @@ def replication_pad_backward(grad_output: Any, self: Any, padding: Sequence[int]
 @register(aten.embedding.default)
 def embedding(weight: Any, indices: Any, padding_idx: int = -1, scale_grad_by_freq: bool = False,
               sparse: bool = False) -> Any:
+    check_index(indices, weight.shape[0], "aten::embedding", OUT_OF_RANGE)
     return jnp.take(weight, indices, axis=0)
 
 
@@ -1228,6 +1231,10 @@ def _embedding_bag(weight: Any, indices: Any, offsets: Any, scale_grad_by_freq: 
                    sparse: bool = False, per_sample_weights: Any = None, include_last_offset: bool = False,
                    padding_idx: int = -1) -> tuple:
     """(output, offset2bag, bag_size, max_indices); padding_idx entries count for nothing, empty bags are 0."""
+    message = ("embedding_bag: Expected idx >= 0 && idx < num_embeddings but found idx to be {{value}}"
+               if mode == MODE_MAX else
+               "Index {{position}} of input takes value {{value}} which is not in the valid range [0, {size})")
+    check_index(indices, weight.shape[0], "aten::embedding_bag", message, RuntimeError)
     num_bags = offsets.shape[0] - (1 if include_last_offset else 0)
     bags = _bag_ids(indices, offsets, num_bags)
     keep = _kept(indices, padding_idx)
@@ -1317,14 +1324,23 @@ def _nll(self: Any, target: Any, weight: Any, reduction: int, ignore_index: int)
     return _reduce(losses, reduction), total
 
 
+def _check_target(self: Any, target: Any, ignore_index: int, op: str) -> None:
+    """CPU's check: every target but ignore_index names a class (negative ones too)."""
+    classes = self.shape[0 if self.ndim == 1 else 1]
+    bad = (target != ignore_index) & ((target < 0) | (target >= classes))
+    checks.fail_if(bad, op, "Target {value} is out of bounds.", IndexError, target)
+
+
 @register(aten.nll_loss_forward.default, aten.nll_loss2d_forward.default)
 def nll_loss_forward(self: Any, target: Any, weight: Any, reduction: int, ignore_index: int) -> tuple:
+    _check_target(self, target, ignore_index, "aten::nll_loss_forward")
     return _nll(self, target, weight, reduction, ignore_index)
 
 
 @register(aten.nll_loss_backward.default, aten.nll_loss2d_backward.default)
 def nll_loss_backward(grad_output: Any, self: Any, target: Any, weight: Any, reduction: int, ignore_index: int,
                       total_weight: Any) -> Any:
+    _check_target(self, target, ignore_index, "aten::nll_loss_backward")
     return _vjp(lambda x: _nll(x, target, weight, reduction, ignore_index)[0], grad_output, _up(self))[0]
 
 
@@ -1342,6 +1358,13 @@ def mse_loss_backward(grad_output: Any, self: Any, target: Any, reduction: int) 
 def binary_cross_entropy(self: Any, target: Any, weight: Any = None, reduction: int = MEAN) -> Any:
     """Logs are clamped at -100, as in PyTorch, so a saturated input gives a finite loss."""
     x, t = _up(self), _up(target)
+    # CPU checks element by element, input before target: the first bad element names which
+    bad_input, bad_target = ~((x >= 0) & (x <= 1)), ~((t >= 0) & (t <= 1))
+    order = jnp.arange(x.size).reshape(x.shape)
+    first_target = jnp.min(jnp.where(bad_target, order, x.size), initial=x.size)
+    checks.fail_if(bad_input & (order <= first_target), "aten::binary_cross_entropy",
+                   "all elements of input should be between 0 and 1")
+    checks.fail_if(bad_target, "aten::binary_cross_entropy", "all elements of target should be between 0 and 1")
     loss = -(t * jnp.maximum(jnp.log(x), -100) + (1 - t) * jnp.maximum(jnp.log(1 - x), -100))
     if weight is not None:
         loss = loss * _up(weight)

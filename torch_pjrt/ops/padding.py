@@ -28,7 +28,7 @@ import torch.fx
 
 from torch_pjrt import _torch_private, storage
 from torch_pjrt.ops import graph
-from torch_pjrt.runtime import client
+from torch_pjrt.runtime import checks, client
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -240,7 +240,18 @@ class PaddedInterpreter:
             return graph.call_lowering(op, args, kwargs, rng, self._meta_padded(meta))
         metas = _metas(node)
         rule = self._rule(op, packet, node, metas)
-        return rule(op, node, metas, args, kwargs, rng)
+        with checks.masked(lambda shape: self._true_elements(shape, node)):
+            return rule(op, node, metas, args, kwargs, rng)
+
+    def _true_elements(self, shape: tuple[int, ...], node: torch.fx.Node) -> Any:
+        """For a device-side check on an array of this padded shape: the true elements of the node's
+        dynamic inputs of that shape (None when none has it: the check is dropped, never misread)."""
+        mask = None
+        for value in (n.meta.get("val") for n in node.all_input_nodes):
+            if is_symbolic(value) and self.sizes.shape(value) == shape:
+                valid = self.sizes.valid(value)
+                mask = valid if mask is None else mask & valid
+        return mask
 
     @staticmethod
     def check(node: torch.fx.Node) -> None:

@@ -22,6 +22,7 @@ import torch
 from torch_pjrt import storage
 from torch_pjrt.ops.factories import dtype_of, is_integral, jax_dtype, torch_dtype
 from torch_pjrt.ops.registry import register
+from torch_pjrt.runtime import checks
 
 aten = torch.ops.aten
 
@@ -323,9 +324,17 @@ def _bernoulli(key: Any, shape: tuple[int, ...], p: Any, dtype: Any) -> Any:
     return (_uniform01(key, shape, getattr(p, "dtype", dtype)) < p).astype(dtype)
 
 
+BERNOULLI_RANGE = ("Expected p_in >= 0 && p_in <= 1 to be true, but got false.  (Could this error message be "
+                   "improved?  If so, please report an enhancement request to PyTorch.)")
+
+
+def _check_probability(p: Any, op: str) -> None:
+    checks.fail_if(~((p >= 0) & (p <= 1)), op, BERNOULLI_RANGE)
+
+
 @register(aten.bernoulli.default, random=True)
 def bernoulli(self: Any, *, generator: Any = None, rng: Any) -> Any:
-    """Probabilities outside [0, 1] are not reported (a traced program cannot raise)."""
+    _check_probability(self, "aten::bernoulli")
     return _bernoulli(rng, self.shape, self, self.dtype)
 
 
@@ -338,6 +347,7 @@ def bernoulli_p(self: Any, p: float = 0.5, *, generator: Any = None, rng: Any) -
 
 @register(aten.bernoulli.Tensor, random=True)
 def bernoulli_tensor(self: Any, p: Any, *, generator: Any = None, rng: Any) -> Any:
+    _check_probability(p, "aten::bernoulli")
     return _bernoulli(rng, self.shape, jnp.broadcast_to(p, self.shape), self.dtype)
 
 
@@ -361,8 +371,7 @@ def _without_replacement(key: Any, probs: Any, num_samples: int) -> Any:
 
 @register(aten.multinomial.default, random=True)
 def multinomial(self: Any, num_samples: int, replacement: bool = False, *, generator: Any = None, rng: Any) -> Any:
-    """Rows must hold non-negative finite weights with a positive sum, and without replacement at least
-    num_samples positive ones: PyTorch checks this on the contents, a traced program cannot."""
+    """Rows must hold non-negative finite weights with a positive sum (device-side checks, as on CPU)."""
     if self.ndim not in (1, 2):
         raise RuntimeError("prob_dist must be 1 or 2 dim")
     if num_samples <= 0:
@@ -370,6 +379,10 @@ def multinomial(self: Any, num_samples: int, replacement: bool = False, *, gener
     if not replacement and num_samples > self.shape[-1]:
         raise RuntimeError("cannot sample n_sample > prob_dist.size(-1) samples without replacement")
     probs = self.astype(_draw_dtype(self.dtype))
+    checks.fail_if(~jnp.isfinite(probs) | (probs < 0), "aten::multinomial",
+                   "probability tensor contains either `inf`, `nan` or element < 0")
+    checks.fail_if(jnp.sum(probs, axis=-1) <= 0, "aten::multinomial",
+                   "invalid multinomial distribution (sum of probabilities <= 0)")
     sample = _with_replacement if replacement else _without_replacement
     return sample(rng, probs, num_samples).astype(jnp.int64)
 

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from torch_pjrt.runtime import memory, metrics
+from torch_pjrt.runtime import checks, memory, metrics
 
 PLATFORM_ALIASES = {"cpu": "cpu", "cuda": "cuda", "gpu": "cuda", "tpu": "tpu", "rocm": "rocm"}
 
@@ -239,7 +239,11 @@ def to_host_many(arrays: list[Any]) -> list[np.ndarray]:
     jax = jax_module()
     with out_of_memory_translated(arrays):
         jax.block_until_ready(list(arrays))
-        values = [np.asarray(v) for v in jax.device_get(list(arrays))]
+        # pending device-side check codes come back in the same request (raised below)
+        taken = checks.take()
+        values = [np.asarray(v) for v in jax.device_get([*arrays, *(item.code for item in taken)])]
+    checks.verify(taken, values[len(values) - len(taken):])
+    del values[len(values) - len(taken):]
     metrics.bump("transfers_to_host", len(values))
     metrics.bump("bytes_to_host", sum(v.nbytes for v in values))
     return values

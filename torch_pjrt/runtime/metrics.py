@@ -33,6 +33,10 @@ COUNTER_NAMES = (
     "dynamic_new_buckets",
     "dynamic_unmaskable",
     "dynamic_compactions",
+    # device-side checks (runtime/checks.py): codes issued, and reads of codes alone (not riding on
+    # a transfer the host made anyway)
+    "device_check_codes",
+    "device_check_reads",
 )
 
 _counts: Counter = Counter()
