@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench battery-ops battery-device-tests venv clean
+.PHONY: demo test test-python-dispatch bench battery-ops battery-device-tests venv clean
 
 venv: $(STAMP)
 
@@ -22,8 +22,14 @@ test: $(STAMP)
 	$(VENV)/bin/ruff check torch_pjrt tests bench examples battery
 	$(PY) -m pytest -q tests
 
+# The whole suite with the native hit path off (every eager op through its Python kernel), for bisecting;
+# `make test` runs tests/test_native_dispatch.py, which compares both paths bit for bit.
+test-python-dispatch: $(STAMP)
+	TORCH_PJRT_NATIVE_DISPATCH=0 $(PY) -m pytest -q tests
+
 bench: $(STAMP)
 	$(PY) bench/dispatch_overhead.py
+	$(PY) bench/generate_tokens.py
 	$(PY) bench/train_step.py
 	$(PY) bench/step_breakdown.py
 	$(PY) bench/first_step.py
