@@ -66,7 +66,9 @@ def call(module: nn.Module, *args: Any) -> Any:
 # --- PyTorch's module_db ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+# float32 only: every configuration again in float64 doubled the file's time in CI (5 min); float64 and
+# bfloat16 run for GRU in test_gru_dtypes below.
+@pytest.mark.parametrize("dtype", [torch.float32], ids=str)
 @pytest.mark.parametrize("name", RNN_MODULES)
 def test_module_db_samples(name: str, dtype: torch.dtype) -> None:
     info = module_infos()[name]
