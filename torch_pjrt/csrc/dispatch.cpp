@@ -57,7 +57,6 @@ struct Runtime {
   PyObject* s_nbytes = nullptr;
   PyObject* s_fusing = nullptr;
   PyObject* s_blocking = nullptr;
-  PyObject* s_reraise = nullptr;
   PyObject* s_ops_executed = nullptr;
   PyObject* s_cache_hits = nullptr;
   std::vector<PyObject*> devices;  // torch.device("pjrt", i), made on first use
@@ -156,7 +155,6 @@ int64_t double_bits(double value) {
 }
 
 struct OpState {
-  std::string name;
   PyObject* plan;
   PyObject* name_object;  // plan.name, the key of metrics.op_counts
   std::vector<Kind> kinds;
@@ -730,7 +728,6 @@ void register_kernel(const std::string& name, const std::string& overload, py::o
   TORCH_CHECK(kinds.size() == arguments.size(), "torch_pjrt native dispatch: ", name, ".", overload,
               " has ", arguments.size(), " arguments, its plan ", kinds.size());
   auto* state = new OpState();
-  state->name = name + "." + overload;
   state->plan = plan.inc_ref().ptr();
   state->name_object = py::object(plan.attr("name")).release().ptr();
   for (size_t i = 0; i < arguments.size(); ++i) {
@@ -779,7 +776,6 @@ void configure(py::object miss, py::object storage_type, py::object array_type, 
   rt.s_nbytes = interned("nbytes");
   rt.s_fusing = interned("fusing");
   rt.s_blocking = interned("blocking");
-  rt.s_reraise = interned("reraise");
   rt.s_ops_executed = interned("ops_executed");
   rt.s_cache_hits = interned("cache_hits");
   rt.pid = getpid();
