@@ -24,21 +24,20 @@ import subprocess
 import sys
 import textwrap
 
+# this folder, where the subprocesses import tiny_llama from
+BENCH = os.path.dirname(os.path.abspath(__file__))
+
 GENERATE = textwrap.dedent(
     """
-    import json, time, warnings, torch, torch_pjrt
-    from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
+    import json, sys, time, warnings, torch, torch_pjrt
+    from transformers import StaticCache
     warnings.simplefilter("ignore")
     mode, marks, cache = {mode!r}, {marks!r}, {cache!r}
     if mode == "fused":
         torch.pjrt.set_eager_mode(torch_pjrt.EagerMode.DEFER_AND_FUSE)
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    cpu = LlamaForCausalLM(config).eval()
-    pjrt = LlamaForCausalLM(config).eval()
-    pjrt.load_state_dict(cpu.state_dict())
-    pjrt = pjrt.to("pjrt")
+    sys.path.insert(0, {bench!r})
+    from tiny_llama import cpu_and_pjrt_llama
+    cpu, pjrt = cpu_and_pjrt_llama()
     options = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
 
     def generate(model, ids, device):
@@ -180,7 +179,7 @@ def main() -> None:
                                    ("strict", "dynamic", "64,128"), ("strict", "static", "automatic"),
                                    ("fused", "dynamic", "automatic"), ("fused", "dynamic", "64,128"),
                                    ("fused", "static", "64,128")):
-            row = run(GENERATE.format(mode=mode, marks=marks, cache=cache),
+            row = run(GENERATE.format(mode=mode, marks=marks, cache=cache, bench=BENCH),
                       TORCH_PJRT_DYNAMIC_GENERATE="0" if marks == "none" else "1")
             print(f"{mode:<8}{cache:<9}{marks:<24}{row['compiles']:>9.0f}{row['compiles'] / 12:>11.1f}"
                   f"{row['pjrt_s']:>8.2f}{row['cpu_s']:>7.2f}{row['pjrt_s'] / row['cpu_s']:>7.1f}  {row['equal']}"

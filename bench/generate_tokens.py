@@ -16,18 +16,16 @@ import subprocess
 import sys
 import textwrap
 
+# this folder, where the subprocesses import tiny_llama from
+BENCH = os.path.dirname(os.path.abspath(__file__))
+
 GENERATE = textwrap.dedent(
     """
-    import json, time, warnings, torch, torch_pjrt
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import json, sys, time, warnings, torch, torch_pjrt
     warnings.simplefilter("ignore")
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    cpu = LlamaForCausalLM(config).eval()
-    pjrt = LlamaForCausalLM(config).eval()
-    pjrt.load_state_dict(cpu.state_dict())
-    pjrt = pjrt.to("pjrt")
+    sys.path.insert(0, {bench!r})
+    from tiny_llama import cpu_and_pjrt_llama
+    cpu, pjrt = cpu_and_pjrt_llama()
     ids = torch.randint(1, 256, (1, 16), generator=torch.Generator().manual_seed(1))
     options = dict(max_new_tokens=64, min_new_tokens=64, do_sample=False, pad_token_id=0)
 
@@ -50,7 +48,7 @@ GENERATE = textwrap.dedent(
 
 def run(native: str, repeats: int) -> dict:
     env = {**os.environ, "TORCH_PJRT_CACHE_DIR": "0", "TORCH_PJRT_NATIVE_DISPATCH": native}
-    result = subprocess.run([sys.executable, "-c", GENERATE.format(repeats=repeats)], capture_output=True,
+    result = subprocess.run([sys.executable, "-c", GENERATE.format(repeats=repeats, bench=BENCH)], capture_output=True,
                             text=True, env=env)
     if result.returncode:
         raise RuntimeError(result.stderr[-3000:])
