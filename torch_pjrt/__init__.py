@@ -15,6 +15,7 @@ register()
 
 _LAZY = {
     "metrics": ("torch_pjrt.metrics", None),
+    "kernels": ("torch_pjrt.kernels", None),
     "cpu_fallback": ("torch_pjrt.eager.fallback", "cpu_fallback"),
     "EagerMode": ("torch_pjrt.eager.modes", "EagerMode"),
     "set_eager_mode": ("torch_pjrt.eager.modes", "set_eager_mode"),
@@ -35,6 +36,6 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "EagerMode", "cpu_fallback", "export_stablehlo", "get_dynamism_info", "mark_dynamic", "metrics", "register",
-    "set_eager_mode",
+    "EagerMode", "cpu_fallback", "export_stablehlo", "get_dynamism_info", "kernels", "mark_dynamic", "metrics",
+    "register", "set_eager_mode",
 ]

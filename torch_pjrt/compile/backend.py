@@ -27,7 +27,7 @@ import torch.fx
 from torch_pjrt import _registration, _torch_private, storage
 from torch_pjrt.compile import padding
 from torch_pjrt.eager import dynamic, modes
-from torch_pjrt.ops import graph
+from torch_pjrt.ops import graph, registry
 from torch_pjrt.runtime import checks, client, disk_store, metrics, programs, rng
 
 aten = torch.ops.aten
@@ -257,7 +257,8 @@ class CompiledGraph:
         return found
 
     def _stored_key(self, signature: tuple) -> str:
-        """What the traced program depends on: our code, the versions, the graph, its inputs' layouts."""
+        """What the traced program depends on: our code, the versions, the graph, its inputs' layouts, and
+        the kernels of the custom ops in it (torch_pjrt.kernels)."""
         jax = client.jax_module()
         digest = hashlib.sha256()
         metas = [(m.dtype, tuple(m.shape), m.stride(), m.device.type) if isinstance(m, torch.Tensor) else m
@@ -266,6 +267,9 @@ class CompiledGraph:
                      repr(metas), repr(signature), checks.ENABLED):
             digest.update(str(part).encode())
         for node in self.gm.graph.nodes:
+            lowering = registry.LOWERINGS.get(node.target) if node.op == "call_function" else None
+            if lowering is not None and lowering.fingerprint:
+                digest.update(lowering.fingerprint.encode())
             if node.op == "get_attr":
                 constant = getattr(self.gm, node.target)
                 if isinstance(constant, torch.Tensor):

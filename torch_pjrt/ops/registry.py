@@ -38,6 +38,9 @@ class Lowering:
     wants_meta: bool = False
     # Borrowed from the functional twin of an out= op: the out= arguments are not passed to it.
     drops_out_arguments: bool = False
+    # What the traced program depends on beyond this package's source (a custom op's kernel code):
+    # part of the persistent cache key of a compiled graph that contains the op.
+    fingerprint: str = ""
 
 
 LOWERINGS: dict[OpOverload, Lowering] = {}
@@ -61,11 +64,11 @@ def _overloads(target: OpOverload | OpOverloadPacket) -> list[OpOverload]:
 
 
 def register(*targets: OpOverload | OpOverloadPacket, random: bool = False,
-             static_scalars: bool = False, wants_meta: bool = False) -> Callable:
+             static_scalars: bool = False, wants_meta: bool = False, fingerprint: str = "") -> Callable:
     """Decorator: register a lowering for overloads (a packet means its functional overloads)."""
 
     def decorate(fn: Callable) -> Callable:
-        entry = Lowering(fn, random, static_scalars, wants_meta)
+        entry = Lowering(fn, random, static_scalars, wants_meta, fingerprint=fingerprint)
         for target in targets:
             for overload in _overloads(target):
                 LOWERINGS[overload] = entry

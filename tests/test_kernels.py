@@ -1,0 +1,216 @@
+"""torch_pjrt.kernels: JAX and Pallas functions as PyTorch ops, in every mode, against PyTorch on CPU."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import pytest
+import torch
+
+import torch_pjrt
+from torch_pjrt import kernels
+from torch_pjrt.kernels import jax_ops
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+import pallas_rms_norm  # noqa: E402 (the docs' worked example: a Pallas RMSNorm with a Pallas backward)
+
+FUSE = torch_pjrt.EagerMode.DEFER_AND_FUSE
+
+
+@kernels.jax_op("kernels_test::swish", vjp="auto")
+def swish(x: jax.Array, beta: float = 1.0) -> jax.Array:
+    return x * jax.nn.sigmoid(beta * x)
+
+
+@kernels.jax_op("kernels_test::scaled_pair", vjp="auto")
+def scaled_pair(x: jax.Array, y: jax.Array, labels: jax.Array, *, scale: float) -> tuple[jax.Array, jax.Array]:
+    """Two results, a keyword-only static and an integer tensor argument (not differentiated)."""
+    return jnp.tanh(x) * y * scale, x * labels[:, None]
+
+
+@kernels.jax_op("kernels_test::arange_like")
+def arange_like(x: jax.Array) -> jax.Array:
+    """Python numbers and jnp.arange take jax's default dtypes: what the kernel sees as its mode."""
+    return jnp.arange(x.shape[0]) + 1.5
+
+
+def swish_cpu(x: torch.Tensor, beta: float = 1.0) -> torch.Tensor:
+    return x * torch.sigmoid(beta * x)
+
+
+def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.rms_norm(x, (x.shape[-1],), weight, pallas_rms_norm.EPS)
+
+
+def leaves(*tensors: torch.Tensor, device: str) -> list[torch.Tensor]:
+    return [t.detach().to(device).requires_grad_(t.is_floating_point()) for t in tensors]
+
+
+def test_schema_comes_from_the_annotations() -> None:
+    assert str(swish._opoverload._schema) == "kernels_test::swish(Tensor x, float beta=1.) -> Tensor"
+    assert str(scaled_pair._opoverload._schema) == (
+        "kernels_test::scaled_pair(Tensor x, Tensor y, Tensor labels, *, float scale) -> (Tensor, Tensor)")
+
+
+def test_strict_eager_matches_cpu() -> None:
+    x, weight = torch.randn(6, 32), torch.rand(32) + 0.5
+    torch.testing.assert_close(swish(x.to("pjrt"), 1.5).cpu(), swish_cpu(x, 1.5))
+    torch.testing.assert_close(pallas_rms_norm.rms_norm(x.to("pjrt"), weight.to("pjrt")).cpu(), rms_norm_cpu(x, weight))
+
+
+def test_fused_mode_records_the_op_into_one_program() -> None:
+    x, weight = torch.randn(4, 16), torch.rand(16) + 0.5
+    before = torch_pjrt.metrics.counters()["fused_programs"]
+    with torch.pjrt.set_eager_mode(FUSE):
+        y = pallas_rms_norm.rms_norm(swish(x.to("pjrt")) * 2, weight.to("pjrt")) + 1
+        assert torch_pjrt.metrics.counters()["fused_programs"] == before  # recorded, nothing ran yet
+        result = y.cpu()
+    assert torch_pjrt.metrics.counters()["fused_programs"] == before + 1
+    torch.testing.assert_close(result, rms_norm_cpu(swish_cpu(x) * 2, weight) + 1)
+
+
+@pytest.mark.parametrize("mode", ["strict", "fused"])
+def test_eager_gradients_match_cpu(mode: str) -> None:
+    x, y, weight = torch.randn(5, 8), torch.randn(5, 8), torch.rand(8) + 0.5
+    labels = torch.randint(0, 4, (5,))
+
+    def loss(x: torch.Tensor, y: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor, on_cpu: bool) -> Any:
+        if on_cpu:
+            first, second = torch.tanh(x) * y * 0.5, x * labels[:, None]
+            return (rms_norm_cpu(swish_cpu(first), weight) * second).sum()
+        first, second = scaled_pair(x, y, labels, scale=0.5)
+        return (pallas_rms_norm.rms_norm(swish(first), weight) * second).sum()
+
+    expected_leaves = leaves(x, y, labels, weight, device="cpu")
+    loss(*expected_leaves, on_cpu=True).backward()
+    actual_leaves = leaves(x, y, labels, weight, device="pjrt")
+    with torch.pjrt.set_eager_mode(FUSE if mode == "fused" else torch_pjrt.EagerMode.DEFER_NEVER):
+        loss(*actual_leaves, on_cpu=False).backward()
+        grads = [t.grad.cpu() for t in actual_leaves if t.is_floating_point()]
+    for actual, expected in zip(grads, [t.grad for t in expected_leaves if t.is_floating_point()]):
+        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_compiled_forward_and_backward_match_cpu() -> None:
+    x, weight = torch.randn(4, 16), torch.rand(16) + 0.5
+
+    def loss(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return pallas_rms_norm.rms_norm(swish(x, 0.7), weight).square().mean()
+
+    expected_x, expected_w = leaves(x, weight, device="cpu")
+    expected = rms_norm_cpu(swish_cpu(expected_x, 0.7), expected_w).square().mean()
+    expected.backward()
+    actual_x, actual_w = leaves(x, weight, device="pjrt")
+    compiled = torch.compile(loss, backend="pjrt", fullgraph=True)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(actual_x, actual_w).cpu(), expected.detach())
+    actual = compiled(actual_x, actual_w)
+    actual.backward()
+    torch.testing.assert_close(actual.detach().cpu(), expected.detach())
+    torch.testing.assert_close(actual_x.grad.cpu(), expected_x.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(actual_w.grad.cpu(), expected_w.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_the_worked_example_trains_like_torch_rms_norm() -> None:
+    on_pjrt = pallas_rms_norm.train(pallas_rms_norm.make_model(pallas_rms_norm.PallasRMSNorm), "pjrt", steps=3)
+    on_cpu = pallas_rms_norm.train(
+        pallas_rms_norm.make_model(lambda width: torch.nn.RMSNorm(width, eps=pallas_rms_norm.EPS)), "cpu", steps=3)
+    assert on_pjrt[-1] < on_pjrt[0]
+    assert max(abs(a - b) for a, b in zip(on_pjrt, on_cpu)) < 1e-4
+
+
+def test_export_stablehlo_contains_the_kernel() -> None:
+    text = torch_pjrt.export_stablehlo(lambda x, w: pallas_rms_norm.rms_norm(swish(x, 2.0), w),
+                                       (torch.randn(3, 5), torch.rand(5)))
+    assert "stablehlo.exponential" in text and "stablehlo.rsqrt" in text and "tensor<3x5xf32>" in text
+
+
+def test_opcheck() -> None:
+    x, y, weight = torch.randn(3, 8, device="pjrt"), torch.randn(3, 8, device="pjrt"), torch.rand(8, device="pjrt")
+    labels = torch.randint(0, 4, (3,), device="pjrt")
+    # test_autograd_registration supports CPU/CUDA/XPU only; the dynamic-shape check needs a symbolic fake
+    checks = ("test_schema", "test_faketensor", "test_aot_dispatch_static")
+    torch.library.opcheck(swish, (x.requires_grad_(), 1.5), test_utils=checks)
+    torch.library.opcheck(scaled_pair, (x, y, labels), {"scale": 2.0}, test_utils=checks)
+    torch.library.opcheck(pallas_rms_norm.rms_norm, (x, weight.requires_grad_()), test_utils=checks)
+
+
+def test_kernels_see_32_bit_defaults_unless_an_argument_is_64_bit() -> None:
+    assert arange_like(torch.randn(3, device="pjrt")).dtype == torch.float32
+    wide = arange_like(torch.randn(3, device="pjrt", dtype=torch.float64))
+    assert wide.dtype == torch.float64
+    torch.testing.assert_close(wide.cpu(), torch.arange(3, dtype=torch.float64) + 1.5)
+    first, second = scaled_pair(*(torch.randn(2, 3, dtype=torch.float64, device="pjrt") for _ in range(2)),
+                                torch.tensor([3, 4], device="pjrt"), scale=1.0)
+    assert (first.dtype, second.dtype) == (torch.float64, torch.float64)
+
+
+def test_clear_errors_name_the_op() -> None:
+    with pytest.raises(ValueError, match="'plain_name' needs a namespace"):
+        kernels.jax_op("plain_name", lambda x: x)
+    with pytest.raises(TypeError, match="kernels_test::bare's parameter 'x' has no type annotation"):
+        kernels.jax_op("kernels_test::bare", lambda x: x)
+    with pytest.raises(RuntimeError, match="kernels_test::swish runs on pjrt tensors, but got tensors on cpu"):
+        swish(torch.randn(3))
+
+    @kernels.jax_op("kernels_test::nonzero")
+    def nonzero(x: jax.Array) -> jax.Array:
+        return jnp.nonzero(x)[0]
+
+    with pytest.raises(RuntimeError, match="kernels_test::nonzero's output shapes or control flow depend on"):
+        nonzero(torch.randn(4, device="pjrt"))
+
+    @kernels.jax_op("kernels_test::pallas_without_vjp", vjp="auto")
+    def pallas_without_vjp(x: jax.Array) -> jax.Array:
+        return _pallas_double(x)
+
+    x = torch.randn(8, 4, device="pjrt", requires_grad=True)
+    with pytest.raises(RuntimeError, match="jax.vjp cannot differentiate kernels_test::pallas_without_vjp"):
+        pallas_without_vjp(x).sum().backward()
+
+
+def _pallas_double(x: jax.Array) -> jax.Array:
+    from jax.experimental import pallas as pl
+
+    def kernel(x_ref, o_ref):  # noqa: ANN001, ANN202
+        o_ref[...] = x_ref[...] * 2
+
+    shape = jax.ShapeDtypeStruct(x.shape, x.dtype)
+    return pl.pallas_call(kernel, out_shape=shape, interpret=kernels.interpret_mode())(x)
+
+
+def test_compiled_graphs_with_a_kernel_are_stored(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TORCH_PJRT_CACHE_DIR", str(tmp_path))
+    x = torch.randn(4, 3, device="pjrt", requires_grad=True)
+
+    def run() -> tuple[int, ...]:
+        torch._dynamo.reset()
+        before = torch_pjrt.metrics.counters()
+        torch.compile(lambda x: swish(x, 0.3).sin().sum(), backend="pjrt")(x).backward()
+        after = torch_pjrt.metrics.counters()
+        return tuple(after[name] - before[name] for name in ("disk_store_writes", "disk_store_hits"))
+
+    assert run() == (2, 0)  # the forward and the backward graph
+    assert run() == (0, 2)
+
+
+def test_a_kernels_fingerprint_follows_its_source(tmp_path: Path) -> None:
+    """Part of a stored graph's key: editing the kernel's file makes a later process retrace."""
+    def fingerprint(source: str, module: str) -> str:
+        path = tmp_path / f"{module}.py"
+        path.write_text(source)
+        spec = importlib.util.spec_from_file_location(module, path)
+        loaded = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(loaded)
+        return jax_ops._fingerprint(functools.partial(loaded.kernel, scale=2))
+
+    source = "def kernel(x, scale):\n    return x * scale\n"
+    first = fingerprint(source, "kernel_a")
+    assert fingerprint(source, "kernel_b") == first
+    assert fingerprint(source.replace("x * scale", "x + scale"), "kernel_c") != first

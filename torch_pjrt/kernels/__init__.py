@@ -1,0 +1,30 @@
+"""Custom kernels: JAX and Pallas functions as PyTorch ops on pjrt tensors (docs/kernels.md).
+
+`jax_op` wraps a function; `flash_attention` is a shipped op built on jax's Pallas attention
+kernels; `use_flash_attention` routes `scaled_dot_product_attention` to it where it applies.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch_pjrt.kernels.jax_ops import jax_op
+
+
+def interpret_mode() -> bool:
+    """Whether Pallas kernels should run in interpret mode (`pallas_call(..., interpret=...)`): on
+    the CPU platform, which has no Pallas compiler; on GPU and TPU kernels compile for real."""
+    from torch_pjrt.runtime import client
+
+    return client.platform() == "cpu"
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("flash_attention", "use_flash_attention"):
+        from torch_pjrt.kernels import attention
+
+        return getattr(attention, name)
+    raise AttributeError(f"module 'torch_pjrt.kernels' has no attribute {name!r}")
+
+
+__all__ = ["flash_attention", "interpret_mode", "jax_op", "use_flash_attention"]
