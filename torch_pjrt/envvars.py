@@ -6,7 +6,10 @@ table of variables is generated from the same text.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
+from collections.abc import Iterator
 from typing import NamedTuple
 
 
@@ -33,6 +36,8 @@ VARIABLES: dict[str, Variable] = {
                                                  "unmarked (it is marked dynamic by default)"),
     "TORCH_PJRT_DEVICE_CHECKS": Variable("1", "0: no device-side checks of indices and values (XLA clamps out-of-range "
                                               "indices silently, as other XLA bridges do)"),
+    "TORCH_PJRT_FLASH_ATTENTION": Variable("0", "1: scaled_dot_product_attention on pjrt tensors runs the Pallas flash "
+                                                "attention kernel where it applies (no mask, no dropout)"),
 }
 
 
@@ -44,3 +49,24 @@ def value(name: str) -> str:
 def flag(name: str) -> bool:
     """A variable read as on/off: unset or empty means its default, "0" means off."""
     return value(name).strip() not in ("", "0")
+
+
+class Switch:
+    """An on/off setting: the innermost `scoped` block of the calling thread, else its variable."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._local = threading.local()
+
+    def enabled(self) -> bool:
+        forced = getattr(self._local, "enabled", None)
+        return flag(self.name) if forced is None else forced
+
+    @contextlib.contextmanager
+    def scoped(self, enabled: bool) -> Iterator[None]:
+        previous = getattr(self._local, "enabled", None)
+        self._local.enabled = enabled
+        try:
+            yield
+        finally:
+            self._local.enabled = previous

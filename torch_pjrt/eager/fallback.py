@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import os
-import threading
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -12,28 +10,22 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from torch_pjrt import envvars
 from torch_pjrt.runtime import metrics
 
-_local = threading.local()
+_switch = envvars.Switch("TORCH_PJRT_CPU_FALLBACK")
 _warned: set[str] = set()
 
 
 def cpu_fallback_enabled() -> bool:
-    forced = getattr(_local, "enabled", None)
-    if forced is not None:
-        return forced
-    return os.environ.get("TORCH_PJRT_CPU_FALLBACK", "") not in ("", "0")
+    return _switch.enabled()
 
 
 @contextlib.contextmanager
 def cpu_fallback(enabled: bool = True) -> Iterator[None]:
     """Within this block, ops with no pjrt lowering run on CPU (counted, warned once per op)."""
-    previous = getattr(_local, "enabled", None)
-    _local.enabled = enabled
-    try:
+    with _switch.scoped(enabled):
         yield
-    finally:
-        _local.enabled = previous
 
 
 def missing_message(op: torch._ops.OpOverload) -> str:

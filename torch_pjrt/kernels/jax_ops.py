@@ -238,10 +238,19 @@ def _eval_shape_fake(name: str, fn: Callable, signature: inspect.Signature) -> C
                                    f"(op.register_fake) or compile with dynamic=False.")
             return jax.ShapeDtypeStruct(tuple(value.shape), storage.numpy_dtype(value.dtype))
 
-        abstract_args = tuple(abstract(a) for a in args)
-        abstract_kwargs = {k: abstract(v) for k, v in kwargs.items()}
+        # tensors (within lists too) are traced; every other argument stays a Python value
+        leaves, tree = jax.tree_util.tree_flatten((args, kwargs), is_leaf=lambda v: v is None)
+        tensors = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+
+        def traced(*arrays: Any) -> Any:
+            filled = list(leaves)
+            for i, array in zip(tensors, arrays):
+                filled[i] = array
+            traced_args, traced_kwargs = jax.tree_util.tree_unflatten(tree, filled)
+            return _call(fn, traced_args, traced_kwargs)
+
         try:
-            shapes = jax.eval_shape(lambda *a, **k: _call(fn, a, k), *abstract_args, **abstract_kwargs)
+            shapes = jax.eval_shape(traced, *(abstract(leaves[i]) for i in tensors))
         except (jax.errors.ConcretizationTypeError, jax.errors.NonConcreteBooleanIndexError) as error:
             raise RuntimeError(
                 f"torch_pjrt.kernels: {name}'s output shapes or control flow depend on its inputs' values "
