@@ -17,13 +17,14 @@ mkdir -p "$results"
 "$PY" -c "import torch, jax, torch_pjrt; print('torch', torch.__version__, 'jax', jax.__version__, jax.devices())" \
     | tee "$results/versions.txt"
 "$PY" -m pytest -q -x -p no:cacheprovider tests/test_device.py tests/test_fused.py tests/test_compile.py \
-    tests/test_training.py tests/test_device_checks.py 2>&1 | tail -3 | tee "$results/tests.txt"
+    tests/test_training.py tests/test_device_checks.py tests/test_kernels.py 2>&1 | tail -3 | tee "$results/tests.txt"
 "$PY" bench/dispatch_overhead.py > "$results/dispatch.txt" 2>&1
 "$PY" bench/train_step.py --steps 20 --skip-inductor > "$results/train_step.txt" 2>&1
 "$PY" bench/step_breakdown.py --steps 20 > "$results/breakdown.txt" 2>&1
 "$PY" bench/first_step.py > "$results/first_step.txt" 2>&1
 "$PY" bench/device_checks.py > "$results/device_checks.txt" 2>&1
-for table in dispatch train_step breakdown first_step device_checks; do
+"$PY" bench/flash_attention.py > "$results/flash_attention.txt" 2>&1
+for table in dispatch train_step breakdown first_step device_checks flash_attention; do
     echo "== $table"
     grep -v "^W[0-9]" "$results/$table.txt" | tail -14
 done

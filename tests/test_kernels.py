@@ -264,15 +264,19 @@ def test_sdpa_switch_takes_the_kernel_where_it_applies() -> None:
     assert op_counts[FLASH] == calls + 1
 
 
-def test_sdpa_switch_in_fused_and_compiled_training() -> None:
+def test_flash_attention_in_fused_and_compiled_training() -> None:
+    """Fused eager through the SDPA switch; compiled, the op called by name inside the graph."""
     inputs, grad = attention_inputs(*ATTENTION_CASES[1][:2]), torch.randn(ATTENTION_CASES[1][0])
 
     def step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         return (torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True) * grad).sum()
 
+    def flash_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        return (kernels.flash_attention(q, k, v, causal=True) * grad).sum()
+
     expected_leaves = leaves(*inputs, device="cpu")
     step(*expected_leaves, grad).backward()
-    compiled = torch.compile(step, backend="pjrt", fullgraph=True)
+    compiled = torch.compile(flash_step, backend="pjrt", fullgraph=True)
     for run in (step, compiled):
         actual_leaves = leaves(*inputs, device="pjrt")
         calls = op_counts[FLASH] + op_counts[FLASH_VJP]
@@ -305,7 +309,7 @@ def test_a_hugging_face_llama_uses_the_kernel_unchanged() -> None:
 def test_flash_attention_opcheck_and_errors() -> None:
     q, k, v = (t.to("pjrt") for t in attention_inputs(*ATTENTION_CASES[1][:2]))
     # (AOTAutograd over it: test_sdpa_switch_in_fused_and_compiled_training)
-    torch.library.opcheck(kernels.attention.flash_attention_op, (q.requires_grad_(), k, v, True, None),
+    torch.library.opcheck(kernels.flash_attention, (q.requires_grad_(), k, v), {"causal": True},
                           test_utils=("test_schema", "test_faketensor"))
     with pytest.raises(ValueError, match="flash_attention: q, k and v must share one of float32"):
         kernels.flash_attention(q.double(), k.double(), v.double())

@@ -59,7 +59,8 @@ LEGACY_TENSOR_TYPES = re.compile(r"(BFloat16|Bool|Byte|Char|Double|Float|Half|In
 BLOCKER_IMPORTS = {"triton": "triton", "cupy": "cupy-pycuda", "cupyx": "cupy-pycuda", "pycuda": "cupy-pycuda"}
 # Every rule needs one of these in the source (lower-cased): files without them skip the CST pass.
 KEYWORDS = ("cuda", "nccl", "triton", "cupy", "cpp_extension")
-KERNEL_HINT = "rewrite it as a JAX or Pallas function and wrap it with torch_pjrt.kernels.jax_op"
+KERNEL_HINT = ("rewrite it as a JAX or Pallas function and wrap it with torch_pjrt.kernels.jax_op, which makes it a "
+               "PyTorch op on pjrt (docs/kernels.md)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,7 +257,7 @@ class Scanner(cst.CSTTransformer):
         elif category:
             self.report(node, Rule(category, "blocker",
                                    f"{module.split('.')[0]} needs a CUDA device: move the array work to torch "
-                                   "on pjrt, or to JAX via torch_pjrt.kernels.jax_op"), None)
+                                   "on pjrt, or to JAX via torch_pjrt.kernels.jax_op (docs/kernels.md)"), None)
 
     def visit_FunctionDef(self, node: cst.FunctionDef) -> None:  # noqa: N802 (libcst's naming)
         for decorator in node.decorators:

@@ -61,9 +61,11 @@ def unsupported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool)
     return None
 
 
-def _attention(q: jax.Array, k: jax.Array, v: jax.Array, causal: bool = False,
+def _attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
                scale: float | None = None) -> jax.Array:
-    """Softmax attention of (batch, heads, seq, head_dim) arrays with a Pallas kernel."""
+    """softmax(q @ k^T * scale) @ v of (batch, heads, seq, head_dim) tensors, as
+    `scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)`, with a Pallas kernel;
+    differentiable. `scale` defaults to 1/sqrt(head_dim); causal masks keys after each query."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if client.platform() == "tpu":
         return _tpu_attention(q, k, v, causal, scale)
@@ -120,25 +122,20 @@ def _tpu_attention(q: jax.Array, k: jax.Array, v: jax.Array, causal: bool, scale
     return out[:, :, :q_length]
 
 
-def _shape_of_result(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
-                     scale: float | None = None) -> torch.Tensor:
-    """The op's fake: the result has q's shape (symbolic sizes included)."""
+def _checked_result(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
+                    scale: float | None = None) -> torch.Tensor:
+    """The op's fake: refuses what the kernel cannot take, else a result of q's shape (symbolic
+    sizes included; those are checked when the graph runs)."""
+    if all(isinstance(size, int) for size in (*q.shape, *k.shape, *v.shape)):
+        reason = unsupported(q, k, v, causal)
+        if reason is not None:
+            raise ValueError(f"torch_pjrt.kernels.flash_attention: {reason}; use "
+                             f"torch.nn.functional.scaled_dot_product_attention for these inputs.")
     return q.new_empty(q.shape)
 
 
-flash_attention_op = jax_ops.define("torch_pjrt::flash_attention", _attention, vjp="auto", fake=_shape_of_result)
-
-
-def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
-                    scale: float | None = None) -> torch.Tensor:
-    """softmax(q @ k^T * scale) @ v of (batch, heads, seq, head_dim) pjrt tensors, as
-    `scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)`, with a Pallas kernel;
-    differentiable. `scale` defaults to 1/sqrt(head_dim); causal masks keys after each query."""
-    reason = unsupported(q, k, v, causal)
-    if reason is not None:
-        raise ValueError(f"torch_pjrt.kernels.flash_attention: {reason}; use "
-                         f"torch.nn.functional.scaled_dot_product_attention for these inputs.")
-    return flash_attention_op(q, k, v, causal, scale)
+# called as flash_attention(q, k, v, causal=..., scale=...): a custom op, so torch.compile traces it
+flash_attention = jax_ops.define("torch_pjrt::flash_attention", _attention, vjp="auto", fake=_checked_result)
 
 
 # --- the scaled_dot_product_attention switch ---------------------------------------------------------
@@ -168,7 +165,7 @@ def _sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask
           dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None, *,
           enable_gqa: bool = False) -> torch.Tensor:
     if _applies(query, key, value, attn_mask, dropout_p, is_causal):
-        return flash_attention_op(query, key, value, is_causal, scale)
+        return flash_attention(query, key, value, causal=is_causal, scale=scale)
     return torch.ops.aten.scaled_dot_product_attention.default.decompose(
         query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
 
