@@ -2,10 +2,11 @@
 `scaled_dot_product_attention` on pjrt tensors to it.
 
 On CPU and GPU the op runs jax's GPU kernel (`pallas.ops.gpu.attention.mha`, interpreted on CPU);
-on TPU jax's TPU flash attention. Both take (batch, seq, heads, dim) or (batch, heads, seq, dim)
-blocks of a fixed size: shorter or uneven sequences are padded to whole blocks and the padded keys
-masked with segment ids, so every length runs. The backward is `jax.vjp` of the forward (the
-kernels' own custom backward), recomputing the forward inside the backward program.
+on TPU jax's TPU flash attention (the GPU kernel's layout is (batch, seq, heads, dim), the TPU
+one's SDPA's). Both cut sequences into blocks of a fixed size: shorter or uneven sequences are
+padded to whole blocks and the padded keys masked with segment ids, so every length runs. The
+backward is `jax.vjp` of the forward (the kernels' own custom backward), recomputing the forward
+inside the backward program.
 
 The SDPA switch is a PrivateUse1 autograd kernel for `aten::scaled_dot_product_attention`,
 installed the first time the switch is on: where the kernel applies (no mask, no dropout, equal

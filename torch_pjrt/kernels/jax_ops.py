@@ -18,6 +18,7 @@ import functools
 import hashlib
 import inspect
 import operator
+import pathlib
 import types
 import typing
 import uuid
@@ -66,11 +67,12 @@ def define(name: str, fn: Callable, donate_argnums: Any = None, vjp: str | None 
     _check_donated(name, signature, donate_argnums)
     op_def = torch.library.custom_op(name, _refuse_host(name), mutates_args=(), schema=_schema(signature))
     overload = _overload(name)
-    registry.register(overload, fingerprint=fingerprint or _fingerprint(fn))(_lowering(name, fn))
+    fingerprint = fingerprint or _fingerprint(fn)
+    registry.register(overload, fingerprint=fingerprint)(_lowering(name, fn))
     op_def.register_kernel("pjrt")(dispatch.make_kernel(dispatch.plan_for(overload)))
     op_def.register_fake(fake or _eval_shape_fake(name, fn, signature))
     if vjp == "auto":
-        _derive_backward(name, fn, signature, tensor_names, fingerprint or _fingerprint(fn))
+        _derive_backward(name, fn, signature, tensor_names, fingerprint)
     return op_def
 
 
@@ -180,7 +182,7 @@ def _fingerprint(fn: Callable) -> str:
         function = function.func
     function = inspect.unwrap(function)
     try:
-        digest.update(open(inspect.getsourcefile(function) or "", "rb").read())
+        digest.update(pathlib.Path(inspect.getsourcefile(function) or "").read_bytes())
     except (OSError, TypeError):
         return f"process-{uuid.uuid4()}"
     digest.update(getattr(function, "__qualname__", "").encode())
@@ -311,7 +313,13 @@ def _derive_backward(name: str, fn: Callable, signature: inspect.Signature, tens
     returns = torch.Tensor if len(tensor_names) == 1 else tuple[(torch.Tensor,) * len(tensor_names)]
     backward.__signature__ = signature.replace(  # type: ignore[attr-defined]
         parameters=grads + parameters, return_annotation=returns)
-    backward_op = define(f"{name}_vjp", backward, fingerprint=fingerprint + "vjp")
+    def gradient_shapes(*args: Any, **kwargs: Any) -> Any:
+        """The backward op's fake: each gradient has its input's shape and dtype (symbolic sizes too)."""
+        bound = forward.bind(*args[len(grad_names):], **kwargs)
+        found = tuple(torch.empty_like(bound.arguments[n]) for n in tensor_names)
+        return found[0] if len(found) == 1 else found
+
+    backward_op = define(f"{name}_vjp", backward, fake=gradient_shapes, fingerprint=fingerprint + "vjp")
     positional = [p.name for p in parameters if p.kind is not inspect.Parameter.KEYWORD_ONLY]
 
     def setup_context(ctx: Any, inputs: tuple, output: Any, keyword_only_inputs: dict | None = None) -> None:
