@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import os
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -315,3 +317,15 @@ def test_flash_attention_opcheck_and_errors() -> None:
         kernels.flash_attention(q.double(), k.double(), v.double())
     with pytest.raises(ValueError, match="causal attention needs at least as many keys as queries"):
         kernels.flash_attention(q, k[:, :, :10], v[:, :, :10], causal=True)
+
+
+def test_the_environment_variable_switches_sdpa_for_the_whole_process() -> None:
+    script = ("import torch\n"
+              "from torch_pjrt.runtime.metrics import op_counts\n"
+              "q = torch.randn(1, 2, 32, 16, device='pjrt')\n"
+              "torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True).cpu()\n"
+              f"print(op_counts['{FLASH}'])\n")
+    env = {**os.environ, "TORCH_PJRT_FLASH_ATTENTION": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["1"]
