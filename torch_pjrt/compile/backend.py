@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.fx
 
-from torch_pjrt import _registration, _torch_private, storage
+from torch_pjrt import _torch_private, storage
 from torch_pjrt.compile import padding
 from torch_pjrt.eager import dynamic, modes
 from torch_pjrt.ops import graph
@@ -557,7 +557,7 @@ def pjrt_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwar
     """The torch.compile backend (registered as "pjrt" through the torch_dynamo_backends entry point)."""
     from torch._dynamo.backends.common import aot_autograd
 
-    _torch_private.dynamo_skip_packages(*_registration.DYNAMO_SKIPPED)
+    _torch_private.dynamo_skip_our_packages()
     backend = aot_autograd(fw_compiler=compile_graph, bw_compiler=compile_graph, keep_inference_input_mutations=True)
     return backend(gm, example_inputs)
 

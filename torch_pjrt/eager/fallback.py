@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from torch_pjrt.runtime import metrics
+from torch_pjrt.runtime import metrics, startup
 
 _local = threading.local()
 _warned: set[str] = set()
@@ -45,10 +45,8 @@ def missing_message(op: torch._ops.OpOverload) -> str:
 
 
 def catch_all(op: torch._ops.OpOverload, *args: Any, **kwargs: Any) -> Any:
-    from torch_pjrt import _registration
-
-    if not _registration.initialized():
-        _registration.initialize()
+    if not startup.started():
+        startup.ensure_started()
         if torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "PrivateUse1"):
             return op(*args, **kwargs)
     if not cpu_fallback_enabled():
