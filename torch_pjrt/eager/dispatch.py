@@ -23,7 +23,7 @@ from torch._ops import OpOverload
 
 from torch_pjrt import _torch_private, storage
 from torch_pjrt.eager import dynamic, fusion, modes
-from torch_pjrt.ops import graph, padding, registry
+from torch_pjrt.ops import graph, linalg, padding, registry
 from torch_pjrt.runtime import checks, client, metrics, programs, rng, startup
 from torch_pjrt.storage import View
 
@@ -428,9 +428,11 @@ def _build(plan: OpPlan, scan: Scan, values: list[Any], described: list[Any], fo
     n_symbols = len(buckets)
     out_factors = _output_factors(form, out_padded) if form is not None else []
 
+    precision = linalg.global_float32_matmul_precision()  # part of the cache key
+
     def program(*inputs: Any) -> Any:
         """The op's outputs, then its device-side checks' code when its lowering made any."""
-        with checks.collecting() as found:
+        with checks.collecting() as found, linalg.pinned_float32_matmul_precision(precision):
             outputs = body(*inputs)
         entry.checks = tuple(found.checks)
         return (*outputs, found.code()) if found.checks else outputs
@@ -666,8 +668,9 @@ def _run(entry: Entry, inputs: list[Any]) -> tuple[Any, ...]:
 
 
 def cache_key(scan: Scan, described: list[Any]) -> tuple:
-    """Everything a program depends on: op, views, static arguments, device, default dtype."""
-    return (scan.plan.name, tuple(described), scan.device, torch.get_default_dtype())
+    """Everything a program depends on: op, views, static arguments, device, default dtype, matmul precision."""
+    return (scan.plan.name, tuple(described), scan.device, torch.get_default_dtype(),
+            linalg.global_float32_matmul_precision())
 
 
 def _describe(plan: OpPlan, values: list[Any], plain: bool) -> tuple[Scan, list[Any]]:
