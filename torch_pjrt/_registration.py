@@ -15,10 +15,9 @@ from typing import Any
 import torch
 
 from torch_pjrt import _torch_private, envvars
+from torch_pjrt.runtime import startup
 
 NAME = "pjrt"
-# Packages whose frames run inside our kernels: Dynamo must never try to compile them.
-DYNAMO_SKIPPED = ("torch_pjrt", "jax", "jaxlib", "ml_dtypes", "opt_einsum")
 # Device queues the autograd engine is told about before the real device count is known.
 ENGINE_DEVICES = 8
 
@@ -27,7 +26,7 @@ def _cpu_devices() -> int:
     requested = os.environ.get("TORCH_PJRT_CPU_DEVICES", "")
     return int(requested) if requested.isdigit() else 1
 _lock = threading.RLock()
-_state: dict[str, Any] = {"registered": False, "initialized": False, "libraries": []}
+_state: dict[str, Any] = {"registered": False, "libraries": []}
 
 
 class _Hooks(_torch_private.hooks_base()):
@@ -35,7 +34,7 @@ class _Hooks(_torch_private.hooks_base()):
         return True
 
     def has_primary_context(self, device_index: int) -> bool:
-        return _state["initialized"]
+        return startup.started()
 
     def is_built(self) -> bool:
         return True
@@ -51,7 +50,7 @@ def registered() -> bool:
 
 
 def initialized() -> bool:
-    return _state["initialized"]
+    return startup.started()
 
 
 def register() -> None:
@@ -63,6 +62,7 @@ def register() -> None:
         from torch_pjrt.eager import fallback, modes
 
         modes.load_from_environment()
+        startup.install_starter(initialize)
         # The native guard must exist before autograd first runs: its engine sizes its device
         # queues once, so it is told an upper bound now and the real count later.
         native.install(_cpu_devices(), max(_cpu_devices(), ENGINE_DEVICES))
@@ -77,10 +77,10 @@ def register() -> None:
 
 def initialize() -> None:
     """Load jax, pick the platform and register every kernel (first device use)."""
-    if _state["initialized"]:
+    if startup.started():
         return
     with _lock:
-        if _state["initialized"]:
+        if startup.started():
             return
         register()
         from torch_pjrt import native
@@ -89,13 +89,13 @@ def initialize() -> None:
 
         native.set_device_count(len(client.devices()))
         if "torch._dynamo" in sys.modules:
-            _torch_private.dynamo_skip_packages(*DYNAMO_SKIPPED)
+            _torch_private.dynamo_skip_our_packages()
         _state["libraries"].extend(kernels.register_all())
         if envvars.flag("TORCH_PJRT_FLASH_ATTENTION"):
             from torch_pjrt.kernels import attention
 
             attention.install()
-        _state["initialized"] = True
+        startup.mark_started()
 
 
 def libraries() -> list[torch.library.Library]:

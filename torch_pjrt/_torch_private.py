@@ -161,14 +161,18 @@ def exclude_key(key: str) -> Any:
     return torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key)))
 
 
-@functools.cache
-def dynamo_skip_packages(*names: str) -> None:
-    """Keep Dynamo from compiling these packages' frames (our kernels and jax run under compiled code).
+# Packages whose frames run inside our kernels: Dynamo must never try to compile them.
+DYNAMO_SKIPPED = ("torch_pjrt", "jax", "jaxlib", "ml_dtypes", "opt_einsum")
 
-    Once per set of names: each addition recompiles Dynamo's skip patterns (about 17 ms)."""
+
+@functools.cache
+def dynamo_skip_our_packages() -> None:
+    """Keep Dynamo from compiling our kernels' and jax's frames (they run under compiled code).
+
+    Once per process: each addition recompiles Dynamo's skip patterns (about 17 ms)."""
     from torch._dynamo import trace_rules
 
-    for name in names:
+    for name in DYNAMO_SKIPPED:
         trace_rules.add(name)
 
 

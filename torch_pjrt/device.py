@@ -15,17 +15,14 @@ import torch
 
 from torch_pjrt.eager import modes
 from torch_pjrt.eager.modes import EagerMode, set_eager_mode
-from torch_pjrt.runtime import checks
-
-_local = threading.local()
-_last_output: dict[int, Any] = {}
+from torch_pjrt.runtime import checks, startup
+from torch_pjrt.runtime.startup import current_device  # noqa: F401 (torch.pjrt.current_device)
 
 
 def _client() -> Any:
-    from torch_pjrt import _registration
     from torch_pjrt.runtime import client
 
-    _registration.initialize()
+    startup.ensure_started()
     return client
 
 
@@ -48,9 +45,7 @@ def is_available() -> bool:
 
 
 def is_initialized() -> bool:
-    from torch_pjrt import _registration
-
-    return _registration.initialized()
+    return startup.started()
 
 
 def init() -> None:
@@ -72,28 +67,12 @@ def device_count() -> int:
     return len(_client().devices())
 
 
-def _native_guard() -> bool:
-    from torch_pjrt import native
-
-    return native.installed()
-
-
-def current_device() -> int:
-    """The calling thread's device; with the native guard, the one autograd's device threads set too."""
-    if _native_guard():
-        return torch.accelerator.current_device_index()
-    return getattr(_local, "index", 0)
-
-
 def set_device(device: Any) -> None:
     index = _index(device)
     if index < 0:
         return
     _client().device_for(index)
-    if _native_guard():
-        torch.accelerator.set_device_index(index)
-    else:
-        _local.index = index
+    startup.set_current_device(index)
 
 
 class device:  # noqa: N801 (mirrors torch.cuda.device)
@@ -175,15 +154,6 @@ def get_rng_state_all() -> list[torch.Tensor]:
 def set_rng_state_all(new_states: list[torch.Tensor]) -> None:
     for index, state in enumerate(new_states):
         set_rng_state(state, index)
-
-
-def generator_key(generator: torch.Generator) -> Any:
-    from torch_pjrt.runtime import rng
-
-    seed = generator.initial_seed()
-    offset = generator.get_offset()
-    generator.set_offset(offset + 1)
-    return rng.raw_key(seed, offset)
 
 
 # --- properties and memory -----------------------------------------------------------------
@@ -300,16 +270,6 @@ def mem_get_info(device: Any = None) -> tuple[int, int]:
 # device. An Event marks the last program issued when it is recorded.
 
 
-def newest_outputs() -> dict[int, Any]:
-    """The live table `note_output` fills (the native dispatch fills it directly)."""
-    return _last_output
-
-
-def note_output(index: int, outputs: Any) -> None:
-    """Remember the newest program's results on a device (what an Event waits for)."""
-    _last_output[index] = outputs
-
-
 def _is_ready(outputs: Any) -> bool:
     """Whether a program's results are computed (results of a fused graph not yet run are not)."""
     from torch_pjrt import storage
@@ -346,7 +306,7 @@ class Stream:
         return event
 
     def query(self) -> bool:
-        return _is_ready(_last_output.get(self.device.index))
+        return _is_ready(startup.newest_outputs().get(self.device.index))
 
     def __enter__(self) -> Stream:
         return self
@@ -375,7 +335,7 @@ class Event:
 
         fusion.flush("event")
         index = stream.device.index if stream is not None else current_device()
-        self.outputs = _last_output.get(index)
+        self.outputs = startup.newest_outputs().get(index)
         self.completed_at = None
         if _is_ready(self.outputs):
             self.completed_at = time.perf_counter()

@@ -24,10 +24,10 @@ import numpy as np
 import torch
 import torch.fx
 
-from torch_pjrt import _registration, _torch_private, storage
+from torch_pjrt import _torch_private, storage
 from torch_pjrt.compile import padding
 from torch_pjrt.eager import dynamic, modes
-from torch_pjrt.ops import graph, registry
+from torch_pjrt.ops import graph, linalg, registry
 from torch_pjrt.runtime import checks, client, disk_store, metrics, programs, rng
 
 aten = torch.ops.aten
@@ -173,7 +173,8 @@ class CompiledGraph:
         back as flat storages, and mutated inputs as their storages' new flat arrays. With padded
         sizes, inputs and outputs of symbolic shape are flat buffers with their true elements first.
         """
-        key = (signature, None if padded is None else tuple(padded.values()), out_buckets)
+        precision = linalg.global_float32_matmul_precision()
+        key = (signature, None if padded is None else tuple(padded.values()), out_buckets, precision)
         found = self.programs.get(key)
         if found is not None:
             return found
@@ -208,7 +209,7 @@ class CompiledGraph:
             if key is not None:
                 keys = graph.KeySource(client.jax_module().random.wrap_key_data(key, impl="threefry2x32"))
             interpret = None if sizes is None else padding.PaddedInterpreter(sizes)
-            with checks.collecting() as found:
+            with checks.collecting() as found, linalg.pinned_float32_matmul_precision(precision):
                 outputs, updates = graph.evaluate(gm, inputs, keys, extra, interpret)
             made[:] = found.checks
             new_flats = list(flats)
@@ -257,14 +258,14 @@ class CompiledGraph:
         return found
 
     def _stored_key(self, signature: tuple) -> str:
-        """What the traced program depends on: our code, the versions, the graph, its inputs' layouts, and
-        the kernels of the custom ops in it (torch_pjrt.kernels)."""
+        """What the traced program depends on: our code, the versions, the graph, its inputs' layouts,
+        the matmul precision, and the kernels of the custom ops in it (torch_pjrt.kernels)."""
         jax = client.jax_module()
         digest = hashlib.sha256()
         metas = [(m.dtype, tuple(m.shape), m.stride(), m.device.type) if isinstance(m, torch.Tensor) else m
                  for m in self.metas]
         for part in (disk_store.code_version(), torch.__version__, jax.__version__, client.platform(), self.gm.code,
-                     repr(metas), repr(signature), checks.ENABLED):
+                     repr(metas), repr(signature), checks.ENABLED, linalg.global_float32_matmul_precision()):
             digest.update(str(part).encode())
         for node in self.gm.graph.nodes:
             lowering = registry.LOWERINGS.get(node.target) if node.op == "call_function" else None
@@ -561,7 +562,7 @@ def pjrt_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwar
     """The torch.compile backend (registered as "pjrt" through the torch_dynamo_backends entry point)."""
     from torch._dynamo.backends.common import aot_autograd
 
-    _torch_private.dynamo_skip_packages(*_registration.DYNAMO_SKIPPED)
+    _torch_private.dynamo_skip_our_packages()
     backend = aot_autograd(fw_compiler=compile_graph, bw_compiler=compile_graph, keep_inference_input_mutations=True)
     return backend(gm, example_inputs)
 

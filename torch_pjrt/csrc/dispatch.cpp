@@ -437,6 +437,12 @@ bool describe(const OpState& op, c10::ArrayRef<c10::IValue> arguments, Signature
   }
   words.push_back(sig.device);
   words.push_back(static_cast<int64_t>(c10::get_default_dtype_as_scalartype()));
+  // The float32 matmul precision: products trace at it (ops/linalg.py), so it keys programs too. Read
+  // through the per-backend API, which every setter updates (the legacy getter throws once it is used).
+  const auto& context = at::globalContext();
+  words.push_back(static_cast<int64_t>(context.float32Precision(at::Float32Backend::CUDA, at::Float32Op::MATMUL)));
+  words.push_back(static_cast<int64_t>(context.float32Precision(at::Float32Backend::MKLDNN, at::Float32Op::MATMUL)));
+  words.push_back(static_cast<int64_t>(context.float32Precision(at::Float32Backend::GENERIC, at::Float32Op::ALL)));
   size_t hash = words.size();
   for (const int64_t word : words) {
     hash ^= std::hash<int64_t>{}(word) + 0x9e3779b97f4a7c15ULL + (hash << 6) + (hash >> 2);

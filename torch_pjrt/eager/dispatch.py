@@ -22,10 +22,9 @@ import torch
 from torch._ops import OpOverload
 
 from torch_pjrt import _torch_private, storage
-from torch_pjrt import device as device_module
 from torch_pjrt.eager import dynamic, fusion, modes
-from torch_pjrt.ops import graph, padding, registry
-from torch_pjrt.runtime import checks, client, metrics, programs, rng
+from torch_pjrt.ops import graph, linalg, padding, registry
+from torch_pjrt.runtime import checks, client, metrics, programs, rng, startup
 from torch_pjrt.storage import View
 
 PJRT = "pjrt"
@@ -429,9 +428,11 @@ def _build(plan: OpPlan, scan: Scan, values: list[Any], described: list[Any], fo
     n_symbols = len(buckets)
     out_factors = _output_factors(form, out_padded) if form is not None else []
 
+    precision = linalg.global_float32_matmul_precision()  # part of the cache key
+
     def program(*inputs: Any) -> Any:
         """The op's outputs, then its device-side checks' code when its lowering made any."""
-        with checks.collecting() as found:
+        with checks.collecting() as found, linalg.pinned_float32_matmul_precision(precision):
             outputs = body(*inputs)
         entry.checks = tuple(found.checks)
         return (*outputs, found.code()) if found.checks else outputs
@@ -580,9 +581,9 @@ def _target_device(values: list[Any], plan: OpPlan, found: torch.device | None) 
             device = torch.device(value)
             if device.type != PJRT:
                 raise ElsewhereDevice(device)
-            return torch.device(PJRT, device_module.current_device() if device.index is None else device.index)
+            return torch.device(PJRT, startup.current_device() if device.index is None else device.index)
     if found is None:
-        return torch.device(PJRT, device_module.current_device())
+        return torch.device(PJRT, startup.current_device())
     return found
 
 
@@ -596,7 +597,7 @@ def _random_key(plan: OpPlan, values: list[Any], device: torch.device) -> np.nda
 def generator_key(generator: torch.Generator) -> np.ndarray:
     """A key drawn from a user's torch.Generator (advancing it), so it is honoured."""
     if generator.device.type == PJRT:
-        return device_module.generator_key(generator)
+        return startup.generator_key(generator)
     seed = int(torch.randint(0, 2**62, (), generator=generator, device=generator.device))
     return rng.raw_key(seed, 0)
 
@@ -667,8 +668,9 @@ def _run(entry: Entry, inputs: list[Any]) -> tuple[Any, ...]:
 
 
 def cache_key(scan: Scan, described: list[Any]) -> tuple:
-    """Everything a program depends on: op, views, static arguments, device, default dtype."""
-    return (scan.plan.name, tuple(described), scan.device, torch.get_default_dtype())
+    """Everything a program depends on: op, views, static arguments, device, default dtype, matmul precision."""
+    return (scan.plan.name, tuple(described), scan.device, torch.get_default_dtype(),
+            linalg.global_float32_matmul_precision())
 
 
 def _describe(plan: OpPlan, values: list[Any], plain: bool) -> tuple[Scan, list[Any]]:
@@ -771,7 +773,7 @@ def _complete(plan: OpPlan, values: list[Any], scan: Scan, entry: Entry, outputs
     metrics.op_counts[plan.name] += 1
     if modes.state.blocking:
         client.synchronize(outputs)
-    device_module.note_output(scan.device.index, outputs)
+    startup.note_output(scan.device.index, outputs)
     for slot, array in zip(entry.mutated_slots, outputs[n_fresh + n_resized:]):
         st = scan.storages[slot]
         st.array = st.array.holding(array) if slot in entry.padded_slots else array
@@ -908,7 +910,7 @@ def configure_native(module: Any) -> None:
     jax = client.jax_module()
     array_type = type(jax.device_put(np.zeros((0,), np.float32), client.device_for(0)))
     module.configure_dispatch(native_miss, storage.DeviceStorage, array_type, modes.state, metrics.counter_table(),
-                              metrics.op_counts, device_module.newest_outputs(),
+                              metrics.op_counts, startup.newest_outputs(),
                               lambda index: rng.state(index).next_key())
 
 

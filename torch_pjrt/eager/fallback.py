@@ -11,7 +11,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from torch_pjrt import envvars
-from torch_pjrt.runtime import metrics
+from torch_pjrt.runtime import metrics, startup
 
 _switch = envvars.Switch("TORCH_PJRT_CPU_FALLBACK")
 _warned: set[str] = set()
@@ -37,10 +37,8 @@ def missing_message(op: torch._ops.OpOverload) -> str:
 
 
 def catch_all(op: torch._ops.OpOverload, *args: Any, **kwargs: Any) -> Any:
-    from torch_pjrt import _registration
-
-    if not _registration.initialized():
-        _registration.initialize()
+    if not startup.started():
+        startup.ensure_started()
         if torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "PrivateUse1"):
             return op(*args, **kwargs)
     if not cpu_fallback_enabled():

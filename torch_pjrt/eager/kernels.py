@@ -14,7 +14,7 @@ import torch
 
 from torch_pjrt import _torch_private, native, storage
 from torch_pjrt.eager import dispatch, dynamic, fusion
-from torch_pjrt.runtime import client
+from torch_pjrt.runtime import client, startup
 
 aten = torch.ops.aten
 KEY = "PrivateUse1"
@@ -57,10 +57,8 @@ def to_cpu(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def resolve_device(device: Any) -> torch.device:
-    from torch_pjrt import device as device_module
-
     device = torch.device(device)
-    return torch.device("pjrt", device_module.current_device() if device.index is None else device.index)
+    return torch.device("pjrt", startup.current_device() if device.index is None else device.index)
 
 
 def copy_(self: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:

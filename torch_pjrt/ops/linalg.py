@@ -1,13 +1,17 @@
 # ruff: noqa: N802, N803, N806 (parameters keep ATen schema names: A, B, LU, UPLO; math names L, U, P)
 """Matrix products and torch.linalg.
 
-Products run at Precision.HIGHEST with float32 accumulation for half types, as PyTorch's
-CPU kernels do. Factorisations return LAPACK-style extras (1-based int32 pivots, `info`)
-because PyTorch's backward formulas and error checks read them.
+Products run at the precision `torch.set_float32_matmul_precision` asks for (HIGHEST by default,
+as PyTorch's CPU kernels compute), with float32 accumulation for half types. Factorisations return
+LAPACK-style extras (1-based int32 pivots, `info`) because PyTorch's backward formulas and error
+checks read them.
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -19,7 +23,46 @@ from jax import lax
 from torch_pjrt.ops.registry import register
 
 aten = torch.ops.aten
-HIGHEST = lax.Precision.HIGHEST
+
+# torch.get_float32_matmul_precision() -> XLA's dot precision. "high": three bf16 passes on TPU, TF32
+# on GPU (what cuBLAS does with allow_tf32); "medium": one bf16 pass. XLA's CPU backend computes
+# float32 products in full precision whatever it is asked.
+DOT_PRECISION = {"highest": lax.Precision.HIGHEST, "high": lax.Precision.HIGH, "medium": lax.Precision.DEFAULT}
+_pinned = threading.local()
+
+
+def global_float32_matmul_precision() -> str:
+    """PyTorch's float32 matmul setting as "highest", "high" or "medium", from whichever API set it:
+    torch.set_float32_matmul_precision, allow_tf32, or the per-backend fp32_precision (once that is
+    used, PyTorch's legacy getter raises)."""
+    try:
+        return torch.get_float32_matmul_precision()
+    except RuntimeError:
+        pass
+    backends = torch.backends
+    requested = backends.cuda.matmul.fp32_precision
+    if requested == "none":
+        requested = backends.fp32_precision
+    if requested != "tf32":
+        return "highest"
+    return "medium" if backends.mkldnn.matmul.fp32_precision == "bf16" else "high"
+
+
+def float32_matmul_precision() -> str:
+    """The precision products trace with: the one pinned for this trace, else PyTorch's global setting."""
+    return getattr(_pinned, "name", None) or global_float32_matmul_precision()
+
+
+@contextlib.contextmanager
+def pinned_float32_matmul_precision(name: str) -> Iterator[None]:
+    """Trace products at `name`, the setting a program was keyed by (a fused program traces its ops
+    later, when the global setting may have changed since they were issued)."""
+    previous = getattr(_pinned, "name", None)
+    _pinned.name = name
+    try:
+        yield
+    finally:
+        _pinned.name = previous
 
 
 # --- shared helpers ----------------------------------------------------------------------------
@@ -35,7 +78,8 @@ def _accumulator(*arrays: Any) -> Any:
 def _matmul(a: Any, b: Any) -> Any:
     if a.dtype == jnp.bool_:
         return jnp.matmul(a.astype(jnp.int32), b.astype(jnp.int32)) != 0
-    return jnp.matmul(a, b, precision=HIGHEST, preferred_element_type=_accumulator(a, b))
+    precision = DOT_PRECISION[float32_matmul_precision()]
+    return jnp.matmul(a, b, precision=precision, preferred_element_type=_accumulator(a, b))
 
 
 def _integral_scalars(dtype: Any, beta: Any, alpha: Any) -> tuple[Any, Any]:

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import torch
 
-from torch_pjrt.ops.nn import _up
+from torch_pjrt.ops.nn.common import _up
 from torch_pjrt.ops.registry import register
 
 aten = torch.ops.aten
