@@ -247,6 +247,10 @@ def bincount(self: torch.Tensor, weights: torch.Tensor | None = None, minlength:
     if self.is_floating_point() or self.is_complex():
         raise NotImplementedError(f'"bincount" not implemented for \'{scalar_type_name(self.dtype)}\': it counts '
                                   "integers only")
+    if minlength < 0:
+        raise RuntimeError("minlength should be >= 0")
+    if self.dim() == 1 and self.numel() == 0:  # CPU's early return: int64 zeros, whatever the weights
+        return _wrap(jnp.zeros((int(minlength),), jnp.int64), torch.int64, self.device)
     if self.dim() != 1:
         raise RuntimeError("bincount only supports 1-d non-negative integral inputs.")
     if weights is not None and (weights.dim() != 1 or weights.shape[0] != self.shape[0]):
