@@ -366,25 +366,32 @@ def _spec_bytes(specs: list[Any]) -> int:
 # (TensorIterator's) refuse only a partial overlap (an out= that is an input works as an in-place op); the others
 # (mm, sum, flip, ...) check nothing.
 OVERLAP_REFUSED = frozenset({"cat", "take", "gather", "index_select", "masked_select", "index"})
+INTERNAL_OVERLAP = ("unsupported operation: more than one element of the written-to tensor refers to a single "
+                    "memory location. Please clone() the tensor before performing the operation.")
 OVERLAP = ("unsupported operation: some elements of the input tensor and the written-to tensor refer to a single "
            "memory location. Please clone() the tensor before performing the operation.")
 
 
-def _check_out_overlap(plan: OpPlan, described: list[Any], slot: int, out: View, resized: bool) -> None:
-    """CPU's check of an out= argument against the inputs in the same storage (see OVERLAP_REFUSED); an out=
-    about to be resized is checked as it was (those ops check before resizing)."""
+def _check_out_overlap(plan: OpPlan, described: list[Any], slot: int, out: View, result: tuple[int, ...]) -> None:
+    """CPU's check of an out= argument against the inputs in the same storage (see OVERLAP_REFUSED); an out= to be
+    resized to the `result` shape is checked both as it is and as it will be (CPU's kernels differ in which)."""
     refused = plan.op._schema.name.split("::")[-1] in OVERLAP_REFUSED
+    resized = result != out.sizes
     if not refused and (resized or not plan.lowering.fn.__module__.endswith(".pointwise")):
         return
+    if resized and out.has_internal_overlap():
+        raise RuntimeError(INTERNAL_OVERLAP)
+    outs = [out, View(out.dtype, result, storage.contiguous_strides(result), out.offset)] if resized else [out]
     for index, desc in enumerate(described):
         if index in plan.mutated or plan.kinds[index] not in (Arg.TENSOR, Arg.TENSOR_LIST):
             continue
         for leaf in desc if plan.kinds[index] is Arg.TENSOR_LIST else (desc,):
             if not isinstance(leaf, Leaf) or leaf.slot != slot:
                 continue
-            status = _overlap(out, leaf.view)
-            if status == "partial" or (status == "full" and refused):
-                raise RuntimeError(OVERLAP)
+            for written in outs:
+                status = _overlap(written, leaf.view)
+                if status == "partial" or (status == "full" and refused):
+                    raise RuntimeError(OVERLAP)
 
 
 def _overlap(a: View, b: View) -> str | None:
@@ -435,7 +442,7 @@ def _build(plan: OpPlan, scan: Scan, values: list[Any], described: list[Any], fo
                 continue
             slot, view = desc.slot, desc.view
             if plan.kwarg_only[index]:
-                _check_out_overlap(plan, described, slot, view, tuple(meta.shape) != view.sizes)
+                _check_out_overlap(plan, described, slot, view, tuple(meta.shape))
             if tuple(meta.shape) != view.sizes:
                 sizes = tuple(meta.shape)
                 strides = storage.contiguous_strides(sizes)
@@ -444,11 +451,7 @@ def _build(plan: OpPlan, scan: Scan, values: list[Any], described: list[Any], fo
                 views.append((slot, view, "resized"))
             else:
                 if view.has_internal_overlap():
-                    raise RuntimeError(
-                        "unsupported operation: more than one element of the written-to tensor refers "
-                        "to a single memory location. Please clone() the tensor before performing the "
-                        "operation."
-                    )
+                    raise RuntimeError(INTERNAL_OVERLAP)
                 views.append((slot, view, None))
         mutated_views.append(views)
 
