@@ -56,7 +56,7 @@ JUSTIFIED: dict[tuple[str, str], str] = {
                                           "(torch.OutOfMemoryError is a RuntimeError)",
 }
 DEFAULT_OUT = "build/bad-input/results.jsonl"
-FULL_EXAMPLES = 60
+FULL_EXAMPLES = 200
 
 
 class Case:
