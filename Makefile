@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-python-dispatch bench battery-ops battery-device-tests venv clean
+.PHONY: demo test test-python-dispatch bench battery-ops battery-errors battery-device-tests venv clean
 
 venv: $(STAMP)
 
@@ -47,6 +47,12 @@ battery-ops: $(STAMP)
 	$(PY) -m battery.run_opinfo --jobs 2 --no-report $(if $(OTHER_SAMPLES),--max-samples $(OTHER_SAMPLES)) \
 		--dtypes float64 bfloat16 int64 complex64 float16 int32 bool
 	$(PY) -m battery.report build/opinfo/results.jsonl --save-rows docs/opinfo-results.jsonl.gz
+
+# Bad-input battery: every OpInfo ErrorInput and ERROR_EXAMPLES hypothesis cases per property (battery/properties.py),
+# CPU vs pjrt, in 2 worker processes; writes docs/bad-input.md.
+ERROR_EXAMPLES ?= 200
+battery-errors: $(STAMP)
+	$(PY) -m battery.run_errors --jobs 2 --examples $(ERROR_EXAMPLES)
 
 # OpInfo consistency tests through PyTorch's instantiate_device_type_tests (PrivateUse1 base);
 # writes docs/device-tests.md. Known failures: battery/device_skips.py.

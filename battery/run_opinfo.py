@@ -137,27 +137,37 @@ CPU_ARGUMENTS = {"tensor_split": 0}
 STORAGE_ENTRIES = frozenset({"as_strided", "as_strided_copy"})
 
 
-def _copy(value: torch.Tensor, name: str, device: str, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """A sample tensor on `device` (in `dtype`); for STORAGE_ENTRIES its whole storage, viewed as the sample is."""
-    if name not in STORAGE_ENTRIES:
+def _copy(value: torch.Tensor, name: str, device: str, dtype: torch.dtype | None = None,
+          storages: dict[Any, torch.Tensor] | None = None) -> torch.Tensor:
+    """A sample tensor on `device` (in `dtype`); for STORAGE_ENTRIES its whole storage, viewed as the sample is.
+    With `storages` (one memo for all of a sample's tensors) every tensor so, one copy per storage: views and
+    aliases among the sample's tensors (an out= that is an input, an expanded out=) stay views and aliases."""
+    if name not in STORAGE_ENTRIES and storages is None:
         return value.detach().to(device, dtype)
-    whole = value.detach().as_strided((value.untyped_storage().nbytes() // value.element_size(),), (1,), 0)
-    return whole.to(device, dtype).as_strided(value.size(), value.stride(), value.storage_offset())
+    memo = {} if storages is None else storages
+    storage = value.untyped_storage()
+    key = (storage.data_ptr(), value.dtype) if storage.nbytes() else id(value)
+    if key not in memo:
+        whole = value.detach().as_strided((storage.nbytes() // value.element_size(),), (1,), 0)
+        memo[key] = whole.to(device, dtype)
+    return memo[key].as_strided(value.size(), value.stride(), value.storage_offset())
 
 
-def _to_pjrt(value: Any, name: str) -> Any:
+def _to_pjrt(value: Any, name: str, storages: dict[Any, torch.Tensor] | None = None) -> Any:
     """A pjrt copy of a sample tensor; factories' CPU device becomes pjrt (transform also hands over dtypes)."""
     if isinstance(value, torch.device) and value.type == "cpu":
         return torch.device("pjrt")
     if not isinstance(value, torch.Tensor):
         return value
-    return _copy(value, name, "pjrt").requires_grad_(value.requires_grad)
+    return _copy(value, name, "pjrt", storages=storages).requires_grad_(value.requires_grad)
 
 
-def on_pjrt(sample: Any, name: str = "") -> Any:
+def on_pjrt(sample: Any, name: str = "", keep_aliases: bool = False) -> Any:
     """The sample with pjrt copies of its tensors; a "cpu" argument (the sample's device, as in `x.to("cpu")`
-    or `torch.zeros(..., device="cpu")`) names pjrt instead."""
-    moved = sample.transform(lambda value: _to_pjrt(value, name))
+    or `torch.zeros(..., device="cpu")`) names pjrt instead. `keep_aliases`: tensors sharing a storage on CPU
+    share one on pjrt, viewed the same way (see _copy)."""
+    storages: dict[Any, torch.Tensor] | None = {} if keep_aliases else None
+    moved = sample.transform(lambda value: _to_pjrt(value, name, storages))
     if name in CPU_ARGUMENTS and sample.args:
         position = CPU_ARGUMENTS[name]
         moved.args = (*moved.args[:position], sample.args[position], *moved.args[position + 1:])
@@ -456,13 +466,10 @@ def worker_main(dtypes: list[str], max_samples: int | None) -> None:
 class Worker:
     """One worker subprocess and a thread turning its output into a queue of lines (None at EOF)."""
 
-    def __init__(self, dtypes: list[str], max_samples: int | None, log: Any) -> None:
-        command = [sys.executable, "-m", "battery.run_opinfo", "--worker", "--dtypes", *dtypes]
-        if max_samples is not None:
-            command += ["--max-samples", str(max_samples)]
+    def __init__(self, command: list[str], log: Any) -> None:
         env = {k: v for k, v in os.environ.items() if k != "TORCH_PJRT_CPU_FALLBACK"}
-        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
-                                        text=True, env=env, cwd=os.path.dirname(os.path.dirname(__file__)))
+        self.process = subprocess.Popen([sys.executable, *command], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                        stderr=log, text=True, env=env, cwd=os.path.dirname(os.path.dirname(__file__)))
         self.lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()
         self.handled = 0
@@ -498,11 +505,12 @@ class Worker:
 
 
 class Pool:
-    """Runs entry keys over `jobs` workers; calls `sink` with every result row."""
+    """Runs entry keys over `jobs` workers (`python COMMAND...`, reading keys on stdin and writing rows as
+    worker_main does); calls `sink` with every result row."""
 
-    def __init__(self, jobs: int, dtypes: list[str], max_samples: int | None, log_path: str,
-                 sink: Callable[[dict[str, Any]], None], deadline: float = float("inf")) -> None:
-        self.jobs, self.dtypes, self.max_samples, self.deadline = jobs, dtypes, max_samples, deadline
+    def __init__(self, jobs: int, command: list[str], log_path: str, sink: Callable[[dict[str, Any]], None],
+                 deadline: float = float("inf")) -> None:
+        self.jobs, self.command, self.deadline = jobs, command, deadline
         self.started: list[str] = []
         self.log = open(log_path, "a")
         self.sink = sink
@@ -520,7 +528,7 @@ class Pool:
         self.log.close()
 
     def _start(self) -> Worker | None:
-        worker = Worker(self.dtypes, self.max_samples, self.log)
+        worker = Worker(self.command, self.log)
         ready = worker.read(START_TIMEOUT)
         if ready is None or ready.get("event") != "ready":
             worker.stop()
@@ -552,13 +560,15 @@ class Pool:
             worker.stop()
 
     def _collect(self, worker: Worker, key: str) -> bool:
-        """Forward one entry's rows; False (after recording crashes) if the worker died or hung."""
+        """Forward one entry's rows; False (after recording crashes) if the worker died or hung. A tick may
+        say what it starts (`at`): a crash row then names it."""
         planned: list[tuple[str, str]] = []
         done: set[tuple[str, str]] = set()
+        at = None
         while True:
             row = worker.read(IDLE_TIMEOUT)
             if row is None:
-                why = worker.why_dead()
+                why = worker.why_dead() + (f" (during {at})" if at else "")
                 for dtype, direction in [c for c in planned if c not in done] or [("*", "*")]:
                     self._emit({"key": key, "dtype": dtype, "direction": direction, "status": "crash",
                                 "passed": 0, "total": 0, "detail": why})
@@ -567,12 +577,13 @@ class Pool:
             if event == "done":
                 return True
             if event == "tick":
+                at = row.get("at")
                 continue
             if event == "plan":
                 planned = [tuple(c) for c in row["cells"]]
                 self._emit(row)
                 continue
-            done.add((row["dtype"], row["direction"]))
+            done.add((row.get("dtype"), row.get("direction")))
             self._emit(row)
 
     def _emit(self, row: dict[str, Any]) -> None:
@@ -638,7 +649,10 @@ def main(argv: list[str] | None = None) -> None:
             out.write(json.dumps(row) + "\n")
         progress = Progress(len(keys), out)
         deadline = started + 60 * args.time_limit if args.time_limit else float("inf")
-        pool = Pool(args.jobs, args.dtypes, args.max_samples, args.out + ".log", progress.sink, deadline)
+        command = ["-m", "battery.run_opinfo", "--worker", "--dtypes", *args.dtypes]
+        if args.max_samples is not None:
+            command += ["--max-samples", str(args.max_samples)]
+        pool = Pool(args.jobs, command, args.out + ".log", progress.sink, deadline)
         pool.run(keys)
     run = {"entries": len(pool.started), "seconds": round(time.time() - started, 1), "jobs": args.jobs,
            "dtypes": args.dtypes, "max_samples": args.max_samples,

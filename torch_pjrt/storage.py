@@ -307,7 +307,8 @@ class View(NamedTuple):
         )
 
     def has_internal_overlap(self) -> bool:
-        return any(st == 0 and s > 1 for s, st in zip(self.sizes, self.strides))
+        """Two elements at one address (an expanded view); never for an empty view, as on CPU."""
+        return 0 not in self.sizes and any(st == 0 and s > 1 for s, st in zip(self.sizes, self.strides))
 
 
 def view_of(tensor: torch.Tensor) -> View:

@@ -19,6 +19,7 @@ from jax import lax
 from torch_pjrt import storage
 from torch_pjrt.eager import dispatch, modes
 from torch_pjrt.ops import indexing
+from torch_pjrt.ops.factories import scalar_type_name
 from torch_pjrt.runtime import checks, client
 
 aten = torch.ops.aten
@@ -195,6 +196,11 @@ def _repeat_positions(repeats: Any, total: int) -> Any:
 def repeat_interleave(repeats: torch.Tensor, *, output_size: int | None = None) -> torch.Tensor:
     """One sync (the total, and the smallest repeat: CPU's check) unless output_size is given; then the
     check is a device-side one."""
+    if repeats.dim() != 1:
+        raise RuntimeError("repeat_interleave only accept 1D vector as repeat")
+    if repeats.dtype not in (torch.int64, torch.int32):
+        raise NotImplementedError(f'"repeat_interleave" not implemented for \'{scalar_type_name(repeats.dtype)}\': '
+                                  "repeats are Long or Int")
     r = dispatch.read(repeats).reshape(-1)
     if output_size is None:
         total, smallest = _host_ints(_sum_and_min(r))
@@ -238,6 +244,17 @@ def _min_and_max(x: Any) -> Any:
 def bincount(self: torch.Tensor, weights: torch.Tensor | None = None, minlength: int = 0) -> torch.Tensor:
     """One sync: the smallest value (CPU's check) and the largest. Float32 weights give float32 counts,
     others float64 (PyTorch)."""
+    if self.is_floating_point() or self.is_complex():
+        raise NotImplementedError(f'"bincount" not implemented for \'{scalar_type_name(self.dtype)}\': it counts '
+                                  "integers only")
+    if minlength < 0:
+        raise RuntimeError("minlength should be >= 0")
+    if self.dim() == 1 and self.numel() == 0:  # CPU's early return: int64 zeros, whatever the weights
+        return _wrap(jnp.zeros((int(minlength),), jnp.int64), torch.int64, self.device)
+    if self.dim() != 1:
+        raise RuntimeError("bincount only supports 1-d non-negative integral inputs.")
+    if weights is not None and (weights.dim() != 1 or weights.shape[0] != self.shape[0]):
+        raise RuntimeError("weights should be 1-d and have the same length as input")
     x = dispatch.read(self).reshape(-1)
     largest = 0
     if x.shape[0]:
@@ -324,9 +341,19 @@ def _needs_conversion(self: torch.Tensor, indices: Sequence[Any], values: torch.
     return True
 
 
+INDEX_DTYPES = (torch.int64, torch.int32, torch.uint8, torch.bool)
+
+
+def _check_index_dtypes(indices: Sequence[Any]) -> None:
+    """CPU's IndexError for a float index (PyTorch's meta kernel raises it as a RuntimeError)."""
+    if any(isinstance(i, torch.Tensor) and i.dtype not in INDEX_DTYPES for i in indices):
+        raise IndexError("tensors used as indices must be long, int, byte or bool tensors")
+
+
 @kernel(aten.index.Tensor)
 def index(self: torch.Tensor, indices: list[Any]) -> torch.Tensor:
     """Boolean masks become integer indices first (one sync per pjrt mask)."""
+    _check_index_dtypes(indices)
     if _needs_conversion(self, indices, None):
         indices = _integer_indices(self, indices)
     return dispatch.execute(dispatch.plan_for(aten.index.Tensor), (self, indices), {})
@@ -335,6 +362,7 @@ def index(self: torch.Tensor, indices: list[Any]) -> torch.Tensor:
 def _index_put_kernel(op: Any) -> Callable:
     def put(self: torch.Tensor, indices: list[Any], values: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         """Masks are converted (one sync) unless the write is a `where` (`x[mask] = 0`)."""
+        _check_index_dtypes(indices)
         if _needs_conversion(self, indices, values):
             indices = _integer_indices(self, indices)
         return dispatch.execute(dispatch.plan_for(op), (self, indices, values, *args), kwargs)

@@ -361,6 +361,52 @@ def _spec_bytes(specs: list[Any]) -> int:
     return sum(numel * dtype.itemsize for dtype, _, _, numel in flat)
 
 
+# out= ops whose CPU kernels refuse an out= overlapping an input at all (at::assert_no_overlap); pointwise ones
+# (TensorIterator's) refuse only a partial overlap (an out= that is an input works as an in-place op); the others
+# (mm, sum, flip, ...) check nothing.
+OVERLAP_REFUSED = frozenset({"cat", "take", "gather", "index_select", "masked_select", "index"})
+INTERNAL_OVERLAP = ("unsupported operation: more than one element of the written-to tensor refers to a single "
+                    "memory location. Please clone() the tensor before performing the operation.")
+OVERLAP = ("unsupported operation: some elements of the input tensor and the written-to tensor refer to a single "
+           "memory location. Please clone() the tensor before performing the operation.")
+
+
+def _check_out_overlap(plan: OpPlan, described: list[Any], slot: int, out: View, result: tuple[int, ...]) -> None:
+    """CPU's check of an out= argument against the inputs in the same storage (see OVERLAP_REFUSED); an out= to be
+    resized to the `result` shape is checked both as it is and as it will be (CPU's kernels differ in which)."""
+    refused = plan.op._schema.name.split("::")[-1] in OVERLAP_REFUSED
+    resized = result != out.sizes
+    if not refused and (resized or not plan.lowering.fn.__module__.endswith(".pointwise")):
+        return
+    if resized and out.has_internal_overlap():
+        raise RuntimeError(INTERNAL_OVERLAP)
+    outs = [out, View(out.dtype, result, storage.contiguous_strides(result), out.offset)] if resized else [out]
+    for index, desc in enumerate(described):
+        if index in plan.mutated or plan.kinds[index] not in (Arg.TENSOR, Arg.TENSOR_LIST):
+            continue
+        for leaf in desc if plan.kinds[index] is Arg.TENSOR_LIST else (desc,):
+            if not isinstance(leaf, Leaf) or leaf.slot != slot:
+                continue
+            for written in outs:
+                status = _overlap(written, leaf.view)
+                if status == "partial" or (status == "full" and refused):
+                    raise RuntimeError(OVERLAP)
+
+
+def _overlap(a: View, b: View) -> str | None:
+    """'full', 'partial' or None, as PyTorch decides it; views that are not dense are too hard (None)."""
+    if a == b:
+        return "full"
+    numel_a, numel_b = math.prod(a.sizes), math.prod(b.sizes)
+    if not numel_a or not numel_b or not all(storage.is_dense(v.sizes, v.strides) for v in (a, b)):
+        return None
+    begin_a, begin_b = a.offset * a.dtype.itemsize, b.offset * b.dtype.itemsize
+    end_a, end_b = begin_a + numel_a * a.dtype.itemsize, begin_b + numel_b * b.dtype.itemsize
+    if (begin_a, end_a) == (begin_b, end_b):
+        return "full" if a.strides == b.strides else "partial"
+    return "partial" if begin_a < end_b and begin_b < end_a else None
+
+
 def _build(plan: OpPlan, scan: Scan, values: list[Any], described: list[Any], form: Any = None,
            out_padded: tuple[int, ...] = ()) -> Entry:
     """The program of one call signature. With `form` (padded arguments), it reads and writes
@@ -394,6 +440,8 @@ def _build(plan: OpPlan, scan: Scan, values: list[Any], described: list[Any], fo
                 views.append((desc.slot, desc, "padded"))
                 continue
             slot, view = desc.slot, desc.view
+            if plan.kwarg_only[index]:
+                _check_out_overlap(plan, described, slot, view, tuple(meta.shape))
             if tuple(meta.shape) != view.sizes:
                 sizes = tuple(meta.shape)
                 strides = storage.contiguous_strides(sizes)
@@ -402,11 +450,7 @@ def _build(plan: OpPlan, scan: Scan, values: list[Any], described: list[Any], fo
                 views.append((slot, view, "resized"))
             else:
                 if view.has_internal_overlap():
-                    raise RuntimeError(
-                        "unsupported operation: more than one element of the written-to tensor refers "
-                        "to a single memory location. Please clone() the tensor before performing the "
-                        "operation."
-                    )
+                    raise RuntimeError(INTERNAL_OVERLAP)
                 views.append((slot, view, None))
         mutated_views.append(views)
 

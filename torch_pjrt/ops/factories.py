@@ -51,6 +51,11 @@ def dtype_of(array: Any) -> torch.dtype:
     return storage.torch_dtype(array.dtype)
 
 
+def scalar_type_name(dtype: torch.dtype) -> str:
+    """PyTorch's C++ name of a dtype, as CPU's messages spell it (Long, Float, BFloat16)."""
+    return torch.empty(0, dtype=dtype).type().removeprefix("torch.").removesuffix("Tensor")
+
+
 def _to(value: Any, dtype: torch.dtype) -> Any:
     """A scalar converted like Scalar.to<T>(): floats truncate toward zero into integers."""
     return jnp.asarray(value).astype(storage.numpy_dtype(dtype))

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from jax import lax
 
+from torch_pjrt.ops.factories import dtype_of, scalar_type_name
 from torch_pjrt.ops.registry import register
 from torch_pjrt.runtime import checks
 
@@ -227,6 +228,11 @@ def index_select_backward(grad: Any, self_sizes: list[int], dim: int, index: Any
 
 @register(aten.index_select.default)
 def index_select(self: Any, dim: int, index: Any) -> Any:
+    """CPU's checks of the index's rank and dtype (PyTorch's meta kernel makes neither)."""
+    if index.ndim > 1:
+        raise IndexError("index_select(): Index is supposed to be a vector")
+    if index.dtype not in (jnp.int32, jnp.int64):
+        raise RuntimeError("index_select(): Expected dtype int32 or int64 for index")
     check_index(index, _as_vector(self).shape[_dim(dim, self.ndim)], "aten::index_select", OUT_OF_RANGE)
     return jnp.take(_as_vector(self), _as_vector(index), axis=_dim(dim, self.ndim))
 
@@ -239,6 +245,12 @@ def take(self: Any, index: Any) -> Any:
 
 @register(aten.put.default)
 def put(self: Any, index: Any, source: Any, accumulate: bool = False) -> Any:
+    """CPU's checks of the index's dtype and of one source element per index (PyTorch's meta kernel makes neither)."""
+    if index.dtype != jnp.int64:
+        raise RuntimeError(f"put_(): Expected a long tensor for index, but got {scalar_type_name(dtype_of(index))}")
+    if index.size != source.size:
+        raise IndexError("put_(): Expected source and index to have the same number of elements, but got "
+                         f"source.numel() = {source.size}, index.numel() = {index.size}")
     check_index(index, self.size, "aten::put", TAKE_OUT_OF_RANGE, negative=True)
     flat, where = self.reshape(-1), index.reshape(-1)
     source = source.reshape(-1).astype(self.dtype)

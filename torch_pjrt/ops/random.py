@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from torch_pjrt import storage
-from torch_pjrt.ops.factories import dtype_of, is_integral, jax_dtype, torch_dtype
+from torch_pjrt.ops.factories import dtype_of, is_integral, jax_dtype, scalar_type_name, torch_dtype
 from torch_pjrt.ops.registry import register
 from torch_pjrt.runtime import checks
 
@@ -372,12 +372,17 @@ def _without_replacement(key: Any, probs: Any, num_samples: int) -> Any:
 @register(aten.multinomial.default, random=True)
 def multinomial(self: Any, num_samples: int, replacement: bool = False, *, generator: Any = None, rng: Any) -> Any:
     """Rows must hold non-negative finite weights with a positive sum (device-side checks, as on CPU)."""
+    if not jnp.issubdtype(self.dtype, jnp.floating):
+        name = scalar_type_name(dtype_of(self))
+        raise RuntimeError(f"multinomial only supports floating-point dtypes for input, got: {name}")
     if self.ndim not in (1, 2):
         raise RuntimeError("prob_dist must be 1 or 2 dim")
     if num_samples <= 0:
         raise RuntimeError("cannot sample n_sample <= 0 samples")
     if not replacement and num_samples > self.shape[-1]:
         raise RuntimeError("cannot sample n_sample > prob_dist.size(-1) samples without replacement")
+    if self.shape[-1] == 0:
+        raise RuntimeError("invalid multinomial distribution (sum of probabilities <= 0)")
     probs = self.astype(_draw_dtype(self.dtype))
     checks.fail_if(~jnp.isfinite(probs) | (probs < 0), "aten::multinomial",
                    "probability tensor contains either `inf`, `nan` or element < 0")
