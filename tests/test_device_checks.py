@@ -48,6 +48,8 @@ CASES: dict[str, tuple[Callable[..., Any], Callable[[], tuple], Callable[[], tup
     "embedding_negative": (F.embedding, lambda: (ids(-1), table(5, 3)), lambda: (ids(2), table(5, 3))),
     "embedding_bag": (F.embedding_bag, lambda: (ids(1, 7), table(5, 3), ids(0)),
                       lambda: (ids(1, 4, 2), table(5, 3), ids(0, 2))),
+    "embedding_bag_offsets": (F.embedding_bag, lambda: (ids(1, 4, 2), table(5, 3), ids(1, 2)),
+                              lambda: (ids(1, 4, 2), table(5, 3), ids(0, 1))),
     "gather": (lambda x, i: x.gather(1, i), lambda: (table(3, 4), torch.tensor([[0], [4], [1]])),
                lambda: (table(3, 4), torch.tensor([[0], [3], [1]]))),
     "scatter": (lambda x, i, s: x.scatter(0, i, s), lambda: (table(5), ids(-1), table(1)),

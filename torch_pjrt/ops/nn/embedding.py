@@ -11,6 +11,7 @@ import torch
 from torch_pjrt.ops.indexing import OUT_OF_RANGE, check_index
 from torch_pjrt.ops.nn.common import _up
 from torch_pjrt.ops.registry import register
+from torch_pjrt.runtime import checks
 
 aten = torch.ops.aten
 
@@ -68,6 +69,12 @@ def _embedding_bag(weight: Any, indices: Any, offsets: Any, scale_grad_by_freq: 
                if mode == MODE_MAX else
                "Index {{position}} of input takes value {{value}} which is not in the valid range [0, {size})")
     check_index(indices, weight.shape[0], "aten::embedding_bag", message, RuntimeError)
+    if offsets.shape[0]:
+        # CPU's message ends with how it prints the 0-dim offset tensor
+        printed = "torch.IntTensor" if offsets.dtype == jnp.int32 else "torch.LongTensor"
+        checks.fail_if(offsets[0] != 0, "aten::embedding_bag", "offsets[0] has to be 0, i.e., the first sequence in "
+                       "the mini-batch has to start from position 0. However, got {value}\n[ " + printed + "{{}} ]",
+                       RuntimeError, value=offsets[0])
     num_bags = offsets.shape[0] - (1 if include_last_offset else 0)
     bags = _bag_ids(indices, offsets, num_bags)
     keep = _kept(indices, padding_idx)
