@@ -36,6 +36,8 @@ VARIABLES: dict[str, Variable] = {
                                                  "unmarked (it is marked dynamic by default)"),
     "TORCH_PJRT_DEVICE_CHECKS": Variable("1", "0: no device-side checks of indices and values (XLA clamps out-of-range "
                                               "indices silently, as other XLA bridges do)"),
+    "TORCH_PJRT_ACCELERATE": Variable("1", "0: accelerate and transformers' Trainer keep the CPU where they find no "
+                                           "other accelerator (pjrt is picked by default)"),
     "TORCH_PJRT_FLASH_ATTENTION": Variable("0", "1: scaled_dot_product_attention on pjrt tensors runs the Pallas flash "
                                                 "attention kernel where it applies (no mask, no dropout)"),
 }

@@ -7,6 +7,13 @@ Hugging Face `generate()` on pjrt marks the prompt's length dynamic (input_ids a
 dim 1, buckets 64, 128, ... up to the model's max_position_embeddings): prompts of new lengths and
 the KV cache growing by one token then reuse the programs of their bucket instead of compiling per
 length, with no line of the user's code. Marks never change values; `TORCH_PJRT_DYNAMIC_GENERATE=0` turns this off.
+
+accelerate (and so `transformers.Trainer`) looks for an accelerator in a fixed list of device
+types and trains on the CPU when none is found. `accelerator_device` is the one answer to "is pjrt
+the accelerator": where accelerate (or Trainer) would settle on the CPU without being asked to,
+it gets pjrt instead, and a launched process group uses the c10d backend "pjrt". Autocast follows
+the device type; RNG checkpoints gain the pjrt generator states. `cpu=True`, `use_cpu=True` and
+`TORCH_PJRT_ACCELERATE=0` keep the CPU.
 """
 
 from __future__ import annotations
@@ -14,7 +21,10 @@ from __future__ import annotations
 import functools
 import importlib.abc
 import importlib.machinery
+import inspect
+import os
 import sys
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -77,7 +87,169 @@ def _mark_prompt(model: Any, *tensors: Any) -> None:
                 continue  # a view of another tensor: left exact
 
 
-PATCHES = {"safetensors.torch": _patch_safetensors, "transformers.generation.utils": _patch_generate}
+def accelerator_device() -> torch.device | None:
+    """The pjrt device accelerate should train on, or None where pjrt is not to be the accelerator."""
+    if not envvars.flag("TORCH_PJRT_ACCELERATE") or not torch.pjrt.is_available():
+        return None
+    return torch.device("pjrt", torch.pjrt.current_device())
+
+
+def _patch_accelerate_state(module: Any) -> None:
+    state_class = module.PartialState
+    original_default = state_class.default_device
+    if getattr(original_default.fget, "_pjrt_aware", False):
+        return
+
+    def default_device(self: Any) -> torch.device:
+        found = original_default.fget(self)
+        pjrt = accelerator_device() if found.type == "cpu" else None
+        return found if pjrt is None else pjrt
+
+    default_device._pjrt_aware = True
+    state_class.default_device = property(default_device, doc=original_default.__doc__)
+
+    original_prepare = state_class._prepare_backend
+
+    @functools.wraps(original_prepare)
+    def _prepare_backend(self: Any, cpu: bool = False, sagemaker_dp: bool = False, backend: str | None = None) -> Any:
+        chosen, distributed_type = original_prepare(self, cpu, sagemaker_dp, backend)
+        launched = int(os.environ.get("LOCAL_RANK", -1)) != -1
+        if chosen is None and launched and not cpu and accelerator_device() is not None:
+            # MULTI_GPU is accelerate's generic "one accelerator per process, DDP" path; set_device below
+            # replaces its CUDA device lookup for our backend.
+            return backend or "pjrt", module.DistributedType.MULTI_GPU
+        return chosen, distributed_type
+
+    state_class._prepare_backend = _prepare_backend
+
+    original_set_device = state_class.set_device
+
+    @functools.wraps(original_set_device)
+    def set_device(self: Any) -> None:
+        if self.device is None and self.backend == "pjrt":
+            self.device = torch.device("pjrt", self.local_process_index % torch.pjrt.device_count())
+            torch.pjrt.set_device(self.device)
+            return
+        original_set_device(self)
+
+    state_class.set_device = set_device
+
+
+def _rng_file(folder: Any, process_index: int | None) -> Path:
+    name = "pjrt_rng_state.pth" if process_index is None else f"pjrt_rng_state_{process_index}.pth"
+    return Path(folder) / name
+
+
+def _save_rng(folder: Any, process_index: int | None) -> None:
+    """Next to the library's own RNG file: the states of every pjrt device's generator."""
+    if torch.pjrt.is_initialized():
+        os.makedirs(folder, exist_ok=True)
+        torch.save(torch.pjrt.get_rng_state_all(), _rng_file(folder, process_index))
+
+
+def _load_rng(folder: Any, process_index: int | None) -> None:
+    path = _rng_file(folder, process_index)
+    if path.is_file():
+        torch.pjrt.set_rng_state_all(torch.load(path, weights_only=True))
+
+
+def _patch_accelerate_checkpointing(module: Any) -> None:
+    original_save = module.save_accelerator_state
+    if getattr(original_save, "_pjrt_aware", False):
+        return
+    original_load = module.load_accelerator_state
+    save_signature = inspect.signature(original_save)
+    load_signature = inspect.signature(original_load)
+
+    @functools.wraps(original_save)
+    def save_accelerator_state(*args: Any, **kwargs: Any) -> Any:
+        output_dir = original_save(*args, **kwargs)
+        _save_rng(output_dir, save_signature.bind(*args, **kwargs).arguments["process_index"])
+        return output_dir
+
+    @functools.wraps(original_load)
+    def load_accelerator_state(*args: Any, **kwargs: Any) -> Any:
+        overrides = original_load(*args, **kwargs)
+        bound = load_signature.bind(*args, **kwargs).arguments
+        _load_rng(bound["input_dir"], bound["process_index"])
+        return overrides
+
+    save_accelerator_state._pjrt_aware = True
+    # accelerate.accelerator imports both by name: if it is already loaded, it holds the originals.
+    for holder in (module, sys.modules.get("accelerate.accelerator")):
+        if holder is not None:
+            holder.save_accelerator_state = save_accelerator_state
+            holder.load_accelerator_state = load_accelerator_state
+
+
+def _patch_training_args(module: Any) -> None:
+    arguments = module.TrainingArguments
+    original = arguments.__dict__["_setup_devices"].func
+    if getattr(original, "_pjrt_aware", False):
+        return
+    original_bf16_check = module.is_torch_bf16_gpu_available
+
+    def is_torch_bf16_gpu_available() -> bool:
+        """`bf16=True` is refused unless an accelerator supports it; pjrt autocasts to bfloat16 on every platform."""
+        return original_bf16_check() or accelerator_device() is not None
+
+    module.is_torch_bf16_gpu_available = is_torch_bf16_gpu_available
+
+    @functools.wraps(original)
+    def _setup_devices(self: Any) -> torch.device:
+        # Trainer asks accelerate's PartialState, then, for a single process, its own fixed list again.
+        found = original(self)
+        state = getattr(self, "distributed_state", None)
+        state_device = getattr(state, "device", None)
+        if found.type == "cpu" and not self.use_cpu and state_device is not None and state_device.type == "pjrt":
+            torch.pjrt.set_device(state_device)
+            if self.optim == module.OptimizerNames.ADAMW_TORCH_FUSED:
+                # Trainer's default asks for aten::_fused_adamw_, which has no pjrt lowering yet; the
+                # multi-tensor AdamW computes the same update.
+                self.optim = module.OptimizerNames.ADAMW_TORCH
+            return state_device
+        return found
+
+    _setup_devices._pjrt_aware = True
+    cached = functools.cached_property(_setup_devices)
+    cached.__set_name__(arguments, "_setup_devices")
+    arguments._setup_devices = cached
+
+
+def _patch_trainer(module: Any) -> None:
+    trainer = module.Trainer
+    original_save = trainer._save_rng_state
+    if getattr(original_save, "_pjrt_aware", False):
+        return
+    original_load = trainer._load_rng_state
+
+    def process_index(self: Any) -> int | None:
+        return self.args.process_index if self.args.world_size > 1 else None
+
+    @functools.wraps(original_save)
+    def _save_rng_state(self: Any, output_dir: str) -> None:
+        original_save(self, output_dir)
+        _save_rng(output_dir, process_index(self))
+
+    @functools.wraps(original_load)
+    def _load_rng_state(self: Any, checkpoint: str | None) -> None:
+        original_load(self, checkpoint)
+        if checkpoint is not None:
+            _load_rng(checkpoint, process_index(self))
+
+    _save_rng_state._pjrt_aware = True
+    trainer._save_rng_state = _save_rng_state
+    trainer._load_rng_state = _load_rng_state
+
+
+PATCHES = {
+    "safetensors.torch": _patch_safetensors,
+    "transformers.generation.utils": _patch_generate,
+    "accelerate.state": _patch_accelerate_state,
+    "accelerate.checkpointing": _patch_accelerate_checkpointing,
+    "transformers.training_args": _patch_training_args,
+    "transformers.trainer": _patch_trainer,
+}
 
 
 class _PatchingLoader(importlib.abc.Loader):
