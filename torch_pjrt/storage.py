@@ -92,9 +92,10 @@ def host_array(tensor: torch.Tensor) -> np.ndarray:
     A copy, never a view: jax reads host buffers asynchronously (a transfer, a program's host
     argument), after the caller may already have written to the tensor again.
     """
+    held = numpy_dtype(tensor.dtype)  # raises UnsupportedDtype first for a dtype no pjrt tensor holds
     tensor = tensor.detach().resolve_conj().resolve_neg().clone(memory_format=torch.contiguous_format)
     if tensor.dtype in ML_DTYPES:
-        return tensor.view(_CARRIER[tensor.dtype.itemsize]).numpy().view(numpy_dtype(tensor.dtype))
+        return tensor.view(_CARRIER[tensor.dtype.itemsize]).numpy().view(held)
     return tensor.numpy()
 
 

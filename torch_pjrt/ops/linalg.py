@@ -76,11 +76,15 @@ def _accumulator(*arrays: Any) -> Any:
     return None
 
 
+def _is_float8(a: Any) -> bool:
+    return a.dtype.itemsize == 1 and jnp.issubdtype(a.dtype, jnp.floating)
+
+
 def _matmul(a: Any, b: Any) -> Any:
     if a.dtype == jnp.bool_:
         return jnp.matmul(a.astype(jnp.int32), b.astype(jnp.int32)) != 0
-    if a.dtype.itemsize == 1 and jnp.issubdtype(a.dtype, jnp.floating):
-        a, b = a.astype(jnp.float32), b.astype(jnp.float32)  # float8: CPU multiplies in float32
+    if _is_float8(a):
+        a, b = a.astype(jnp.float32), b.astype(jnp.float32)  # CPU multiplies float8 in float32
     precision = DOT_PRECISION[float32_matmul_precision()]
     return jnp.matmul(a, b, precision=precision, preferred_element_type=_accumulator(a, b))
 
@@ -97,8 +101,8 @@ def _scaled_sum(self: Any, product: Any, beta: Any, alpha: Any) -> Any:
     if self.dtype == jnp.bool_:
         return (jnp.logical_and(self, beta != 0)) | (jnp.logical_and(product, alpha != 0))
     beta, alpha = _integral_scalars(self.dtype, beta, alpha)
-    if product.dtype == jnp.float32 and self.dtype in (jnp.bfloat16, jnp.float16):
-        self = self.astype(jnp.float32)  # a half-type gemm scales its input in float32 too
+    if product.dtype == jnp.float32 and (self.dtype in (jnp.bfloat16, jnp.float16) or _is_float8(self)):
+        self = self.astype(jnp.float32)  # a half-type or float8 gemm scales its input in float32 too
     scaled = jnp.where(beta == 0, jnp.zeros((), self.dtype), self * beta)
     return scaled + product * alpha
 
@@ -308,7 +312,8 @@ def scaled_mm(self: torch.Tensor, mat2: torch.Tensor, scale_a: torch.Tensor, sca
               bias: torch.Tensor | None = None, scale_result: torch.Tensor | None = None,
               out_dtype: torch.dtype | None = None, use_fast_accum: bool = False) -> torch.Tensor:
     """torch._scaled_mm as PyTorch CPU computes it: both operands scaled in float32 (tensor-wise or
-    row-wise), multiplied, the bias added, divided by scale_result for e4m3fn/e5m2 outputs, then cast.
+    row-wise), multiplied, the bias added, divided by scale_result when out_dtype names e4m3fn or e5m2,
+    then cast.
 
     In tensor ops, so eager runs it as they run and torch.compile lowers the same function; PyTorch's own
     meta kernel (CUDA's layout and multiple-of-16 rules) is never asked in eager mode.
@@ -317,10 +322,9 @@ def scaled_mm(self: torch.Tensor, mat2: torch.Tensor, scale_a: torch.Tensor, sca
     product = (self.float() * scale_a) @ (mat2.float() * scale_b)
     if bias is not None:
         product = product + bias
-    out_dtype = self.dtype if out_dtype is None else out_dtype
-    if scale_result is not None and out_dtype in _SCALE_RESULT_OUTPUTS:
+    if scale_result is not None and out_dtype in _SCALE_RESULT_OUTPUTS:  # only when out_dtype is given
         product = product * scale_result.reciprocal()
-    return product.to(out_dtype)
+    return product.to(self.dtype if out_dtype is None else out_dtype)
 
 
 LOWERINGS[aten._scaled_mm.default] = Lowering(decomposed(aten._scaled_mm.default, scaled_mm), static_scalars=True)
