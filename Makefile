@@ -45,7 +45,7 @@ battery-ops: $(STAMP)
 	$(PY) -m battery.run_opinfo --jobs 2 --fresh --no-report --dtypes float32 \
 		$(if $(FLOAT32_SAMPLES),--max-samples $(FLOAT32_SAMPLES))
 	$(PY) -m battery.run_opinfo --jobs 2 --no-report $(if $(OTHER_SAMPLES),--max-samples $(OTHER_SAMPLES)) \
-		--dtypes float64 bfloat16 int64 complex64 float16 int32 bool
+		--dtypes float64 bfloat16 int64 complex64 float16 int32 bool float8_e4m3fn float8_e5m2 float8_e4m3fnuz float8_e5m2fnuz
 	$(PY) -m battery.report build/opinfo/results.jsonl --save-rows docs/opinfo-results.jsonl.gz
 
 # Bad-input battery: every OpInfo ErrorInput and ERROR_EXAMPLES hypothesis cases per property (battery/properties.py),

@@ -51,6 +51,11 @@ DTYPES: dict[str, torch.dtype] = {
     "int32": torch.int32,
     "bool": torch.bool,
     "complex64": torch.complex64,
+    # few entries declare float8 (eye, _scaled_mm, _scaled_mm_v2 on torch 2.13); e8m0fnu none
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+    "float8_e4m3fnuz": torch.float8_e4m3fnuz,
+    "float8_e5m2fnuz": torch.float8_e5m2fnuz,
 }
 GRAD_DTYPES = ("float32", "float64")
 # assert_close's defaults are 1e-5 atol for both half types: too tight near zero for a backend that may

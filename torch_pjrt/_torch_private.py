@@ -62,6 +62,11 @@ _DL_CODES = {
     torch.float64: (2, 64),
     torch.complex64: (5, 64),
     torch.complex128: (5, 128),
+    torch.float8_e4m3fn: (10, 8),
+    torch.float8_e4m3fnuz: (11, 8),
+    torch.float8_e5m2: (12, 8),
+    torch.float8_e5m2fnuz: (13, 8),
+    torch.float8_e8m0fnu: (14, 8),
 }
 
 

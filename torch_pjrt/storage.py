@@ -40,31 +40,46 @@ TORCH_TO_NUMPY: dict[torch.dtype, Any] = {
 }
 
 
+# Dtypes numpy lacks, held through ml_dtypes under the same names: bfloat16 and the float8 formats
+# (float8_e8m0fnu is the exponent-only scale format of MX blocks).
+ML_DTYPES: tuple[torch.dtype, ...] = (
+    torch.bfloat16,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+    torch.float8_e4m3fnuz,
+    torch.float8_e5m2fnuz,
+    torch.float8_e8m0fnu,
+)
+FLOAT8_DTYPES: tuple[torch.dtype, ...] = tuple(d for d in ML_DTYPES if d.itemsize == 1)
+# The same-size integer dtype whose bits carry an ml_dtypes value between torch and numpy.
+_CARRIER = {1: torch.uint8, 2: torch.int16}
+
+
 class UnsupportedDtype(TypeError, NotImplementedError):
-    """A dtype pjrt tensors cannot hold (complex32, float8, ...): a TypeError for a bad argument, and a
-    NotImplementedError like everything else the device does not do."""
+    """A dtype pjrt tensors cannot hold (complex32, the 4-bit and 6-bit floats, ...): a TypeError for a bad
+    argument, and a NotImplementedError like everything else the device does not do."""
 
 
 def numpy_dtype(dtype: torch.dtype) -> Any:
-    """The numpy/jax dtype holding a torch dtype's elements (bfloat16 through ml_dtypes)."""
-    if dtype is torch.bfloat16:
+    """The numpy/jax dtype holding a torch dtype's elements (bfloat16 and float8 through ml_dtypes)."""
+    if dtype in TORCH_TO_NUMPY:
+        return np.dtype(TORCH_TO_NUMPY[dtype])
+    if dtype in ML_DTYPES:
         import ml_dtypes
 
-        return np.dtype(ml_dtypes.bfloat16)
-    try:
-        return np.dtype(TORCH_TO_NUMPY[dtype])
-    except KeyError:
-        raise UnsupportedDtype(
-            f"pjrt tensors cannot hold {dtype}; use one of "
-            + ", ".join(str(d) for d in [*TORCH_TO_NUMPY, torch.bfloat16])
-            + "."
-        ) from None
+        return np.dtype(getattr(ml_dtypes, str(dtype).removeprefix("torch.")))
+    raise UnsupportedDtype(
+        f"pjrt tensors cannot hold {dtype}; use one of "
+        + ", ".join(str(d) for d in [*TORCH_TO_NUMPY, *ML_DTYPES])
+        + "."
+    )
 
 
 def torch_dtype(dtype: Any) -> torch.dtype:
     dtype = np.dtype(dtype)
-    if dtype.name == "bfloat16":
-        return torch.bfloat16
+    for key in ML_DTYPES:
+        if dtype.name == str(key).removeprefix("torch."):
+            return key
     for key, value in TORCH_TO_NUMPY.items():
         if np.dtype(value) == dtype:
             return key
@@ -72,21 +87,24 @@ def torch_dtype(dtype: Any) -> torch.dtype:
 
 
 def host_array(tensor: torch.Tensor) -> np.ndarray:
-    """A private numpy copy of a CPU tensor's logical contents (bfloat16 through ml_dtypes).
+    """A private numpy copy of a CPU tensor's logical contents (bfloat16 and float8 through ml_dtypes).
 
     A copy, never a view: jax reads host buffers asynchronously (a transfer, a program's host
     argument), after the caller may already have written to the tensor again.
     """
+    held = numpy_dtype(tensor.dtype)  # raises UnsupportedDtype first for a dtype no pjrt tensor holds
     tensor = tensor.detach().resolve_conj().resolve_neg().clone(memory_format=torch.contiguous_format)
-    if tensor.dtype == torch.bfloat16:
-        return tensor.view(torch.int16).numpy().view(numpy_dtype(torch.bfloat16))
+    if tensor.dtype in ML_DTYPES:
+        return tensor.view(_CARRIER[tensor.dtype.itemsize]).numpy().view(held)
     return tensor.numpy()
 
 
 def host_tensor(array: np.ndarray) -> torch.Tensor:
     """A CPU tensor with its own copy of a host array's contents."""
-    if array.dtype.name == "bfloat16":
-        return torch.from_numpy(np.array(array, copy=True).view(np.int16)).view(torch.bfloat16)
+    dtype = torch_dtype(array.dtype)
+    if dtype in ML_DTYPES:
+        carrier = _CARRIER[dtype.itemsize]
+        return torch.from_numpy(np.array(array, copy=True).view(TORCH_TO_NUMPY[carrier])).view(dtype)
     return torch.from_numpy(np.array(array, copy=True))
 
 

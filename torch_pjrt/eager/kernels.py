@@ -14,6 +14,7 @@ import torch
 
 from torch_pjrt import _torch_private, native, storage
 from torch_pjrt.eager import dispatch, dynamic, fusion
+from torch_pjrt.ops import linalg
 from torch_pjrt.runtime import client, startup
 
 aten = torch.ops.aten
@@ -236,6 +237,7 @@ SPECIAL: dict[Any, Any] = {
     aten.set_.default: set_empty,
     aten._local_scalar_dense.default: local_scalar_dense,
     aten.equal.default: equal,
+    aten._scaled_mm.default: linalg.scaled_mm,
 }
 
 

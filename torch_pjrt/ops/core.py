@@ -8,6 +8,8 @@ from typing import Any
 import jax.numpy as jnp
 import torch
 
+from torch_pjrt import storage
+from torch_pjrt.ops import casts
 from torch_pjrt.ops.registry import register
 
 aten = torch.ops.aten
@@ -15,7 +17,7 @@ aten = torch.ops.aten
 
 @register(aten.copy.default)
 def copy(self: Any, src: Any, non_blocking: bool = False) -> Any:
-    return jnp.broadcast_to(src.astype(self.dtype), self.shape)
+    return jnp.broadcast_to(casts.convert(src, storage.torch_dtype(self.dtype)), self.shape)
 
 
 @register(aten._to_copy.default)
@@ -30,7 +32,7 @@ def clone(self: Any, memory_format: Any = None) -> Any:
 
 @register(aten.fill.Scalar, aten.fill.Tensor)
 def fill(self: Any, value: Any) -> Any:
-    return jnp.full(self.shape, value, self.dtype)
+    return jnp.broadcast_to(casts.convert(value, storage.torch_dtype(self.dtype)), self.shape)
 
 
 @register(aten.zero.default)

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from torch_pjrt import storage
+from torch_pjrt.ops import casts
 from torch_pjrt.ops.registry import register
 
 aten = torch.ops.aten
@@ -58,7 +59,7 @@ def scalar_type_name(dtype: torch.dtype) -> str:
 
 def _to(value: Any, dtype: torch.dtype) -> Any:
     """A scalar converted like Scalar.to<T>(): floats truncate toward zero into integers."""
-    return jnp.asarray(value).astype(storage.numpy_dtype(dtype))
+    return casts.convert(value, dtype)
 
 
 def two_ended(start: Any, end: Any, step: Any, steps: int) -> Any:

@@ -10,7 +10,7 @@ import torch.fx
 from torch.utils import _pytree as pytree
 
 from torch_pjrt import storage
-from torch_pjrt.ops import registry
+from torch_pjrt.ops import casts, registry
 from torch_pjrt.runtime import checks, client
 
 
@@ -29,9 +29,7 @@ def conform(value: Any, meta: Any) -> Any:
             return None
         jnp = client.jax_module().numpy
         value = jnp.asarray(value)
-        want = storage.numpy_dtype(meta.dtype)
-        if value.dtype != want:
-            value = value.astype(want)
+        value = casts.convert(value, meta.dtype)
         expected = tuple(meta.shape)
         if any(isinstance(size, torch.SymInt) for size in expected):
             return value  # a dynamic graph: the traced array has the concrete size

@@ -20,7 +20,8 @@ import numpy as np
 import torch
 from jax import lax
 
-from torch_pjrt.ops.registry import register
+from torch_pjrt import storage
+from torch_pjrt.ops.registry import LOWERINGS, Lowering, decomposed, register
 
 aten = torch.ops.aten
 
@@ -75,9 +76,15 @@ def _accumulator(*arrays: Any) -> Any:
     return None
 
 
+def _is_float8(a: Any) -> bool:
+    return a.dtype.itemsize == 1 and jnp.issubdtype(a.dtype, jnp.floating)
+
+
 def _matmul(a: Any, b: Any) -> Any:
     if a.dtype == jnp.bool_:
         return jnp.matmul(a.astype(jnp.int32), b.astype(jnp.int32)) != 0
+    if _is_float8(a):
+        a, b = a.astype(jnp.float32), b.astype(jnp.float32)  # CPU multiplies float8 in float32
     precision = DOT_PRECISION[float32_matmul_precision()]
     return jnp.matmul(a, b, precision=precision, preferred_element_type=_accumulator(a, b))
 
@@ -94,8 +101,8 @@ def _scaled_sum(self: Any, product: Any, beta: Any, alpha: Any) -> Any:
     if self.dtype == jnp.bool_:
         return (jnp.logical_and(self, beta != 0)) | (jnp.logical_and(product, alpha != 0))
     beta, alpha = _integral_scalars(self.dtype, beta, alpha)
-    if product.dtype == jnp.float32 and self.dtype in (jnp.bfloat16, jnp.float16):
-        self = self.astype(jnp.float32)  # a half-type gemm scales its input in float32 too
+    if product.dtype == jnp.float32 and (self.dtype in (jnp.bfloat16, jnp.float16) or _is_float8(self)):
+        self = self.astype(jnp.float32)  # a half-type or float8 gemm scales its input in float32 too
     scaled = jnp.where(beta == 0, jnp.zeros((), self.dtype), self * beta)
     return scaled + product * alpha
 
@@ -264,6 +271,63 @@ def dot(self: Any, tensor: Any) -> Any:
 @register(aten.vdot.default)
 def vdot(self: Any, other: Any) -> Any:
     return _matmul(jnp.conj(self), other)
+
+
+# --- float8 scaled products ------------------------------------------------------------------------
+
+_SCALE_RESULT_OUTPUTS = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _check_scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+                     bias: torch.Tensor | None, scale_result: torch.Tensor | None) -> None:
+    """PyTorch CPU's argument checks of torch._scaled_mm, with its exception types."""
+    for name, matrix in (("mat1", a), ("mat2", b)):
+        if matrix.dim() != 2:
+            raise RuntimeError(f"{name} must be a matrix")
+    m, n = a.shape[0], b.shape[1]
+    both_float8 = a.dtype in storage.FLOAT8_DTYPES and b.dtype in storage.FLOAT8_DTYPES
+    float_scales = scale_a.dtype == torch.float32 and scale_b.dtype == torch.float32
+    tensor_wise = scale_a.numel() == 1 and scale_b.numel() == 1
+    row_wise = (tuple(scale_a.shape) == (m, 1) and tuple(scale_b.shape) == (1, n)
+                and scale_a.is_contiguous() and scale_b.is_contiguous())
+    if not (both_float8 and float_scales and (tensor_wise or row_wise)):
+        raise ValueError(
+            "Invalid scaling configuration.\n- For TensorWise scaling, a and b should be float8, scales should be "
+            "float and singletons.\n- For RowWise scaling, a and b should be float8, scales should be float, "
+            f"scale_a should be ({m}, 1) and scale_b should be (1, {n}), and both should be contiguous.\n"
+            f"Got mat_a.dtype()={a.dtype}, scale_a.dtype()={scale_a.dtype}, scale_a.size()={list(scale_a.shape)}, "
+            f"scale_a.stride()={list(scale_a.stride())}, mat_b.dtype()={b.dtype}, scale_b.dtype()={scale_b.dtype}, "
+            f"scale_b.size()={list(scale_b.shape)} and scale_b.stride()={list(scale_b.stride())}"
+        )
+    if a.shape[1] != b.shape[0]:
+        raise RuntimeError(
+            f"mat_a and mat_b shapes cannot be multiplied ({m}x{a.shape[1]} and {b.shape[0]}x{n})")
+    if scale_result is not None and (scale_result.dtype != torch.float32 or scale_result.numel() != 1):
+        raise RuntimeError("scale_result must be a float scalar")
+    if bias is not None and bias.numel() != n:
+        raise RuntimeError(f"Bias must be size {n} but got {bias.numel()}")
+
+
+def scaled_mm(self: torch.Tensor, mat2: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+              bias: torch.Tensor | None = None, scale_result: torch.Tensor | None = None,
+              out_dtype: torch.dtype | None = None, use_fast_accum: bool = False) -> torch.Tensor:
+    """torch._scaled_mm as PyTorch CPU computes it: both operands scaled in float32 (tensor-wise or
+    row-wise), multiplied, the bias added, divided by scale_result when out_dtype names e4m3fn or e5m2,
+    then cast.
+
+    In tensor ops, so eager runs it as they run and torch.compile lowers the same function; PyTorch's own
+    meta kernel (CUDA's layout and multiple-of-16 rules) is never asked in eager mode.
+    `use_fast_accum` only picks a CUDA kernel: accumulation is float32 either way."""
+    _check_scaled_mm(self, mat2, scale_a, scale_b, bias, scale_result)
+    product = (self.float() * scale_a) @ (mat2.float() * scale_b)
+    if bias is not None:
+        product = product + bias
+    if scale_result is not None and out_dtype in _SCALE_RESULT_OUTPUTS:  # only when out_dtype is given
+        product = product * scale_result.reciprocal()
+    return product.to(self.dtype if out_dtype is None else out_dtype)
+
+
+LOWERINGS[aten._scaled_mm.default] = Lowering(decomposed(aten._scaled_mm.default, scaled_mm), static_scalars=True)
 
 
 # --- factorisations and solvers ----------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Elementwise math, comparisons, logic, bitwise ops, where/clamp/lerp, special functions.
 
 Operands are first brought to PyTorch's *computation* dtype (its type promotion, with
-float16/bfloat16 computed in float32 like PyTorch's opmath); the caller casts the result
+float16/bfloat16/float8 computed in float32 like PyTorch's opmath); the caller casts the result
 to the dtype PyTorch's meta kernel gives.
 """
 
@@ -41,6 +41,8 @@ def promote(*args: Any, kind: KIND = KIND.DEFAULT, exact: bool = False) -> list[
     """Operands cast to PyTorch's computation dtype (its result dtype when `exact`); None stays."""
     samples = [_stand_in(a) for a in args if a is not None]
     computation, result = elementwise_dtypes(*samples, type_promotion_kind=kind)
+    if computation in storage.FLOAT8_DTYPES:
+        computation = torch.float32  # PyTorch CPU computes its few float8 ops (mul, abs) in float32
     dtype = storage.numpy_dtype(result if exact else computation)
     return [None if a is None else jnp.asarray(a, dtype) for a in args]
 

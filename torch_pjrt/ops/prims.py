@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from torch_pjrt import storage
-from torch_pjrt.ops import pointwise, reductions
+from torch_pjrt.ops import casts, pointwise, reductions
 from torch_pjrt.ops.registry import LOWERINGS, register
 
 aten = torch.ops.aten
@@ -114,9 +114,7 @@ def frexp(self: Any) -> tuple[Any, Any]:
 
 @register(prims.convert_element_type.default)
 def convert_element_type(a: Any, dtype: torch.dtype) -> Any:
-    if dtype is torch.bool:
-        return jnp.asarray(a) != 0
-    return jnp.asarray(a).astype(storage.numpy_dtype(dtype))
+    return casts.convert(a, dtype)
 
 
 @register(prims.view_of_dtype.default)

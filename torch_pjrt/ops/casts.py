@@ -1,0 +1,107 @@
+"""Dtype conversions as PyTorch's CPU kernels make them: the one cast every lowering and every
+result (graph.conform) goes through.
+
+XLA's convert agrees with PyTorch everywhere but float8, where PyTorch CPU
+- converts from any dtype through float32 (so a float64 or int64 value is rounded twice), and to
+  any dtype through float32;
+- saturates float8_e4m3fn: inf and anything beyond +-448 become +-448 (XLA gives NaN);
+- gives float8_e4m3fn/float8_e5m2 NaN as 0x7F with the sign kept (XLA: other payloads);
+- rounds float8_e8m0fnu by its own rule: the float32 exponent, plus one when the mantissa is
+  at least half (ties up for normal numbers), the sign ignored, NaN and inf as 0xFF;
+- turns each float8 NaN encoding into its own NaN pattern of the wider float types.
+The NaN patterns of the last rule are read from PyTorch itself, once, when this module loads.
+Out-of-range float8 -> integer conversions follow pjrt's float32 -> integer rule (XLA saturates;
+C++ leaves them undefined).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+from torch_pjrt import storage
+
+_FLOAT_TARGETS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_SIGN_KEPT_NAN = (torch.float8_e4m3fn, torch.float8_e5m2)
+_E4M3FN_MAX = 448.0
+_FLOAT32_SMALLEST_NORMAL = 2.0 ** -126
+
+
+def _nan_results(source: torch.dtype, target: torch.dtype) -> list[tuple[int, Any]]:
+    """Each NaN bit pattern of a float8 dtype and the value PyTorch CPU converts it to."""
+    patterns = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    values = patterns.view(source)
+    nan = values.float().isnan()
+    return list(zip(patterns[nan].tolist(), storage.host_array(values[nan].to(target))))
+
+
+_NAN_RESULTS = {(s, t): _nan_results(s, t) for s in storage.FLOAT8_DTYPES for t in _FLOAT_TARGETS}
+
+
+def convert(array: Any, dtype: torch.dtype) -> Any:
+    """An array converted to a torch dtype bit for bit as PyTorch CPU converts it."""
+    array = jnp.asarray(array)
+    source = storage.torch_dtype(array.dtype)
+    if source is dtype:
+        return array
+    if dtype in storage.FLOAT8_DTYPES:
+        return _to_float8(_float32(array, source), dtype)
+    if source in storage.FLOAT8_DTYPES:
+        return _from_float8(array, source, dtype)
+    if dtype is torch.bool:
+        return array != 0
+    return array.astype(storage.numpy_dtype(dtype))
+
+
+def _float32(array: Any, source: torch.dtype) -> Any:
+    """float32 as a C++ cast makes it; float64 subnormal results kept (XLA's CPU convert flushes them)."""
+    if source is not torch.float64:
+        return convert(array, torch.float32)
+    # below the smallest normal float32 the result is k * 2^-149, k the nearest integer (ties to even)
+    steps = jnp.round(jnp.abs(array) * 2.0 ** 149).astype(jnp.uint32)
+    subnormal_bits = steps | jnp.where(jnp.signbit(array), jnp.uint32(1 << 31), jnp.uint32(0))
+    subnormal = jax.lax.bitcast_convert_type(subnormal_bits, jnp.float32)
+    return jnp.where(jnp.abs(array) < _FLOAT32_SMALLEST_NORMAL, subnormal, array.astype(jnp.float32))
+
+
+def _to_float8(x: Any, dtype: torch.dtype) -> Any:
+    """float32 -> float8 by PyTorch's rules (module docstring)."""
+    target = storage.numpy_dtype(dtype)
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    if dtype is torch.float8_e8m0fnu:
+        exponent = (bits >> 23) & 0xFF
+        half_or_more = ((bits >> 22) & 1) == 1
+        round_up = half_or_more & (((bits & 0x3FFFFF) != 0) | (exponent > 0))
+        code = jnp.where(exponent == 0xFF, exponent, exponent + round_up.astype(jnp.uint32))
+        return jax.lax.bitcast_convert_type(code.astype(jnp.uint8), target)
+    if dtype is torch.float8_e4m3fn:
+        x = jnp.clip(x, -_E4M3FN_MAX, _E4M3FN_MAX)
+    result = x.astype(target)
+    if dtype in _SIGN_KEPT_NAN:
+        nan = ((bits >> 24) & 0x80).astype(jnp.uint8) | jnp.uint8(0x7F)
+        result = _replaced(result, [(jnp.isnan(x), nan)])
+    return result
+
+
+def _replaced(result: Any, replacements: list[tuple[Any, Any]]) -> Any:
+    """`result` with the elements where each mask holds replaced by those bits; selected as integers,
+    since XLA may carry a float select through another float type and lose a NaN's sign or payload."""
+    unsigned = jnp.dtype(f"uint{8 * result.dtype.itemsize}")
+    bits = jax.lax.bitcast_convert_type(result, unsigned)
+    for mask, replacement in replacements:
+        bits = jnp.where(mask, jnp.asarray(replacement).astype(unsigned), bits)
+    return jax.lax.bitcast_convert_type(bits, result.dtype)
+
+
+def _from_float8(array: Any, source: torch.dtype, dtype: torch.dtype) -> Any:
+    """float8 -> any dtype: exact through XLA but for NaN patterns; integers and bool through float32."""
+    if dtype not in _FLOAT_TARGETS:
+        return convert(array.astype(jnp.float32), dtype)
+    bits = jax.lax.bitcast_convert_type(array, jnp.uint8)
+    nans = [(bits == pattern, np.asarray(value).view(f"uint{8 * value.itemsize}"))
+            for pattern, value in _NAN_RESULTS[(source, dtype)]]
+    return _replaced(array.astype(storage.numpy_dtype(dtype)), nans)
