@@ -160,3 +160,66 @@ def test_trainer_resume_from_checkpoint_continues_the_losses(tmp_path: Path) -> 
     trainer.train(resume_from_checkpoint=str(checkpoint))
     assert trainer.parameter_devices == {"pjrt"}
     assert logged_losses(trainer, after_step=1) == straight[1:]
+
+
+LAUNCHED = """
+import json, sys, torch
+from accelerate import Accelerator
+accelerator = Accelerator()
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 2)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+model, optimizer = accelerator.prepare(model, optimizer)
+x = torch.randn(3, 4, generator=torch.Generator().manual_seed(accelerator.process_index + 1))
+loss = model(x.to(accelerator.device)).square().sum()
+accelerator.backward(loss)
+optimizer.step()
+gathered = accelerator.gather(model.module.weight.detach()[None])
+if accelerator.is_main_process:
+    json.dump({"device": str(accelerator.device), "type": str(accelerator.distributed_type),
+               "backend": torch.distributed.get_backend(), "weights": gathered.cpu().tolist()},
+              open(sys.argv[1], "w"))
+"""
+
+
+def test_two_process_launch_trains_ddp_on_the_pjrt_backend(tmp_path: Path) -> None:
+    """`accelerate launch --num_processes 2`: DDP over the c10d backend "pjrt", the same step as on CPU."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    script, result = tmp_path / "launched.py", tmp_path / "result.json"
+    script.write_text(LAUNCHED)
+    env = {**os.environ, "TORCH_PJRT_CPU_DEVICES": "2", "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--multi_gpu",
+               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(script), str(result)]
+    run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=400)
+    assert run.returncode == 0, run.stderr[-3000:]
+    found = json.loads(result.read_text())
+    assert (found["device"], found["type"], found["backend"]) == ("pjrt:0", "DistributedType.MULTI_GPU", "pjrt")
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    inputs = [torch.randn(3, 4, generator=torch.Generator().manual_seed(rank + 1)) for rank in range(2)]
+    grads = [torch.autograd.grad(model(x).square().sum(), model.weight)[0] for x in inputs]
+    expected = model.weight.detach() - 0.1 * (grads[0] + grads[1]) / 2  # DDP averages the ranks' gradients
+    for weights in found["weights"]:
+        torch.testing.assert_close(torch.tensor(weights), expected, atol=1e-6, rtol=1e-5)
+
+
+def test_an_optimizer_built_before_prepare_steps_the_moved_parameters() -> None:
+    """accelerate's usual order: optimizer on the CPU parameters, then prepare moves the model to pjrt."""
+    torch.manual_seed(0)
+    reference = torch.nn.Linear(3, 2)
+    model = copy.deepcopy(reference)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    accelerator = Accelerator()
+    model, optimizer = accelerator.prepare(model, optimizer)
+    assert optimizer.optimizer.param_groups[0]["params"][0] is model.weight
+    x = torch.randn(4, 3)
+    accelerator.backward(model(x.to(accelerator.device)).square().sum())
+    optimizer.step()
+    expected = torch.optim.SGD(reference.parameters(), lr=0.1)
+    reference(x).square().sum().backward()
+    expected.step()
+    torch.testing.assert_close(model.weight.detach().cpu(), reference.weight.detach())

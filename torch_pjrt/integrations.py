@@ -89,6 +89,7 @@ def _mark_prompt(model: Any, *tensors: Any) -> None:
 
 def accelerator_device() -> torch.device | None:
     """The pjrt device accelerate should train on, or None where pjrt is not to be the accelerator."""
+    _run_deferred_patches()
     if not envvars.flag("TORCH_PJRT_ACCELERATE") or not torch.pjrt.is_available():
         return None
     return torch.device("pjrt", torch.pjrt.current_device())
@@ -182,6 +183,33 @@ def _patch_accelerate_checkpointing(module: Any) -> None:
             holder.load_accelerator_state = load_accelerator_state
 
 
+def _patch_accelerator(module: Any) -> None:
+    accelerator = module.Accelerator
+    original = accelerator.prepare
+    if getattr(original, "_pjrt_aware", False):
+        return
+
+    @functools.wraps(original)
+    def prepare(self: Any, *args: Any, **kwargs: Any) -> Any:
+        """Point prepared optimizers at the moved parameters. Moving a module to pjrt makes new Parameter
+        objects (PyTorch keeps them only between its built-in dense backends), so an optimizer built on
+        the CPU ones would step nothing; accelerate does the same switch for XLA devices."""
+        moves = self.device_placement and self.device.type == "pjrt"
+        old = self._get_named_parameters(*args, drop_refs=False) if moves else {}
+        result = original(self, *args, **kwargs)
+        if moves:
+            prepared = result if isinstance(result, tuple) else (result,)
+            new = self._get_named_parameters(*prepared)
+            mapping = {parameter: new[name] for name, parameter in old.items() if name in new}
+            for item in prepared:
+                if isinstance(item, torch.optim.Optimizer):
+                    item._switch_parameters(mapping)
+        return result
+
+    prepare._pjrt_aware = True
+    accelerator.prepare = prepare
+
+
 def _patch_training_args(module: Any) -> None:
     arguments = module.TrainingArguments
     original = arguments.__dict__["_setup_devices"].func
@@ -247,6 +275,7 @@ PATCHES = {
     "transformers.generation.utils": _patch_generate,
     "accelerate.state": _patch_accelerate_state,
     "accelerate.checkpointing": _patch_accelerate_checkpointing,
+    "accelerate.accelerator": _patch_accelerator,
     "transformers.training_args": _patch_training_args,
     "transformers.trainer": _patch_trainer,
 }
@@ -267,6 +296,8 @@ class _PatchingLoader(importlib.abc.Loader):
 
 class _Finder(importlib.abc.MetaPathFinder):
     def find_spec(self, name: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        if _deferred:
+            _run_deferred_patches()
         if name not in PATCHES:
             return None
         for finder in sys.meta_path:
@@ -279,10 +310,32 @@ class _Finder(importlib.abc.MetaPathFinder):
         return None
 
 
+# Modules that were still being imported when install() ran (`import accelerate` imports torch, and
+# so registers the device, halfway through accelerate.accelerator): patched once they are complete,
+# at the next import anywhere or the first accelerate device query, whichever comes first.
+_deferred: list[str] = []
+
+
+def _initializing(module: Any) -> bool:
+    return bool(getattr(getattr(module, "__spec__", None), "_initializing", False))
+
+
+def _run_deferred_patches() -> None:
+    for name in list(_deferred):
+        if not _initializing(sys.modules[name]):
+            _deferred.remove(name)
+            PATCHES[name](sys.modules[name])
+
+
 def install() -> None:
     """Patch already-imported libraries now and the others as they are imported (cheap)."""
     for name, patch in PATCHES.items():
-        if name in sys.modules:
-            patch(sys.modules[name])
+        module = sys.modules.get(name)
+        if module is None:
+            continue
+        if _initializing(module):
+            _deferred.append(name)
+        else:
+            patch(module)
     if not any(isinstance(f, _Finder) for f in sys.meta_path):
         sys.meta_path.insert(0, _Finder())

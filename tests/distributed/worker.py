@@ -125,6 +125,11 @@ def scenario_all_gather(device: torch.device) -> None:
         flat = torch.empty(2 * world(), 3, dtype=dtype, device=device)
         dist.all_gather_into_tensor(flat, host.to(device))
         same(flat, torch.cat(expected), f"all_gather_into_tensor {dtype}")
+        # NCCL's other accepted output forms, which accelerate's gather uses: flat, and stacked
+        for shape in ((2 * world() * 3,), (world(), 2, 3)):
+            other = torch.empty(shape, dtype=dtype, device=device)
+            dist.all_gather_into_tensor(other, host.to(device))
+            same(other, torch.cat(expected).reshape(shape), f"all_gather_into_tensor {shape} {dtype}")
 
 
 def scenario_reduce_scatter(device: torch.device) -> None:

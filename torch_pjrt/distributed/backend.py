@@ -237,7 +237,13 @@ class ProcessGroupPjrt(dist.ProcessGroup):
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> dist.Work:
         opts = opts or dist.AllgatherOptions()
         host_output, host_input = _stage([output])[0].contiguous(), _stage([input])[0].contiguous()
-        self._run("_allgather_base", host_output, host_input, opts)
+        # gloo takes the inputs concatenated along dim 0; like NCCL, any output of the right size is
+        # accepted (flat, or stacked on a new dim), written through a view of that form
+        gathered = host_output
+        if host_output.numel() == host_input.numel() * self.size():
+            rows = self.size() * host_input.shape[0] if host_input.dim() else self.size()
+            gathered = host_output.view(rows, *host_input.shape[1:])
+        self._run("_allgather_base", gathered, host_input, opts)
         _write_back([output], [host_output])
         return _done([output])
 
