@@ -18,14 +18,16 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) examples/demo_gpt.py
 
+# Two pytest workers (pytest-xdist), one test file at a time each: most tests run one single-threaded
+# XLA compile or program after another, so a second worker uses CI's second core.
 test: $(STAMP)
 	$(VENV)/bin/ruff check torch_pjrt tests bench examples battery
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n 2 --dist loadfile tests
 
 # The whole suite with the native hit path off (every eager op through its Python kernel), for bisecting;
 # `make test` runs tests/test_native_dispatch.py, which compares both paths bit for bit.
 test-python-dispatch: $(STAMP)
-	TORCH_PJRT_NATIVE_DISPATCH=0 $(PY) -m pytest -q tests
+	TORCH_PJRT_NATIVE_DISPATCH=0 $(PY) -m pytest -q -n 2 --dist loadfile tests
 
 bench: $(STAMP)
 	$(PY) bench/dispatch_overhead.py
