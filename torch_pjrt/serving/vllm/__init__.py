@@ -12,13 +12,17 @@ ATTENTION_BACKEND_CLASS = "torch_pjrt.serving.vllm.attention.PjrtAttentionBacken
 
 
 def platform_plugin() -> str | None:
-    """The platform class path when a pjrt device answers, else None (vLLM then detects its own)."""
+    """The platform class path when the pjrt device is registered with PyTorch, else None.
+
+    It does not start the device (jax): vLLM runs this in every process, including the one that then
+    starts the engine in a child process, and a started runtime does not survive a fork.
+    """
     try:
         import torch
 
         import torch_pjrt  # noqa: F401  (registers the device when autoload is off)
 
-        return PLATFORM_CLASS if torch.pjrt.is_available() and torch.pjrt.device_count() > 0 else None
+        return PLATFORM_CLASS if torch._C._get_privateuse1_backend_name() == "pjrt" else None
     except Exception:  # detection must never break vLLM's own platform choice
         return None
 

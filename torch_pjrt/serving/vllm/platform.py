@@ -7,6 +7,7 @@ custom layers run their torch-op forward (`forward_oot`, i.e. `forward_native`) 
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -97,6 +98,9 @@ class PjrtPlatform(Platform):
         """Eager execution in one process per device: the settings this first slice has been checked with."""
         from vllm.config import CompilationMode
 
+        if "VLLM_WORKER_MULTIPROC_METHOD" not in os.environ:
+            # jax's runtime threads do not survive fork: engine and worker processes must be spawned.
+            os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
         cache_config = vllm_config.cache_config
         if not cache_config.user_specified_block_size:
             cache_config.block_size = DEFAULT_BLOCK_SIZE
