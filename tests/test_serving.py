@@ -22,7 +22,7 @@ from vllm import LLM, SamplingParams  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
 
 from torch_pjrt.eager.modes import EagerMode  # noqa: E402
-from torch_pjrt.serving.vllm.attention import padded_context_length  # noqa: E402
+from torch_pjrt.serving.vllm.attention import padded_context_length, padded_token_count  # noqa: E402
 
 MAX_MODEL_LEN = 128
 NEW_TOKENS = 8
@@ -126,3 +126,7 @@ def test_prompt_longer_than_max_model_len_gets_vllms_error_and_the_engine_keeps_
 
 def test_padded_context_length_is_a_power_of_two_within_the_table() -> None:
     assert [padded_context_length(n, 16, 128) for n in (1, 16, 17, 33, 100, 128)] == [16, 16, 32, 64, 128, 128]
+
+
+def test_padded_token_count_is_a_power_of_two_from_eight() -> None:
+    assert [padded_token_count(n) for n in (1, 8, 9, 33, 512)] == [8, 8, 16, 64, 512]

@@ -39,6 +39,7 @@ class PjrtAttentionMetadata:
     """One step's attention indices, on the pjrt device (built once per step, shared by the layers)."""
 
     num_actual_tokens: int
+    """Token rows of the step, padding included (padded_token_count of the real tokens)."""
     slot_blocks: torch.Tensor
     """(tokens,) cache block each token's key/value is written to."""
     slot_offsets: torch.Tensor
@@ -57,6 +58,11 @@ def padded_context_length(max_seq_len: int, block_size: int, max_context: int) -
     return min(length, max_context)
 
 
+def padded_token_count(tokens: int) -> int:
+    """The token rows one step runs: a power of two (at least 8), so prompts of new lengths reuse programs."""
+    return max(8, 1 << max(0, tokens - 1).bit_length())
+
+
 class PjrtAttentionMetadataBuilder(AttentionMetadataBuilder[PjrtAttentionMetadata]):
     """Turns vLLM's host-side batch description into the device index tensors of PjrtAttentionMetadata."""
 
@@ -69,7 +75,7 @@ class PjrtAttentionMetadataBuilder(AttentionMetadataBuilder[PjrtAttentionMetadat
     ) -> PjrtAttentionMetadata:
         meta = common_attn_metadata
         query_start = meta.query_start_loc_cpu.numpy().astype(np.int64)
-        tokens = int(query_start[meta.num_reqs])  # vLLM may pad the batch past its real tokens
+        tokens = int(query_start[meta.num_reqs])
         seq_lens = meta.seq_lens.cpu().numpy().astype(np.int64)[: meta.num_reqs]
         query_lens = np.diff(query_start[: meta.num_reqs + 1])
         request_of_token = np.repeat(np.arange(meta.num_reqs), query_lens)
@@ -80,9 +86,18 @@ class PjrtAttentionMetadataBuilder(AttentionMetadataBuilder[PjrtAttentionMetadat
         block_table = meta.block_table_tensor.cpu().numpy().astype(np.int64)[: meta.num_reqs]
         context = padded_context_length(int(seq_lens.max()), self.block_size, block_table.shape[1] * self.block_size)
         context_positions = np.arange(context)
-        context_blocks = block_table[request_of_token][:, context_positions // self.block_size]
-        visible = context_positions[None, :] <= positions[:, None]
         slots = meta.slot_mapping.cpu().numpy().astype(np.int64)[:tokens]
+
+        # Rows past the real tokens (the runner pads the batch to padded_token_count) write to and read
+        # from block 0, vLLM's null block, which no request owns, and see only its first row.
+        padded = padded_token_count(tokens)
+        context_blocks = np.zeros((padded, context), np.int64)
+        context_blocks[:tokens] = block_table[request_of_token][:, context_positions // self.block_size]
+        visible = np.zeros((padded, context), bool)
+        visible[:tokens] = context_positions[None, :] <= positions[:, None]
+        visible[tokens:, 0] = True
+        padded_slots = np.zeros(padded, np.int64)
+        padded_slots[:tokens] = slots
 
         device = _pjrt_device()
 
@@ -90,9 +105,9 @@ class PjrtAttentionMetadataBuilder(AttentionMetadataBuilder[PjrtAttentionMetadat
             return torch.from_numpy(np.ascontiguousarray(array)).to(device)
 
         return PjrtAttentionMetadata(
-            num_actual_tokens=tokens,
-            slot_blocks=to_device(slots // self.block_size),
-            slot_offsets=to_device(slots % self.block_size),
+            num_actual_tokens=padded,
+            slot_blocks=to_device(padded_slots // self.block_size),
+            slot_offsets=to_device(padded_slots % self.block_size),
             context_blocks=to_device(context_blocks),
             context_offsets=to_device(context_positions % self.block_size),
             visible=to_device(visible),

@@ -1,9 +1,10 @@
 """vLLM's worker and model runner for pjrt: vLLM's CPU runner with the model and KV cache on the device.
 
 vLLM's CPU runner keeps the step's bookkeeping (input batch, block tables, sampling state) in host
-tensors; this runner reuses all of it and moves only what the model reads: token ids and positions go to
-the device before the forward, the attention backend ships its index tensors once per step, and the
-logits come back to the host, where vLLM's sampler runs as on CPU.
+tensors; this runner reuses all of it and moves only what the model reads: token ids and positions go
+to the device before the forward (padded to a power-of-two token count, which bounds the programs
+compiled), the attention backend ships its index tensors once per step, and the logits come back to
+the host, where vLLM's sampler runs as on CPU.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from vllm.utils.torch_utils import set_random_seed
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
 from vllm.v1.worker.gpu_worker import Worker, init_worker_distributed_environment
+
+from torch_pjrt.serving.vllm.attention import padded_token_count
 
 logger = init_logger(__name__)
 
@@ -64,7 +67,13 @@ class PjrtModelRunner(CPUModelRunner):
         **model_kwargs: Any,
     ) -> Any:
         def to_device(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t.to(self.model_device, non_blocking=True)
+            """On the device, its token dimension padded as the attention metadata pads it."""
+            if t is None:
+                return None
+            padding = padded_token_count(t.shape[0]) - t.shape[0]
+            if padding:
+                t = torch.cat([t, t.new_zeros((padding, *t.shape[1:]))])
+            return t.to(self.model_device, non_blocking=True)
 
         return super()._model_forward(
             to_device(input_ids), to_device(positions), intermediate_tensors, to_device(inputs_embeds), **model_kwargs
