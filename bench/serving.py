@@ -3,9 +3,10 @@
 A 2-layer Llama (width 128, head_dim 32) with random weights saved to a temporary folder; N requests of
 mixed prompt lengths submitted at once (`LLM.generate` on prompt token ids, greedy, `--new-tokens` each).
 Each row is its own process (vLLM picks its platform once per process: `VLLM_PLUGINS=` with no name
-leaves vLLM's CPU platform); after one warm-up batch (the compiles), the best of `--repeats` timed batches.
+leaves vLLM's CPU platform); after one warm-up batch (the compiles), the best of `--repeats` timed batches
+(the second batch meets new token buckets, as prefix caching shortens its prefills; the third compiles nothing).
 Output tokens must equal across rows. Needs the vLLM environment: `make test-serving` builds it.
-Run: .venv-vllm/bin/python bench/serving.py [--requests N] [--new-tokens T] [--repeats R]
+Run: .venv-vllm/bin/python bench/serving.py [--requests N] [--new-tokens T] [--repeats R] [--kv-cache-mib M]
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ SERVE = textwrap.dedent(
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
     if __name__ == "__main__":
-        folder, requests, new_tokens, repeats, mode = sys.argv[1], *map(int, sys.argv[2:5]), sys.argv[5]
+        folder, requests, new_tokens, repeats, kv_mib, mode = sys.argv[1], *map(int, sys.argv[2:6]), sys.argv[6]
         llm = LLM(model=folder, skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
-                  max_model_len=256, max_num_seqs=requests, kv_cache_memory_bytes=1 << 26)
+                  max_model_len=256, max_num_seqs=requests, kv_cache_memory_bytes=kv_mib << 20)
         from vllm.platforms import current_platform
         prompts = [TokensPrompt(prompt_token_ids=[(7 * i + 3 * j) % 250 + 3 for j in range(8 + 9 * i)])
                    for i in range(requests)]
@@ -67,7 +68,8 @@ def _run(folder: str, args: argparse.Namespace, platform: str, mode: str) -> dic
         env["VLLM_PLUGINS"] = ""
     with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as script:
         script.write(SERVE)
-    command = [sys.executable, script.name, folder, str(args.requests), str(args.new_tokens), str(args.repeats), mode]
+    counts = [args.requests, args.new_tokens, args.repeats, args.kv_cache_mib]
+    command = [sys.executable, script.name, folder, *map(str, counts), mode]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
     os.unlink(script.name)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
@@ -80,7 +82,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
+    # pjrt's step time grows with the cache size (docs/serving.md): each layer's cache write rewrites the buffer
+    parser.add_argument("--kv-cache-mib", type=int, default=16)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as folder:
         _tiny_llama(folder)
@@ -92,7 +96,8 @@ def main() -> None:
     reference = rows[0][1]["tokens"]
     output_tokens = args.requests * args.new_tokens
     longest = 8 + 9 * (args.requests - 1)
-    print(f"{args.requests} requests (prompts 8..{longest} tokens), {args.new_tokens} new tokens each")
+    print(f"{args.requests} requests (prompts 8..{longest} tokens), {args.new_tokens} new tokens each, "
+          f"KV cache {args.kv_cache_mib} MiB")
     print("| platform | seconds | output tokens/s | tokens equal CPU platform's |")
     print("|---|---|---|---|")
     for name, row in rows:

@@ -130,3 +130,38 @@ def test_padded_context_length_is_a_power_of_two_within_the_table() -> None:
 
 def test_padded_token_count_is_a_power_of_two_from_eight() -> None:
     assert [padded_token_count(n) for n in (1, 8, 9, 33, 512)] == [8, 8, 16, 64, 512]
+
+
+QWEN3_IN_A_NEW_PROCESS = """
+import sys, torch, transformers
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+folder = sys.argv[1]
+config = transformers.Qwen3Config(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256)
+torch.manual_seed(0)
+model = transformers.Qwen3ForCausalLM(config).eval()
+model.save_pretrained(folder)
+prompts = [[(5 * i + 3 * j) % 250 + 3 for j in range(n)] for i, n in enumerate((5, 13, 30))]
+expected = []
+for p in prompts:
+    ids = torch.tensor([p])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False)
+    expected.append(out[0, len(p):].tolist())
+llm = LLM(model=folder, skip_tokenizer_init=True, enforce_eager=True, dtype="float32", max_model_len=128,
+          max_num_seqs=4, kv_cache_memory_bytes=1 << 24)
+params = SamplingParams(temperature=0, max_tokens=8, detokenize=False)
+outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+print("EQUAL", [list(o.outputs[0].token_ids) for o in outputs] == expected)
+"""
+
+
+def test_qwen3_greedy_tokens_equal_hugging_face_on_cpu(tmp_path: Path) -> None:
+    # A second architecture (q/k norms), in a process of its own: one vLLM engine per process here.
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", QWEN3_IN_A_NEW_PROCESS, str(tmp_path)], capture_output=True, text=True, timeout=600
+    )
+    assert "EQUAL True" in done.stdout, done.stderr[-3000:]
