@@ -90,6 +90,13 @@ def test_transfers_non_blocking_and_pinned_source() -> None:
     assert torch.equal(a.to("pjrt").to("cpu", non_blocking=True), a)
 
 
+def test_empty_host_cache_with_pjrt_as_accelerator() -> None:
+    # torch 2.13 crashes here when the accelerator registers no host allocator (vLLM calls it at shutdown).
+    assert torch.accelerator.current_accelerator().type == "pjrt"
+    torch.empty(8).pin_memory()
+    torch.accelerator.empty_host_cache()
+
+
 def test_memory_accounting_follows_tensors() -> None:
     before = torch.pjrt.memory_allocated()
     x = torch.empty(1000, dtype=torch.float32, device="pjrt")

@@ -67,6 +67,7 @@ def register() -> None:
         # queues once, so it is told an upper bound now and the real count later.
         native.install(_cpu_devices(), max(_cpu_devices(), ENGINE_DEVICES))
         _torch_private.setup_backend(NAME, device.build_module(), _Hooks(), _Guard())
+        device.guard_empty_host_cache()
         _state["libraries"].append(_torch_private.library_fallback(fallback.catch_all, "PrivateUse1"))
         serialization.register()
         integrations.install()

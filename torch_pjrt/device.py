@@ -257,6 +257,27 @@ def empty_cache() -> None:
     """A no-op kept for torch.cuda parity: PJRT frees a buffer as soon as its tensor dies."""
 
 
+def guard_empty_host_cache() -> None:
+    """Make `torch.accelerator.empty_host_cache()` a no-op while pjrt is the accelerator.
+
+    torch 2.13 empties the host cache of the allocator registered for the accelerator's device type, and
+    crashes the process when none is registered (pjrt's pinned allocator frees each block on release, so
+    it has no cache and registers none). vLLM calls it at shutdown.
+    """
+    original = torch.accelerator.empty_host_cache
+    if getattr(original, "_pjrt_guarded", False):
+        return
+
+    def empty_host_cache() -> None:
+        accelerator = torch.accelerator.current_accelerator()
+        if accelerator is None or accelerator.type != "pjrt":
+            original()
+
+    empty_host_cache._pjrt_guarded = True  # type: ignore[attr-defined]
+    empty_host_cache.__doc__ = original.__doc__
+    torch.accelerator.empty_host_cache = empty_host_cache
+
+
 def mem_get_info(device: Any = None) -> tuple[int, int]:
     """(free, total) bytes: PJRT's figures, or the host's memory where the device is host memory (CPU)."""
     client = _client()

@@ -1,0 +1,110 @@
+"""vLLM offline serving throughput: the pjrt platform plugin (strict and fused eager) against vLLM's CPU platform.
+
+A 2-layer Llama (width 128, head_dim 32) with random weights saved to a temporary folder; N requests of
+mixed prompt lengths submitted at once (`LLM.generate` on prompt token ids, greedy, `--new-tokens` each).
+Each row is its own process (vLLM picks its platform once per process: `VLLM_PLUGINS=` with no name
+leaves vLLM's CPU platform); after one warm-up batch (the compiles), the best of `--repeats` timed batches
+(the second batch meets new token buckets, as prefix caching shortens its prefills; the third compiles nothing).
+Output tokens must equal across rows. Needs the vLLM environment: `make test-serving` builds it.
+Run: .venv-vllm/bin/python bench/serving.py [--requests N] [--new-tokens T] [--repeats R] [--kv-cache-mib M]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+
+SERVE = textwrap.dedent(
+    """
+    import json, sys, time
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    if __name__ == "__main__":
+        folder, requests, new_tokens, repeats, kv_mib, mode = sys.argv[1], *map(int, sys.argv[2:6]), sys.argv[6]
+        llm = LLM(model=folder, skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
+                  max_model_len=256, max_num_seqs=requests, kv_cache_memory_bytes=kv_mib << 20)
+        from vllm.platforms import current_platform
+        prompts = [TokensPrompt(prompt_token_ids=[(7 * i + 3 * j) % 250 + 3 for j in range(8 + 9 * i)])
+                   for i in range(requests)]
+        params = SamplingParams(temperature=0, max_tokens=new_tokens, min_tokens=new_tokens, detokenize=False)
+        context = None
+        if mode == "fused":
+            import torch
+            from torch_pjrt.eager.modes import EagerMode
+            context = torch.pjrt.set_eager_mode(EagerMode.DEFER_AND_FUSE)
+            context.__enter__()
+        llm.generate(prompts, params, use_tqdm=False)
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            best = min(best, time.perf_counter() - start)
+        tokens = [list(o.outputs[0].token_ids) for o in outputs]
+        print("RESULT " + json.dumps({"platform": current_platform.device_type, "seconds": best, "tokens": tokens}))
+    """
+)
+
+
+def _tiny_llama(folder: str) -> None:
+    import torch
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+
+
+def _run(folder: str, args: argparse.Namespace, platform: str, mode: str) -> dict:
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    if platform == "cpu":
+        env["VLLM_PLUGINS"] = ""
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as script:
+        script.write(SERVE)
+    counts = [args.requests, args.new_tokens, args.repeats, args.kv_cache_mib]
+    command = [sys.executable, script.name, folder, *map(str, counts), mode]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+    os.unlink(script.name)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    if done.returncode or not lines:
+        raise RuntimeError(f"{platform}/{mode} failed:\n{done.stderr[-3000:]}")
+    return json.loads(lines[-1][len("RESULT ") :])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=4)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
+    # pjrt's step time grows with the cache size (docs/serving.md): each layer's cache write rewrites the buffer
+    parser.add_argument("--kv-cache-mib", type=int, default=16)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as folder:
+        _tiny_llama(folder)
+        rows = [
+            ("vLLM CPU platform", _run(folder, args, "cpu", "strict")),
+            ("pjrt plugin, strict eager", _run(folder, args, "pjrt", "strict")),
+            ("pjrt plugin, DEFER_AND_FUSE", _run(folder, args, "pjrt", "fused")),
+        ]
+    reference = rows[0][1]["tokens"]
+    output_tokens = args.requests * args.new_tokens
+    longest = 8 + 9 * (args.requests - 1)
+    print(f"{args.requests} requests (prompts 8..{longest} tokens), {args.new_tokens} new tokens each, "
+          f"KV cache {args.kv_cache_mib} MiB")
+    print("| platform | seconds | output tokens/s | tokens equal CPU platform's |")
+    print("|---|---|---|---|")
+    for name, row in rows:
+        assert row["platform"] == ("cpu" if name.startswith("vLLM") else "pjrt"), row["platform"]
+        rate = output_tokens / row["seconds"]
+        print(f"| {name} | {row['seconds']:.2f} | {rate:.1f} | {row['tokens'] == reference} |")
+
+
+if __name__ == "__main__":
+    main()

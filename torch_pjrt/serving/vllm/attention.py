@@ -1,0 +1,218 @@
+"""vLLM attention on pjrt: a paged KV cache held in pjrt tensors, read and written with torch ops.
+
+Each layer's cache is vLLM's `[num_blocks, num_kv_heads, block_size, 2 * head_size]` tensor; a token's
+key and value share one row of it (key in the first half, value in the second). One step's batch mixes
+prefills, chunked prefills and decodes: every query token writes its key and value at its slot
+(`slot_mapping`), then gathers its request's keys and values through the block table and attends to the
+positions at or before its own. The host builds the index tensors once per step (on CPU, from vLLM's
+host-side metadata) and ships them in one transfer each; the layers then run only device ops.
+
+The key/value length is padded to a power of two (at least one block), so decode steps of growing
+length reuse one set of programs per bucket instead of compiling per length. The work is
+O(query tokens x padded context) per layer: right for a first slice and for tests, while a
+Pallas paged-attention kernel (torch_pjrt.kernels) is the natural next step for speed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+)
+from vllm.v1.kv_cache_layout import KVCacheLayout
+
+
+def _pjrt_device() -> torch.device:
+    return torch.device("pjrt", torch.pjrt.current_device())
+
+
+@dataclass
+class PjrtAttentionMetadata:
+    """One step's attention indices, on the pjrt device (built once per step, shared by the layers)."""
+
+    num_actual_tokens: int
+    """Token rows of the step, padding included (padded_token_count of the real tokens)."""
+    slot_blocks: torch.Tensor
+    """(tokens,) cache block each token's key/value is written to."""
+    slot_offsets: torch.Tensor
+    """(tokens,) row inside that block."""
+    context_blocks: torch.Tensor
+    """(tokens, padded context) cache block holding each context position of the token's request."""
+    context_offsets: torch.Tensor
+    """(padded context,) row inside the block for each context position."""
+    visible: torch.Tensor
+    """(tokens, padded context) bool: the context position is at or before the token (causal)."""
+
+
+def padded_context_length(max_seq_len: int, block_size: int, max_context: int) -> int:
+    """The key/value length one step gathers: a power of two, at least one block, at most the table's reach."""
+    length = max(block_size, 1 << max(0, int(max_seq_len) - 1).bit_length())
+    return min(length, max_context)
+
+
+def padded_token_count(tokens: int) -> int:
+    """The token rows one step runs: a power of two (at least 8), so prompts of new lengths reuse programs."""
+    return max(8, 1 << max(0, tokens - 1).bit_length())
+
+
+class PjrtAttentionMetadataBuilder(AttentionMetadataBuilder[PjrtAttentionMetadata]):
+    """Turns vLLM's host-side batch description into the device index tensors of PjrtAttentionMetadata."""
+
+    def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any, device: torch.device) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.block_size = kv_cache_spec.block_size
+
+    def build(
+        self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
+    ) -> PjrtAttentionMetadata:
+        meta = common_attn_metadata
+        query_start = meta.query_start_loc_cpu.numpy().astype(np.int64)
+        tokens = int(query_start[meta.num_reqs])
+        seq_lens = meta.seq_lens.cpu().numpy().astype(np.int64)[: meta.num_reqs]
+        query_lens = np.diff(query_start[: meta.num_reqs + 1])
+        request_of_token = np.repeat(np.arange(meta.num_reqs), query_lens)
+        # A request's query tokens are its last `query_len` positions.
+        first_position = np.repeat(seq_lens - query_lens, query_lens)
+        positions = first_position + np.arange(tokens) - np.repeat(query_start[: meta.num_reqs], query_lens)
+
+        block_table = meta.block_table_tensor.cpu().numpy().astype(np.int64)[: meta.num_reqs]
+        context = padded_context_length(int(seq_lens.max()), self.block_size, block_table.shape[1] * self.block_size)
+        context_positions = np.arange(context)
+        slots = meta.slot_mapping.cpu().numpy().astype(np.int64)[:tokens]
+
+        # Rows past the real tokens (the runner pads the batch to padded_token_count) write to and read
+        # from block 0, vLLM's null block, which no request owns, and see only its first row.
+        padded = padded_token_count(tokens)
+        context_blocks = np.zeros((padded, context), np.int64)
+        context_blocks[:tokens] = block_table[request_of_token][:, context_positions // self.block_size]
+        visible = np.zeros((padded, context), bool)
+        visible[:tokens] = context_positions[None, :] <= positions[:, None]
+        visible[tokens:, 0] = True
+        padded_slots = np.zeros(padded, np.int64)
+        padded_slots[:tokens] = slots
+
+        device = _pjrt_device()
+
+        def to_device(array: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(array)).to(device)
+
+        return PjrtAttentionMetadata(
+            num_actual_tokens=padded,
+            slot_blocks=to_device(padded_slots // self.block_size),
+            slot_offsets=to_device(padded_slots % self.block_size),
+            context_blocks=to_device(context_blocks),
+            context_offsets=to_device(context_positions % self.block_size),
+            visible=to_device(visible),
+        )
+
+
+class PjrtAttentionImpl(AttentionImpl[PjrtAttentionMetadata]):
+    """Decoder self-attention over the paged cache; refuses what it would not honour (ALiBi, windows, sinks)."""
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int | None = None,
+        alibi_slopes: list[float] | None = None,
+        sliding_window: int | None = None,
+        kv_cache_dtype: str = "auto",
+        logits_soft_cap: float | None = None,
+        attn_type: str = AttentionType.DECODER,
+        kv_sharing_target_layer_name: str | None = None,
+        sinks: torch.Tensor | None = None,
+    ) -> None:
+        unsupported = {
+            "ALiBi slopes": alibi_slopes is not None,
+            "a sliding window": sliding_window is not None,
+            "attention sinks": sinks is not None,
+            f"attention type {attn_type!r}": attn_type != AttentionType.DECODER,
+            f"KV cache dtype {kv_cache_dtype!r}": kv_cache_dtype != "auto",
+        }
+        refused = [what for what, present in unsupported.items() if present]
+        if refused:
+            raise NotImplementedError(f"the pjrt attention backend does not support {', '.join(refused)} yet")
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.num_kv_heads = num_kv_heads or num_heads
+        self.kv_cache_dtype = kv_cache_dtype
+        self.logits_soft_cap = logits_soft_cap or 0.0
+        self.attn_type = attn_type
+        self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+
+    def forward(
+        self,
+        layer: Any,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: PjrtAttentionMetadata | None,
+        output: torch.Tensor,
+        output_scale: torch.Tensor | None = None,
+        output_block_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("the pjrt attention backend does not fuse output quantization")
+        if attn_metadata is None:  # vLLM's profiling run: no cache bound yet
+            return output
+        tokens = attn_metadata.num_actual_tokens
+        heads, kv_heads, size = self.num_heads, self.num_kv_heads, self.head_size
+        kv_head_index = torch.arange(kv_heads, device=kv_cache.device)
+        if self.kv_sharing_target_layer_name is None:
+            rows = torch.cat([key[:tokens], value[:tokens]], -1).view(tokens, kv_heads, 2 * size)
+            kv_cache.index_put_(
+                (attn_metadata.slot_blocks[:, None], kv_head_index[None, :], attn_metadata.slot_offsets[:, None]),
+                rows.to(kv_cache.dtype),
+            )
+        context = kv_cache[
+            attn_metadata.context_blocks[:, :, None],
+            kv_head_index[None, None, :],
+            attn_metadata.context_offsets[None, :, None],
+        ]  # (tokens, context, kv_heads, 2 * size)
+        keys, values = context[..., :size].float(), context[..., size:].float()
+        q = query[:tokens].view(tokens, kv_heads, heads // kv_heads, size).float()
+        scores = torch.einsum("tkgd,tskd->tkgs", q, keys) * self.scale
+        if self.logits_soft_cap:
+            scores = self.logits_soft_cap * torch.tanh(scores / self.logits_soft_cap)
+        scores = scores.masked_fill(~attn_metadata.visible[:, None, None, :], float("-inf"))
+        attended = torch.einsum("tkgs,tskd->tkgd", scores.softmax(-1), values)
+        output[:tokens].copy_(attended.reshape(output[:tokens].shape).to(output.dtype))
+        return output
+
+
+class PjrtAttentionBackend(AttentionBackend):
+    """vLLM's view of the pjrt attention: names the builder and impl, and what they accept."""
+
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float32, torch.bfloat16, torch.float16]
+    supported_kv_cache_dtypes: ClassVar[list[Any]] = ["auto"]
+
+    @staticmethod
+    def get_name() -> str:
+        return "CUSTOM"
+
+    @staticmethod
+    def get_impl_cls() -> type[PjrtAttentionImpl]:
+        return PjrtAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[PjrtAttentionMetadataBuilder]:
+        return PjrtAttentionMetadataBuilder
+
+    @classmethod
+    def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
+        return (KVCacheLayout.LBHNC,)
+
+    @classmethod
+    def supports_attn_type(cls, attn_type: str) -> bool:
+        return attn_type == AttentionType.DECODER

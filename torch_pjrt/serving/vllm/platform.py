@@ -1,0 +1,119 @@
+"""The vLLM `Platform` for pjrt devices: what vLLM asks a device about, answered from torch.pjrt.
+
+vLLM's own CPU platform is not the base class: vLLM branches on `is_cpu()` to call its C++ CPU
+kernels, which cannot take pjrt tensors. As an out-of-tree platform (`PlatformEnum.OOT`), vLLM's
+custom layers run their torch-op forward (`forward_oot`, i.e. `forward_native`) on the device.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from vllm.logger import init_logger
+from vllm.platforms.interface import Platform, PlatformEnum
+
+from torch_pjrt.serving import vllm as plugin
+
+logger = init_logger(__name__)
+
+WORKER_CLASS = "torch_pjrt.serving.vllm.worker.PjrtWorker"
+DEFAULT_BLOCK_SIZE = 16
+
+
+class PjrtPlatform(Platform):
+    """A pjrt device (whichever PJRT platform torch_pjrt runs on) as seen by vLLM."""
+
+    _enum = PlatformEnum.OOT
+    device_name: str = "pjrt"
+    device_type: str = "pjrt"
+    dispatch_key: str = "PrivateUse1"
+    dist_backend: str = "pjrt"
+    ray_device_key: str = ""
+    device_control_env_var: str = "TORCH_PJRT_VISIBLE_DEVICES"
+
+    @property
+    def supported_dtypes(self) -> list[torch.dtype]:
+        return [torch.float32, torch.bfloat16, torch.float16]
+
+    @classmethod
+    def get_device_name(cls, device_id: int = 0) -> str:
+        return torch.pjrt.get_device_name(device_id)
+
+    @classmethod
+    def get_device_total_memory(cls, device_id: int = 0) -> int:
+        return torch.pjrt.mem_get_info(device_id)[1]
+
+    @classmethod
+    def get_current_memory_usage(cls, device: Any = None) -> float:
+        return float(torch.pjrt.memory_allocated(device))
+
+    @classmethod
+    def set_device(cls, device: torch.device) -> None:
+        torch.pjrt.set_device(device)
+
+    @classmethod
+    def manual_seed_all(cls, seed: int) -> None:
+        torch.pjrt.manual_seed_all(seed)
+
+    @classmethod
+    def inference_mode(cls) -> Any:
+        return torch.no_grad()
+
+    @classmethod
+    def is_pin_memory_available(cls) -> bool:
+        return True  # torch_pjrt's native hooks give PyTorch a pinned host allocator
+
+    @classmethod
+    def import_kernels(cls) -> None:
+        """vLLM's host-side helpers (the CPU runner's) use its CPU kernel library: load the build for this CPU."""
+        from vllm.platforms.cpu import CpuPlatform
+
+        CpuPlatform.import_kernels()
+
+    @classmethod
+    def register_triton_kernel_overrides(cls) -> None:
+        """The step's bookkeeping runs on the host, as on vLLM's CPU platform: use its C++ stand-ins for Triton."""
+        from vllm.platforms.cpu import CpuPlatform
+
+        CpuPlatform.register_triton_kernel_overrides()
+
+    @classmethod
+    def check_runner_kv_caches_multi_layer(cls) -> None:
+        """Each attention layer gets its own cache tensor here, so layers sharing an index are fine."""
+
+    @classmethod
+    def get_attn_backend_cls(
+        cls, selected_backend: Any, attn_selector_config: Any, num_heads: int | None = None
+    ) -> str:
+        if attn_selector_config.use_mla or attn_selector_config.use_sparse:
+            raise NotImplementedError("MLA and sparse attention are not supported on pjrt yet")
+        if selected_backend is not None and selected_backend.name != "CUSTOM":
+            logger.info("Attention backend %s is not available on pjrt; using the pjrt backend.", selected_backend.name)
+        return plugin.ATTENTION_BACKEND_CLASS
+
+    @classmethod
+    def check_and_update_config(cls, vllm_config: Any) -> None:
+        """Eager execution in one process per device: the settings this first slice has been checked with."""
+        from vllm.config import CompilationMode
+
+        if "VLLM_WORKER_MULTIPROC_METHOD" not in os.environ:
+            # jax's runtime threads do not survive fork: engine and worker processes must be spawned.
+            os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+        cache_config = vllm_config.cache_config
+        if not cache_config.user_specified_block_size:
+            cache_config.block_size = DEFAULT_BLOCK_SIZE
+        vllm_config.scheduler_config.async_scheduling = False
+        parallel_config = vllm_config.parallel_config
+        if parallel_config.worker_cls == "auto":
+            parallel_config.worker_cls = WORKER_CLASS
+        parallel_config.disable_custom_all_reduce = True
+        compilation_config = vllm_config.compilation_config
+        compilation_config.cudagraph_capture_sizes = []
+        if compilation_config.mode != CompilationMode.NONE:
+            logger.warning("pjrt serves models eagerly for now (as with enforce_eager=True); torch.compile is off.")
+            compilation_config.mode = CompilationMode.NONE
+        model_config = vllm_config.model_config
+        if model_config is not None and not model_config.enforce_eager:
+            model_config.enforce_eager = True

@@ -1,0 +1,127 @@
+"""vLLM's worker and model runner for pjrt: vLLM's CPU runner with the model and KV cache on the device.
+
+vLLM's CPU runner keeps the step's bookkeeping (input batch, block tables, sampling state) in host
+tensors; this runner reuses all of it and moves only what the model reads: token ids and positions go
+to the device before the forward (padded to a power-of-two token count, which bounds the programs
+compiled), the attention backend ships its index tensors once per step, and the logits come back to
+the host, where vLLM's sampler runs as on CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from vllm.logger import init_logger
+from vllm.platforms import current_platform
+from vllm.utils.torch_utils import set_random_seed
+from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+from vllm.v1.worker.cpu_worker import CPUWorker
+from vllm.v1.worker.gpu_worker import Worker, init_worker_distributed_environment
+
+from torch_pjrt.serving.vllm.attention import padded_token_count
+
+logger = init_logger(__name__)
+
+
+class PjrtModelRunner(CPUModelRunner):
+    """Runs the model and holds its KV cache on `model_device` (a pjrt device); everything else on the host."""
+
+    def __init__(self, vllm_config: Any, model_device: torch.device) -> None:
+        super().__init__(vllm_config, torch.device("cpu"))
+        self.model_device = model_device
+
+    @contextlib.contextmanager
+    def _on_model_device(self) -> Iterator[None]:
+        """vLLM allocates caches and loads weights on `self.device`: point it at pjrt for that span."""
+        host = self.device
+        self.device = self.model_device
+        try:
+            yield
+        finally:
+            self.device = host
+
+    def load_model(self, load_dummy_weights: bool = False) -> None:
+        with self._on_model_device():
+            super().load_model(load_dummy_weights)
+        compute_logits = self.model.compute_logits
+
+        def compute_logits_to_host(hidden_states: torch.Tensor) -> torch.Tensor | None:
+            logits = compute_logits(hidden_states.to(self.model_device))
+            return None if logits is None else logits.cpu()
+
+        self.model.compute_logits = compute_logits_to_host
+
+    def initialize_kv_cache_tensors(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:
+        with self._on_model_device():
+            return super().initialize_kv_cache_tensors(*args, **kwargs)
+
+    def _model_forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        intermediate_tensors: Any = None,
+        inputs_embeds: torch.Tensor | None = None,
+        **model_kwargs: Any,
+    ) -> Any:
+        def to_device(t: torch.Tensor | None) -> torch.Tensor | None:
+            """On the device, its token dimension padded as the attention metadata pads it."""
+            if t is None:
+                return None
+            padding = padded_token_count(t.shape[0]) - t.shape[0]
+            if padding:
+                t = torch.cat([t, t.new_zeros((padding, *t.shape[1:]))])
+            return t.to(self.model_device, non_blocking=True)
+
+        return super()._model_forward(
+            to_device(input_ids), to_device(positions), intermediate_tensors, to_device(inputs_embeds), **model_kwargs
+        )
+
+
+class PjrtWorker(CPUWorker):
+    """vLLM's CPU worker lifecycle (warm-up, no sleep mode) around a pjrt device and a pjrt model runner.
+
+    The CPU worker's own start (binding host memory nodes, sizing the KV cache from host memory) does not
+    apply: the cache lives in device memory, sized from torch.pjrt's figures.
+    """
+
+    def __init__(
+        self,
+        vllm_config: Any,
+        local_rank: int,
+        rank: int,
+        distributed_init_method: str,
+        is_driver_worker: bool = False,
+    ) -> None:
+        Worker.__init__(self, vllm_config, local_rank, rank, distributed_init_method, is_driver_worker)
+
+    def init_device(self) -> None:
+        self.device = torch.device("pjrt", self.local_rank)
+        torch.pjrt.set_device(self.device)
+        init_worker_distributed_environment(
+            self.vllm_config, self.rank, self.distributed_init_method, self.local_rank, current_platform.dist_backend
+        )
+        set_random_seed(self.model_config.seed)
+        self.model_runner = PjrtModelRunner(self.vllm_config, self.device)
+
+    def _maybe_get_memory_pool_context(self, tag: str) -> contextlib.AbstractContextManager:
+        """No sleep-mode memory pool on pjrt: weights and caches come from the device's own allocator."""
+        return contextlib.nullcontext()
+
+    def determine_available_memory(self) -> int:
+        """The KV cache's bytes: `kv_cache_memory_bytes` when given, else the device's share left after the weights."""
+        explicit = self.cache_config.kv_cache_memory_bytes
+        if explicit is not None:
+            return explicit
+        free, total = torch.pjrt.mem_get_info(self.device)
+        budget = int(total * self.cache_config.gpu_memory_utilization) - torch.pjrt.memory_allocated(self.device)
+        if budget <= 0 or budget > free:
+            raise ValueError(
+                f"pjrt device {self.device} has {free / 2**30:.2f} of {total / 2**30:.2f} GiB free, and "
+                f"gpu_memory_utilization={self.cache_config.gpu_memory_utilization} leaves "
+                f"{budget / 2**30:.2f} GiB for the KV cache; lower gpu_memory_utilization or set kv_cache_memory_bytes"
+            )
+        logger.info("KV cache on %s: %.2f GiB", self.device, budget / 2**30)
+        return budget
