@@ -54,7 +54,8 @@ def test_gpt_preset_json_and_table(capsys: pytest.CaptureFixture) -> None:
     (result,) = report["results"]
     check_result(result, "pjrt", "tokens")
     assert report["items_per_step"] == 2 * 16 and result["cost"]["per"] == "1M tokens"
-    assert result["compiles"] > 0 and len(result["losses"]) == 3
+    # compiles may be 0 here: an earlier test in this worker process can have compiled the same programs
+    assert len(result["losses"]) == 3
     assert main(["bench", "--preset", "gpt", "--size", "tiny", "--steps", "2", "--devices", "pjrt"]) == 0
     table = capsys.readouterr().out.splitlines()
     assert table[0] == "bench gpt (tiny): 32 tokens per step"
