@@ -15,13 +15,3 @@ def backend_flags_settable() -> Iterator[None]:
     with getattr(torch.backends, "__allow_nonbracketed_mutation")():
         yield
 
-
-@pytest.fixture(autouse=True)
-def no_live_lengths_from_earlier_tests() -> Iterator[None]:
-    """Lengths marked dynamic in one test (generate() marks its prompt) make factories of that size pad
-    for the next 512 ops; with pytest-xdist another file's test may come next in the worker, so each
-    test starts without them. (That a padded GPT step then fails in backward is issue #12's open bug.)"""
-    from torch_pjrt.eager import dynamic
-
-    dynamic._LIVE_LENGTHS.clear()
-    yield

@@ -130,7 +130,7 @@ def test_a_kv_cache_growing_by_one_compiles_once_per_bucket() -> None:
 
 def test_factories_of_a_marked_length_are_padded_but_random_ones_are_not() -> None:
     torch.manual_seed(3)
-    marked(torch.randn(2, 29))
+    prompt = marked(torch.randn(2, 29))
     positions = torch.arange(29, device="pjrt")
     assert torch_pjrt.get_dynamism_info(positions)["dims"] == {0: {"size": 29, "bucket": 32}}
     assert torch.equal(positions.cpu(), torch.arange(29))
@@ -139,6 +139,27 @@ def test_factories_of_a_marked_length_are_padded_but_random_ones_are_not() -> No
     assert torch_pjrt.get_dynamism_info(noise)["storage"] is None
     torch.manual_seed(4)
     assert torch.equal(noise.cpu(), torch.randn(29, device="pjrt").cpu())
+    # once no padded tensor of that length is left, code that comes after is not padded
+    del prompt, positions
+    assert torch_pjrt.get_dynamism_info(torch.arange(29, device="pjrt"))["storage"] is None
+
+
+def test_a_padded_gradient_meets_plain_embedding_indices() -> None:
+    """Token embeddings (plain) plus position embeddings of a live length (padded): the sum is padded
+    again, so the token table's backward gets a padded gradient with plain indices."""
+    torch.manual_seed(11)
+    prompt = marked(torch.randn(1, 12))
+    tokens = torch.randint(0, 40, (2, 12))
+    tables = [torch.randn(40, 8), torch.randn(12, 8)]
+    grads = {}
+    for device in ("cpu", "pjrt"):
+        token, position = (t.detach().to(device).requires_grad_() for t in tables)
+        x = F.embedding(tokens.to(device), token) + F.embedding(torch.arange(12, device=device), position)
+        x.square().sum().backward()
+        grads[device] = (token.grad.cpu(), position.grad.cpu())
+    del prompt
+    for got, want in zip(grads["pjrt"], grads["cpu"]):
+        torch.testing.assert_close(got, want)
 
 
 def test_an_op_without_a_padding_rule_runs_at_true_sizes_with_a_warning() -> None:

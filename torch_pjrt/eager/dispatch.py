@@ -861,8 +861,6 @@ def _padded_entry(plan: OpPlan, scan: Scan, values: list[Any], described: list[A
     else:
         inputs = _inputs(entry, scan, plan, values)
     metrics.bump("dynamic_padded_ops")
-    for size, upper in zip(true, form.factor_bounds):
-        dynamic.note_length(size, upper)
     flat = iter(form.specs(true, padded))
     specs = [[next(flat) for _ in meta] if isinstance(meta, (list, tuple)) else next(flat)
              for meta in form.metas[:len(form.metas) - len(plan.mutated)]]
@@ -915,7 +913,9 @@ def _wrap(array: Any, spec: Any, device: torch.device) -> torch.Tensor:
     if len(spec) == 5:
         dtype, sizes, strides, numel, layout = spec
         if layout is not None:
-            array = layout.holding(array)
+            tensor = storage.new_tensor(layout.holding(array), dtype, device, sizes, strides, numel)
+            dynamic.note_padded(storage.storage_of(tensor))
+            return tensor
     else:
         dtype, sizes, strides, numel = spec
     return storage.new_tensor(array, dtype, device, sizes, strides, numel)

@@ -30,6 +30,7 @@ import collections
 import functools
 import math
 import warnings
+import weakref
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -46,10 +47,11 @@ from torch_pjrt.storage import Padded, View
 
 # --- marks -----------------------------------------------------------------------------------
 
-# Lengths marked dynamic lately (true size -> (upper bound, ops executed when last seen)), newest
-# last: factories with such a size pad. A length counts for _LIVE_OPS ops after it was last seen
-# (marked, or a dynamic size of a padded result), so code that never met it is left alone.
-_LIVE_LENGTHS: collections.OrderedDict[int, tuple[Bound, float]] = collections.OrderedDict()
+# Lengths marked dynamic lately (true size -> (upper bound, ops executed when last seen, the storage
+# seen with it)), newest last: factories with such a size pad. A length counts while that storage (a
+# padded tensor of that length, or the CPU tensor marked) is alive and for _LIVE_OPS ops after it
+# was last seen, so code that never met it (a later training loop, another test) is left alone.
+_LIVE_LENGTHS: collections.OrderedDict[int, tuple[Bound, float, weakref.ref]] = collections.OrderedDict()
 _LIVE_LIMIT = 16
 _LIVE_OPS = 512
 
@@ -80,21 +82,34 @@ def ladder(smallest: int, upper: int) -> tuple[int, ...]:
     return tuple(sizes)
 
 
-def note_length(size: int, upper: Bound) -> None:
+def note_length(size: int, upper: Bound, owner: Any) -> None:
+    """`size` is a dynamic length of `owner` (a padded storage, or a marked CPU tensor)."""
     if size < 2:
         return
     _LIVE_LENGTHS.pop(size, None)
-    _LIVE_LENGTHS[size] = (upper, metrics.counters_now("ops_executed"))
+    _LIVE_LENGTHS[size] = (upper, metrics.counters_now("ops_executed"), weakref.ref(owner))
     while len(_LIVE_LENGTHS) > _LIVE_LIMIT:
         _LIVE_LENGTHS.popitem(last=False)
+
+
+def note_padded(st: storage.DeviceStorage) -> None:
+    """The dynamic lengths of a storage just made padded (an op's result, a marked or moved tensor)."""
+    layout = st.array
+    for size, upper in zip(layout.shape, layout.bounds):
+        if upper is not None:
+            note_length(size, upper, st)
 
 
 def live_bound(size: int) -> Bound | None:
     """The bound of `size` when it is a length marked dynamic lately, else None."""
     found = _LIVE_LENGTHS.get(size)
-    if found is None or metrics.counters_now("ops_executed") - found[1] > _LIVE_OPS:
+    if found is None:
         return None
-    return found[0]
+    upper, seen_at, owner = found
+    if owner() is None or metrics.counters_now("ops_executed") - seen_at > _LIVE_OPS:
+        del _LIVE_LENGTHS[size]
+        return None
+    return upper
 
 
 def mark_dynamic(
@@ -127,9 +142,9 @@ def mark_eager(tensor: torch.Tensor, dim: int, upper: Bound) -> None:
     size = tensor.shape[dim]
     if bucket(size, upper) is None:
         return
-    note_length(size, upper)
     if tensor.device.type == "cpu":
         tensor._pjrt_dynamic = {**getattr(tensor, "_pjrt_dynamic", {}), dim: upper}
+        note_length(size, upper, tensor)
         return
     if tensor.device.type != "pjrt":
         return
@@ -160,6 +175,7 @@ def mark_eager(tensor: torch.Tensor, dim: int, upper: Bound) -> None:
     padded_shape = tuple(n if b is None else bucket(n, b) for n, b in zip(shape, bounds))
     source = current.resolve() if current is not None else st.materialize()
     st.array = Padded(_pad_device_array(source, shape, padded_shape, st), shape, padded_shape, tuple(bounds))
+    note_padded(st)
 
 
 # A device tensor up to this size is padded through the host: one round trip (it waits for the tensor)

@@ -38,6 +38,7 @@ def to_pjrt(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype | Non
         padded, layout = dynamic.pad_host(storage.host_array(tensor), sizes, marks)
         layout.array = client.to_device(padded, device.index)
         result = storage.new_tensor(layout, tensor.dtype, device, sizes, strides)
+        dynamic.note_padded(storage.storage_of(result))
         _torch_private.copy_dynamo_marks(source, result)
         return result
     if order is None:

@@ -52,6 +52,14 @@ def bucket(size: int, upper: int) -> int:
 def is_symbolic(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in value.shape)
 
+
+def same_sizes(a: Sequence[Any], b: Sequence[Any]) -> bool:
+    """Whether two size lists are the same expressions, without asking the shape env (a guard)."""
+    def expr(size: Any) -> Any:
+        return size.node.expr if isinstance(size, torch.SymInt) else int(size)
+
+    return len(a) == len(b) and all(expr(x) == expr(y) for x, y in zip(a, b))
+
 def concrete_expr(expr: Any, values: dict[sympy.Symbol, int]) -> int:
     """A sympy size expression with its symbols bound to these values."""
     return int(sympy.sympify(expr).xreplace(values))
@@ -313,6 +321,9 @@ class PaddedInterpreter:
             return self._variance
         if packet in (aten.index_copy, aten.index_fill) and is_symbolic(metas[2]):
             return self._index_write
+        if packet is aten.embedding_dense_backward and not same_sizes(metas[0].shape[:-1], metas[1].shape):
+            # its meta does not compare the two: a gradient padded where the indices are not is a mismatch
+            raise CannotPad("embedding backward whose indices are not padded like its gradient")
         if packet in (aten.nll_loss_forward, aten.nll_loss_backward):
             return self._nll_loss
         if packet in REDUCTION_IDENTITY:
