@@ -239,6 +239,67 @@ def test_hugging_face_generate_marks_the_prompt_itself() -> None:
     assert new_programs[2] <= 1, new_programs
 
 
+def test_pads_of_a_marked_tensor_match_cpu_and_a_pad_up_to_a_bucket_size_is_one_program() -> None:
+    torch.manual_seed(12)
+    per_length = []
+    for length in (19, 23, 21, 26):
+        x = torch.randn(2, length)
+        d = marked(x)
+        before = compiles()
+        for pad, fixed in (((0, 64 - length), True), ((2, 3), False), ((1, 1, 0, 2), False)):
+            got, want = F.pad(d, pad, value=1.5), F.pad(x, pad, value=1.5)
+            assert torch.equal(got.cpu(), want), pad
+            assert (torch_pjrt.get_dynamism_info(got)["storage"] is None) == fixed, pad
+            torch.testing.assert_close(got.sum(1).cpu(), want.sum(1))
+        per_length.append(compiles() - before)
+    # lengths 17..32 share bucket 32: after the first, no length compiles a pad or a sum
+    assert per_length[1:] == [0, 0, 0], per_length
+
+
+def test_a_slice_of_a_static_cache_by_a_marked_length_is_read_padded() -> None:
+    torch.manual_seed(13)
+    cache = torch.randn(2, 64, 8)
+    device_cache = cache.to("pjrt")
+    per_length = []
+    for length in (10, 14, 12):
+        q = torch.randn(2, length, 8)
+        dq = marked(q)
+        before = compiles()
+        keys = device_cache[:, :length]  # what transformers' SDPA does with a static cache in prefill
+        got = (dq @ keys.transpose(1, 2)).softmax(-1) @ keys
+        want = (q @ cache[:, :length].transpose(1, 2)).softmax(-1) @ cache[:, :length]
+        torch.testing.assert_close(got.cpu(), want)
+        assert torch_pjrt.get_dynamism_info(got)["dims"] == {1: {"size": length, "bucket": 16}}
+        per_length.append(compiles() - before)
+    assert per_length[2] == 0, per_length
+
+
+def test_hugging_face_generate_with_a_static_cache_compiles_little_per_new_length() -> None:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(14)
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128)
+    cpu = transformers.LlamaForCausalLM(config).eval()
+    dev = transformers.LlamaForCausalLM(config).eval()
+    dev.load_state_dict(cpu.state_dict())
+    dev = dev.to("pjrt")
+    new_programs = []
+    for length in (9, 13, 11, 12):
+        ids = torch.randint(1, 64, (1, length))
+        options = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+        with torch.no_grad():
+            want = cpu.generate(ids, attention_mask=torch.ones_like(ids), **options,
+                                past_key_values=transformers.StaticCache(config=config, max_cache_len=64))
+            before = compiles()
+            got = dev.generate(ids.to("pjrt"), attention_mask=torch.ones_like(ids).to("pjrt"), **options,
+                               past_key_values=transformers.StaticCache(config=config, max_cache_len=64))
+            new_programs.append(compiles() - before)
+        assert torch.equal(got.cpu(), want)
+    # the mask padded up to the cache length and the prefill's slice of the cache run their bucket's
+    # program: a new length compiles at most a couple of small programs
+    assert max(new_programs[2:]) <= 3, new_programs
+
+
 def test_a_compiled_graph_takes_and_returns_padded_tensors_without_per_length_programs() -> None:
     torch.manual_seed(8)
     weight = torch.randn(8, 8)

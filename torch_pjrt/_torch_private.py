@@ -241,6 +241,13 @@ def copy_dynamo_marks(source: torch.Tensor, target: torch.Tensor) -> None:
             target.__dict__[name] = value.copy() if hasattr(value, "copy") else value
 
 
+def suggest_memory_format(tensor: torch.Tensor) -> torch.memory_format:
+    """The memory format PyTorch's kernels give a result made from `tensor` (channels-last stays so)."""
+    from torch._prims_common import suggest_memory_format as suggest
+
+    return suggest(tensor)
+
+
 def hint(size: Any) -> int:
     """A size as an int: a SymInt's value in the call it was made for (its hint)."""
     return int(size.node.hint) if isinstance(size, torch.SymInt) else int(size)

@@ -28,6 +28,7 @@ from torch_pjrt.runtime import checks, client, metrics, programs, rng, startup
 from torch_pjrt.storage import View
 
 PJRT = "pjrt"
+_CONSTANT_PAD = torch.ops.aten.constant_pad_nd.default
 
 
 class Arg(enum.Enum):
@@ -191,6 +192,12 @@ class Scan:
             return self.padded(t, st, slot)
         view = storage.view_of(t) if t.is_complex() else View(t.dtype, tuple(t.shape), t.stride(),
                                                                      t.storage_offset())
+        if st.array is not None and not self.plain and dynamic.has_live_lengths() and not self.plan.mutated:
+            symbols = self.symbols or dynamic.Symbols()
+            leaf = dynamic.read_padded(st, slot, view, symbols)
+            if leaf is not None:
+                self.symbols = symbols
+                return leaf
         return Leaf(slot, view, st.numel, st.dtype, st.array is None)
 
     def padded(self, t: torch.Tensor, st: storage.DeviceStorage, slot: int) -> dynamic.PaddedLeaf:
@@ -220,6 +227,27 @@ class Scan:
         if self.symbols is None:
             self.symbols = dynamic.Symbols()
         return dynamic.SizeSymbol(self.symbols.of(value, upper))
+
+    def pads_to_buckets(self, described: list[Any]) -> None:
+        """constant_pad_nd padding a dynamic dim up to one of its bucket sizes (a static KV cache's
+        length, say): that size is fixed and the pad amount follows the true length, so every length
+        in the bucket shares one program, where a fixed amount would make one per amount."""
+        source, pads = described[0], described[1]
+        if not isinstance(source, dynamic.PaddedLeaf) or not isinstance(pads, tuple):
+            return
+        rank = len(source.view.sizes)
+        found = list(pads)
+        for pair in range(min(len(pads) // 2, rank)):
+            factors = source.dims[rank - 1 - pair]
+            before, after = pads[2 * pair], pads[2 * pair + 1]
+            if factors is None or len(factors) != 1 or isinstance(factors[0], int) or factors[0][1] or min(
+                    before, after) < 0:
+                continue
+            symbol = factors[0][0]
+            total = before + self.symbols.values[symbol] + after
+            if dynamic.is_bucket_size(total, self.symbols.uppers[symbol]):
+                found[2 * pair + 1] = dynamic.SizeSymbol(symbol, total - before, -1)
+        described[1] = tuple(found)
 
     def host_tensor(self, t: torch.Tensor) -> Any:
         """A CPU tensor argument: a traced value where PyTorch accepts one (scalars, indices)."""
@@ -297,7 +325,7 @@ def _meta_tensor(view: View) -> torch.Tensor:
 def _meta_value(kind: Arg, value: Any, described: Any, symbols: Any = None) -> Any:
     if kind is Arg.TENSOR or kind is Arg.SCALAR:
         if isinstance(described, dynamic.SizeSymbol):
-            return symbols[described.symbol]
+            return described.at(symbols[described.symbol])
         return _meta_from(value, described, symbols) if isinstance(value, torch.Tensor) else value
     if kind is Arg.TENSOR_LIST:
         return [None if v is None else _meta_from(v, d, symbols) for v, d in zip(value, described)]
@@ -306,7 +334,7 @@ def _meta_value(kind: Arg, value: Any, described: Any, symbols: Any = None) -> A
     if kind is Arg.DEVICE and value is not None:
         return torch.device("meta")
     if isinstance(described, tuple) and any(isinstance(d, dynamic.SizeSymbol) for d in described):
-        return [symbols[d.symbol] if isinstance(d, dynamic.SizeSymbol) else d for d in described]
+        return [d.at(symbols[d.symbol]) if isinstance(d, dynamic.SizeSymbol) else d for d in described]
     return value
 
 
@@ -332,11 +360,13 @@ def _meta_from(tensor: torch.Tensor, described: Any, symbols: Any = None) -> tor
 
 def _run_meta(plan: OpPlan, values: list[Any], described: list[Any], symbols: Any = None) -> tuple[Any, list[Any]]:
     metas = [_meta_value(k, v, d, symbols) for k, v, d in zip(plan.kinds, values, described)]
+    # a kernel that would specialise symbolic sizes is replaced by a size function of padding.py's
+    meta_kernel = padding.SYMBOLIC_META.get(plan.op, plan.op) if symbols is not None else plan.op
     if plan.factory and "device" in plan.names:
         metas[plan.names.index("device")] = torch.device("meta")
     positional = [m for m, kw in zip(metas, plan.kwarg_only) if not kw]
     keywords = {n: m for n, m, kw in zip(plan.names, metas, plan.kwarg_only) if kw and m is not _NO_DEFAULT}
-    return plan.op(*positional, **keywords), metas
+    return meta_kernel(*positional, **keywords), metas
 
 
 def _new_output_specs(plan: OpPlan, meta_result: Any, metas: list[Any]) -> list[Any]:
@@ -457,7 +487,8 @@ def _build(plan: OpPlan, scan: Scan, values: list[Any], described: list[Any], fo
     mutated_slots = sorted({v[0] for views in mutated_views for v in views if v is not None and v[2] != "resized"})
     slot_info = {leaf.slot: (leaf.numel if isinstance(leaf, Leaf) else math.prod(leaf.padded), leaf.storage_dtype,
                              isinstance(leaf, Leaf) and leaf.uninitialised) for leaf in _leaves(described)}
-    padded_slots = frozenset(leaf.slot for leaf in _leaves(described) if isinstance(leaf, dynamic.PaddedLeaf))
+    padded_slots = frozenset(leaf.slot for leaf in _leaves(described) if isinstance(leaf, dynamic.PaddedLeaf)
+                             and type(scan.storages[leaf.slot].array) is storage.Padded)
     passed_slots = [s for s in range(len(scan.storages)) if not slot_info[s][2]]
     donate = tuple(i for i, s in enumerate(passed_slots) if s in mutated_slots)
     n_passed = len(passed_slots)
@@ -501,7 +532,7 @@ def _build(plan: OpPlan, scan: Scan, values: list[Any], described: list[Any], fo
                 if isinstance(desc, type):
                     return next(traced)
                 if isinstance(desc, dynamic.SizeSymbol):
-                    return buckets[desc.symbol]
+                    return desc.at(buckets[desc.symbol])
                 if desc[0] == "static":
                     return desc[1]
                 return leaf(desc)
@@ -512,7 +543,7 @@ def _build(plan: OpPlan, scan: Scan, values: list[Any], described: list[Any], fo
                     return None if desc[1] is None else list(desc[1])
                 return [next(traced) for _ in desc]
             if isinstance(desc, tuple) and form is not None:
-                return tuple(buckets[d.symbol] if isinstance(d, dynamic.SizeSymbol) else d for d in desc)
+                return tuple(d.at(buckets[d.symbol]) if isinstance(d, dynamic.SizeSymbol) else d for d in desc)
             return desc
 
         def leaf(desc: Any) -> Any:
@@ -722,6 +753,8 @@ def _describe(plan: OpPlan, values: list[Any], plain: bool) -> tuple[Scan, list[
     described = [scan.value(k, v) for k, v in zip(plan.kinds, values)]
     if plan.factory and not plain and not plan.lowering.random and dynamic.has_live_lengths():
         scan.sizes(described)
+    elif plan.op is _CONSTANT_PAD and scan.symbols is not None:
+        scan.pads_to_buckets(described)
     return scan, described
 
 

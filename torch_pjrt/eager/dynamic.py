@@ -434,6 +434,25 @@ def describe(tensor: torch.Tensor, st: storage.DeviceStorage, slot: int, symbols
     return PaddedLeaf(slot, st.dtype, layout.padded, found.view, dims, found.relayouts, starts)
 
 
+def read_padded(st: storage.DeviceStorage, slot: int, view: View, symbols: Symbols) -> PaddedLeaf | None:
+    """A view of a plain storage whose dims have a length marked lately, read padded to its bucket where
+    the storage extends that far (a slice `cache[:, :, :T]` of a static KV cache): the ops on it then
+    run their bucket's program. None when no dim qualifies."""
+    if view.dtype != st.dtype or view.conj or view.neg or 0 in view.sizes:
+        return None
+    sizes, dims = list(view.sizes), [None] * len(view.sizes)
+    for d, size in enumerate(view.sizes):
+        upper = live_bound(size) if view.strides[d] else None
+        padded_size = None if upper is None else bucket(size, upper)
+        if padded_size is not None and padded_size > size:
+            sizes[d], dims[d] = padded_size, ((symbols.of(size, upper), 0),)
+    if all(d is None for d in dims):
+        return None
+    if view.offset + sum((n - 1) * stride for n, stride in zip(sizes, view.strides)) >= st.numel:
+        return None
+    return PaddedLeaf(slot, st.dtype, (st.numel,), view._replace(sizes=tuple(sizes)), tuple(dims), (), ())
+
+
 def padded_factor(f: Factor, buckets: Sequence[int]) -> int:
     return f if isinstance(f, int) else buckets[f[0]] + f[1]
 
@@ -780,6 +799,17 @@ def warn_unmaskable(name: str, reason: str, where: str) -> None:
 
 
 class SizeSymbol(NamedTuple):
-    """A factory's size argument that is a dynamic length (part of the cache key, not its value)."""
+    """A size argument that follows a dynamic length: `sign * length + offset` (a factory's size is the
+    length itself; a pad up to a fixed size is that size minus it). Part of the cache key, not its value."""
 
     symbol: int
+    offset: int = 0
+    sign: int = 1
+
+    def at(self, length: Any) -> Any:
+        return length if self.sign == 1 and not self.offset else self.sign * length + self.offset
+
+
+def is_bucket_size(size: int, upper: Bound) -> bool:
+    """Whether `size` is one of the bucket sizes of a dynamic dim bucketed by `upper`."""
+    return bucket(size, upper) == size

@@ -222,6 +222,21 @@ ROW_LOCAL = {
     aten.split_with_sizes, aten.split, aten.unbind, aten.index_select, aten.gather, aten.index, aten.repeat,
 }
 SIZE_OPS = {aten.arange}
+
+
+def constant_pad_sizes(input: torch.Tensor, pad: Sequence[Any], value: Any = 0) -> torch.Tensor:  # noqa: A002
+    """constant_pad_nd's result on symbolic sizes, where its C++ kernel would fix them to their values.
+    Pad amounts may be symbolic too (a pad up to a fixed size: eager/dispatch.py)."""
+    sizes = list(input.shape)
+    for pair in range(len(pad) // 2):
+        dim = len(sizes) - 1 - pair
+        sizes[dim] = sizes[dim] + pad[2 * pair] + pad[2 * pair + 1]
+    return torch.empty(sizes, dtype=input.dtype, device=input.device,
+                       memory_format=_torch_private.suggest_memory_format(input))
+
+
+# ops whose symbolic result comes from a size function here, not from their kernel
+SYMBOLIC_META = {aten.constant_pad_nd.default: constant_pad_sizes}
 SKIPPED = {aten._assert_scalar, aten.sym_constrain_range_for_size, aten._assert_tensor_metadata}
 
 
@@ -326,6 +341,8 @@ class PaddedInterpreter:
             raise CannotPad("embedding backward whose indices are not padded like its gradient")
         if packet in (aten.nll_loss_forward, aten.nll_loss_backward):
             return self._nll_loss
+        if packet is aten.constant_pad_nd:
+            return self._constant_pad
         if packet in REDUCTION_IDENTITY:
             return self._identity_filled
         if packet in ZERO_FILLED or (packet is aten.index_put and _accumulates(node)):
@@ -368,6 +385,36 @@ class PaddedInterpreter:
                        for i, m in zip(args[1], [i.meta.get("val") if i is not None else None for i in node.args[1]])]
             filled[1] = indices
         return self._plain(op, node, metas, tuple(filled), kwargs, rng)
+
+    def _constant_pad(self, op, node, metas, args, kwargs, rng):
+        """Each dynamic dim: the true elements shifted by the pad before them, the fill everywhere else
+        up to the result's padded size (pad amounts may be traced: a pad up to a fixed size)."""
+        jnp = client.jax_module().numpy
+        source, result = metas[0], node.meta["val"]
+        value = args[2] if len(args) > 2 else kwargs.get("value", 0)
+        pads = [self.sizes.real(p.meta["val"]) if isinstance(p, torch.fx.Node) else int(p) for p in node.args[1]]
+        x = args[0]
+        fill = jnp.asarray(value, dtype=x.dtype)
+        for pair in range(len(pads) // 2):
+            dim = source.dim() - 1 - pair
+            before, after = pads[2 * pair], pads[2 * pair + 1]
+            length = self.sizes.pad(result.shape[dim])
+            if not isinstance(source.shape[dim], torch.SymInt):
+                if not (isinstance(before, int) and isinstance(after, int)):
+                    raise CannotPad("a traced pad amount on a fixed dimension")
+                widths = [(0, 0, 0)] * x.ndim
+                widths[dim] = (before, after, 0)
+                x = client.jax_module().lax.pad(x, fill, widths)
+                continue
+            if not isinstance(before, int) or before < 0 or (isinstance(after, int) and after < 0):
+                raise CannotPad("a negative or traced leading pad of a dynamic dimension")
+            widths = [(0, 0)] * x.ndim
+            widths[dim] = (before, max(0, length - before - x.shape[dim]))
+            x = jnp.pad(x, widths, constant_values=fill)[(slice(None),) * dim + (slice(0, length),)]
+            position = jnp.arange(length).reshape([length if d == dim else 1 for d in range(x.ndim)])
+            true = self.sizes.real(source.shape[dim])
+            x = jnp.where((position >= before) & (position < before + true), x, fill)
+        return x
 
     def _mean(self, op, node, metas, args, kwargs, rng):
         """Mean of the true elements: the padded mean of zero-filled input, rescaled by the counts."""
