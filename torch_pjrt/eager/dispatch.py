@@ -879,7 +879,7 @@ def _padded_entry(plan: OpPlan, scan: Scan, values: list[Any], described: list[A
         _forms[key] = form
     if isinstance(form, padding.CannotPad):
         raise form
-    true, padded = form.factor_sizes(scan.symbols.values)
+    padded, specs = form.call_layout(scan.symbols.values, len(form.metas) - len(plan.mutated))
     entry = form.entries.get(padded)
     if entry is None:
         entry = _build(plan, scan, values, described, form, padded)
@@ -894,9 +894,6 @@ def _padded_entry(plan: OpPlan, scan: Scan, values: list[Any], described: list[A
     else:
         inputs = _inputs(entry, scan, plan, values)
     metrics.bump("dynamic_padded_ops")
-    flat = iter(form.specs(true, padded))
-    specs = [[next(flat) for _ in meta] if isinstance(meta, (list, tuple)) else next(flat)
-             for meta in form.metas[:len(form.metas) - len(plan.mutated)]]
     return entry, inputs, specs
 
 

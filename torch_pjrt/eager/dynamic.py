@@ -549,6 +549,9 @@ def _layout(meta: torch.Tensor) -> OutputLayout:
     return OutputLayout(tuple(factors_of(s) for s in meta.shape), order or tuple(range(meta.dim())))
 
 
+_CALL_LAYOUTS = 256  # per form: the true sizes remembered (a server sees every length up to its bound)
+
+
 class Form:
     """An op's padded form, shared by every call with the same argument pattern: the op as a graph
     over fake tensors of symbolic sizes (one node, or its decomposition) with where each graph input
@@ -571,6 +574,22 @@ class Form:
         self._evaluators = [_evaluator(f, position) for f in factors]
         self.factor_bounds = tuple(bound_of(f, self.symbols, uppers) for f in factors)
         self.entries: dict[tuple[int, ...], Any] = {}
+        self._calls: dict[tuple[int, ...], tuple[tuple[int, ...], list[Any]]] = {}
+
+    def call_layout(self, values: Sequence[int], n_results: int) -> tuple[tuple[int, ...], list[Any]]:
+        """A call's result buckets and its first `n_results` results' specs (nested like the op's
+        results), for these symbol values; remembered, as the same lengths recur call after call."""
+        key = tuple(values)
+        found = self._calls.get(key)
+        if found is None:
+            true, padded = self.factor_sizes(values)
+            flat = iter(self.specs(true, padded))
+            specs = [[next(flat) for _ in meta] if isinstance(meta, (list, tuple)) else next(flat)
+                     for meta in self.metas[:n_results]]
+            if len(self._calls) >= _CALL_LAYOUTS:
+                self._calls.clear()
+            found = self._calls[key] = (padded, specs)
+        return found
 
     def factor_sizes(self, values: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """Each dynamic result factor's true size and padded size (its bucket; itself when exact)."""
