@@ -145,3 +145,27 @@ def test_jax_trace_folder_is_named_in_the_trace(tmp_path: object, monkeypatch: p
         assert json.load(file)["pjrtJaxTraceDir"] == os.path.abspath(folder)
     assert profiler.jax_trace_dir_of(prof) == folder
     assert any(name.endswith(".xplane.pb") for _, _, files in os.walk(folder) for name in files)
+
+
+def test_schedule_and_tensorboard_handler_write_device_events(tmp_path: object) -> None:
+    import glob
+    import gzip
+
+    from torch.profiler import schedule, tensorboard_trace_handler
+
+    (a_cpu, a), _ = fresh(8, 8), fresh(1)
+    (a * 1).cpu()
+    folder = os.path.join(str(tmp_path), "tb")
+    results = []
+    with profile(activities=DEVICE_ACTIVITIES, schedule=schedule(wait=1, warmup=1, active=2),
+                 on_trace_ready=tensorboard_trace_handler(folder, use_gzip=True)) as prof:
+        for step in range(4):
+            results.append((a * (step + 1)).cpu())
+            prof.step()
+    for step, result in enumerate(results):
+        torch.testing.assert_close(result, a_cpu * (step + 1))
+    (path,) = glob.glob(os.path.join(folder, "*.json.gz"))
+    with gzip.open(path, "rt") as file:
+        events = json.load(file)["traceEvents"]
+    device = [e for e in events if e.get("pid") == "pjrt:0" and e.get("ph") == "X"]
+    assert [(e["name"], e["args"]["issued by"]) for e in device] == [("aten.mul.Tensor", "aten::mul")] * 2
