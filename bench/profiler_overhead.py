@@ -12,7 +12,8 @@ Run: .venv/bin/python bench/profiler_overhead.py [--rounds N] [--calls N]
 
 from __future__ import annotations
 
-import argparse
+import os
+import sys
 import time
 from collections.abc import Callable
 
@@ -26,12 +27,8 @@ from torch_pjrt import native
 from torch_pjrt.eager import dispatch
 from torch_pjrt.runtime import metrics, profiling
 
-
-def per_call_us(fn: Callable[[], object], calls: int) -> float:
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    return (time.perf_counter() - start) / calls * 1e6
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from dispatch_overhead import per_call_us, rounds_and_calls  # noqa: E402
 
 
 def flag_check_ns(calls: int) -> float:
@@ -48,14 +45,10 @@ def flag_check_ns(calls: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--calls", type=int, default=2000)
-    args = parser.parse_args()
+    args = rounds_and_calls(__doc__)
     module = native.dispatch_module()
     a, b = torch.randn(16, 16).to("pjrt"), torch.randn(16, 16).to("pjrt")
-    ja, jb = dispatch.read(a), dispatch.read(b)
-    jitted_add = jax.jit(jnp.add)
+    jitted_add, ja, jb = jax.jit(jnp.add), dispatch.read(a), dispatch.read(b)
 
     def op() -> object:
         return a + b

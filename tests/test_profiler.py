@@ -124,6 +124,21 @@ def test_no_recording_without_a_device_profiler() -> None:
     assert module is None or module.dispatch_enabled() == native_on
 
 
+def test_an_error_inside_the_window_closes_it() -> None:
+    module = native.dispatch_module()
+    native_on = module is not None and module.dispatch_enabled()
+    (_, a), _ = fresh(4), fresh(1)
+    with pytest.raises(ValueError, match="user error"):
+        with profile(activities=DEVICE_ACTIVITIES):
+            (a + 1).cpu()
+            raise ValueError("user error")
+    assert profiling.recording is None
+    assert module is None or module.dispatch_enabled() == native_on
+    with profile(activities=DEVICE_ACTIVITIES) as again:
+        (a + 2).cpu()
+    assert [launch.name for launch in profiler.launches_of(again)] == ["aten.add.Tensor"]
+
+
 def test_autograd_profiler_with_use_device() -> None:
     (x_cpu, x), _ = fresh(4, 4), fresh(1)
     x.requires_grad_(True)

@@ -288,8 +288,11 @@ def hook_profiler(
 
     @functools.wraps(exit_)
     def hooked_exit(self: Any, *args: Any) -> Any:
-        stopping(self)
-        return exit_(self, *args)
+        try:
+            stopping(self)
+        finally:
+            result = exit_(self, *args)  # PyTorch's profiler stops even when ours failed
+        return result
 
     @functools.wraps(parse)
     def hooked_parse(self: Any, result: Any, *args: Any, **kwargs: Any) -> Any:

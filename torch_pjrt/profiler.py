@@ -17,6 +17,7 @@ import dataclasses
 import gzip
 import json
 import os
+import warnings
 import weakref
 from typing import Any
 
@@ -70,16 +71,22 @@ def _started(profile: Any) -> None:
     if not _wants_device(profile):
         return
     startup.ensure_started()
+    recording = profiling.start()
     module = native.dispatch_module()
     native_was_on = module is not None and module.dispatch_enabled()
     if native_was_on:
         module.set_dispatch_enabled(False)
     jax_dir = envvars.value("TORCH_PJRT_PROFILE_JAX_DIR").strip() or None
+    window = _windows[profile] = Window(recording, native_was_on, jax_dir)
     if jax_dir is not None:
         import jax
 
-        jax.profiler.start_trace(jax_dir)
-    _windows[profile] = Window(profiling.start(), native_was_on, jax_dir)
+        try:
+            jax.profiler.start_trace(jax_dir)
+        except Exception as error:  # noqa: BLE001 (the torch profile goes on without jax's trace)
+            window.jax_trace_dir = None
+            warnings.warn(f"TORCH_PJRT_PROFILE_JAX_DIR={jax_dir}: jax's profiler did not start ({error}); "
+                          "profiling without its trace.", stacklevel=2)
 
 
 def _stopping(profile: Any) -> None:
@@ -108,11 +115,12 @@ def _flush_fused() -> None:
     fusion.flush("profiler stop")
 
 
-def _innermost(events: list[Any], starts: list[float], start_us: float, end_us: float) -> Any:
-    """The latest-started CPU op that spans [start_us, end_us] (ops nest, so the innermost), or None."""
-    for position in range(bisect.bisect_right(starts, start_us) - 1, -1, -1):
-        if events[position].time_range.end >= end_us:
-            return events[position]
+def _innermost(starts: list[float], ends: list[float], start: float, end: float) -> int | None:
+    """Of spans sorted by start, the latest-started one that covers [start, end] (CPU ops nest, so the
+    innermost op open over a launch: the one that issued it), or None."""
+    for position in range(bisect.bisect_right(starts, start) - 1, -1, -1):
+        if ends[position] >= end:
+            return position
     return None
 
 
@@ -122,11 +130,12 @@ def _parsed(profile: Any, events: list[Any], trace_start_ns: int) -> list[Any]:
         return events
     cpu_type = torch.autograd.DeviceType.CPU
     cpu = sorted((e for e in events if e.device_type == cpu_type and not e.is_async), key=lambda e: e.time_range.start)
-    starts = [e.time_range.start for e in cpu]
+    starts, ends = [e.time_range.start for e in cpu], [e.time_range.end for e in cpu]
     next_id = max((e.id for e in events), default=0) + 1
     for launch in window.launches:
         start_us, end_us = (launch.start_ns - trace_start_ns) / 1000, (launch.end_ns - trace_start_ns) / 1000
-        issuer = _innermost(cpu, starts, start_us, end_us)
+        position = _innermost(starts, ends, start_us, end_us)
+        issuer = None if position is None else cpu[position]
         if issuer is not None:
             issuer.append_kernel(launch.name, launch.device, end_us - start_us)
         events.append(_torch_private.profiler_device_event(
@@ -161,13 +170,14 @@ def add_device_tracks(trace: dict[str, Any], launches: list[profiling.Launch]) -
     a flow arrow from the innermost CPU op slice of the launching thread to each slice."""
     events = trace.setdefault("traceEvents", [])
     base_ns = int(trace.get("baseTimeNanoseconds", 0))
-    slices: dict[int, list[dict[str, Any]]] = {}
+    slices: dict[Any, list[dict[str, Any]]] = {}  # this process's slices by thread, sorted by start
     for event in events:
-        if event.get("ph") == "X" and event.get("cat") != FLOW_CATEGORY and isinstance(event.get("tid"), int):
-            slices.setdefault(event["tid"], []).append(event)
+        if event.get("ph") == "X" and event.get("pid") == os.getpid():
+            slices.setdefault(event.get("tid"), []).append(event)
     for thread in slices.values():
         thread.sort(key=lambda e: e["ts"])
     starts = {tid: [e["ts"] for e in thread] for tid, thread in slices.items()}
+    ends = {tid: [e["ts"] + e.get("dur", 0) for e in thread] for tid, thread in slices.items()}
     devices = sorted({launch.device for launch in launches})
     flow_ids = [e["id"] for e in events if e.get("ph") in ("s", "f") and isinstance(e.get("id"), int)]
     next_flow = max(flow_ids, default=0) + 1
@@ -184,12 +194,8 @@ def add_device_tracks(trace: dict[str, Any], launches: list[profiling.Launch]) -
         pid = _device_pid(launch.device)
         ts = round((launch.start_ns - base_ns) / 1000, 3)
         duration = round((launch.end_ns - launch.start_ns) / 1000, 3)
-        issuer = None
-        thread = slices.get(launch.thread, [])
-        for position in range(bisect.bisect_right(starts.get(launch.thread, []), ts) - 1, -1, -1):
-            if thread[position]["ts"] + thread[position].get("dur", 0) >= ts + duration:
-                issuer = thread[position]
-                break
+        position = _innermost(starts.get(launch.thread, []), ends.get(launch.thread, []), ts, ts + duration)
+        issuer = None if position is None else slices[launch.thread][position]
         events.append({"ph": "X", "cat": "kernel", "name": launch.name, "pid": pid, "tid": DEVICE_TRACK_THREAD,
                        "ts": ts, "dur": duration,
                        "args": {"device": launch.device, "issued by": None if issuer is None else issuer["name"],
