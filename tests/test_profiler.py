@@ -139,13 +139,22 @@ def test_an_error_inside_the_window_closes_it() -> None:
     assert [launch.name for launch in profiler.launches_of(again)] == ["aten.add.Tensor"]
 
 
-def test_autograd_profiler_with_use_device() -> None:
+@pytest.mark.parametrize("use_kineto", [False, True])
+def test_autograd_profiler_with_use_device(use_kineto: bool, tmp_path: object) -> None:
+    if not use_kineto and not native.available():
+        pytest.skip("the legacy mode needs the native module's profiler stubs")
     (x_cpu, x), _ = fresh(4, 4), fresh(1)
     x.requires_grad_(True)
-    with torch.autograd.profiler.profile(use_device="pjrt") as prof:
+    with torch.autograd.profiler.profile(use_device="pjrt", use_kineto=use_kineto) as prof:
         (x * x).sum().backward()
     torch.testing.assert_close(x.grad.cpu(), 2 * x_cpu)
-    assert sum(row.self_device_time_total for row in prof.key_averages()) > 0
+    rows = averages_by_name(prof)
+    assert rows["aten::mul"].device_time_total > 0 and rows["aten::mul"].cpu_time_total > 0
+    assert all(row.cpu_time_total >= 0 for row in rows.values())
+    path = os.path.join(str(tmp_path), "trace.json.gz")  # kineto writes plain JSON whatever the name
+    prof.export_chrome_trace(path)
+    with open(path) as file:
+        assert any(e.get("pid") == "pjrt:0" for e in json.load(file)["traceEvents"])
 
 
 def test_jax_trace_folder_is_named_in_the_trace(tmp_path: object, monkeypatch: pytest.MonkeyPatch) -> None:

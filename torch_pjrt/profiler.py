@@ -94,9 +94,7 @@ def _stopping(profile: Any) -> None:
     if window is None or window.recording is None:
         return
     try:
-        # Pending fused work runs now, inside the window, under an op of its own.
-        with torch.profiler.record_function("pjrt::synchronize"):
-            _flush_fused()
+        _flush_fused()
     finally:
         profiling.stop()
         window.launches, window.recording = window.recording.launches, None
@@ -109,10 +107,13 @@ def _stopping(profile: Any) -> None:
 
 
 def _flush_fused() -> None:
-    """Run pending fused work (launches while recording wait for their results: nothing else is queued)."""
+    """Run pending fused work now, inside the window, under an op of its own (launches while recording
+    wait for their results: nothing else is queued)."""
     from torch_pjrt.eager import fusion
 
-    fusion.flush("profiler stop")
+    if fusion.graph().nodes:
+        with torch.profiler.record_function("pjrt::synchronize"):
+            fusion.flush("profiler stop")
 
 
 def _innermost(starts: list[float], ends: list[float], start: float, end: float) -> int | None:
@@ -150,7 +151,9 @@ def _exported(profile: Any, path: str) -> None:
     window = _windows.get(profile)
     if window is None or not (window.launches or window.jax_trace_dir):
         return
-    opener = gzip.open if path.endswith(".gz") else open
+    with open(path, "rb") as file:
+        compressed = file.read(2) == b"\x1f\x8b"  # kineto writes plain JSON whatever the name says
+    opener = gzip.open if compressed else open
     with opener(path, "rt") as file:
         trace = json.load(file)
     add_device_tracks(trace, window.launches)
