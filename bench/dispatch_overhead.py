@@ -30,11 +30,16 @@ def per_call_us(fn: Callable[[], object], calls: int) -> float:
     return (time.perf_counter() - start) / calls * 1e6
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+def rounds_and_calls(description: str) -> argparse.Namespace:
+    """The command line of the per-op benches: --rounds (interleaved, best kept) and --calls per round."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--calls", type=int, default=2000)
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = rounds_and_calls(__doc__)
     module = native.dispatch_module()
 
     def without_native(fn: Callable[[], object]) -> Callable[[], object]:

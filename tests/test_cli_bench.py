@@ -62,6 +62,22 @@ def test_gpt_preset_json_and_table(capsys: pytest.CaptureFixture) -> None:
     assert table[1].split()[:3] == ["device", "first", "step"] and table[2].startswith("pjrt")
 
 
+def test_profile_writes_a_trace_with_device_tracks(tmp_path: object, capsys: pytest.CaptureFixture) -> None:
+    path = os.path.join(str(tmp_path), "bench_trace.json")
+    assert main(["bench", "--json", "--no-progress", "--preset", "gpt", "--size", "tiny", "--steps", "3",
+                 "--warmup", "1", "--devices", "cpu,pjrt", "--profile", path]) == 0
+    printed = capsys.readouterr()
+    assert f"written to {path}" in printed.err and "aten::mm" in printed.err
+    cpu, pjrt = json.loads(printed.out)["results"]
+    assert "profile" not in cpu
+    assert pjrt["profile"]["trace"] == path and pjrt["profile"]["first_step"] == 1
+    assert pjrt["profile"]["steps"] == 2 and pjrt["profile"]["device_seconds"] > 0
+    with open(path) as file:
+        events = json.load(file)["traceEvents"]
+    device = [e for e in events if e.get("pid") == "pjrt:0" and e.get("ph") == "X"]
+    assert any(e["name"] == "aten.mm.default" and e["args"]["issued by"] == "aten::mm" for e in device)
+
+
 def test_resnet_runs_on_cpu(capsys: pytest.CaptureFixture) -> None:
     report = bench_json(capsys, "--preset", "resnet", "--size", "tiny", "--steps", "2", "--devices", "cpu")
     check_result(report["results"][0], "cpu", "samples")
@@ -86,6 +102,7 @@ def test_percentile() -> None:
     (["--devices", "tpu"], "use a comma-separated list"),
     (["--script", "no_such_script.py"], "no_such_script.py: no such file"),
     (["--steps", "0"], "at least one step"),
+    (["--devices", "cpu", "--profile", "trace.json"], "add pjrt to --devices"),
 ])
 def test_bad_input(capsys: pytest.CaptureFixture, args: list[str], message: str) -> None:
     assert main(["bench", *args]) == 2

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -251,3 +252,69 @@ def suggest_memory_format(tensor: torch.Tensor) -> torch.memory_format:
 def hint(size: Any) -> int:
     """A size as an int: a SymInt's value in the call it was made for (its hint)."""
     return int(size.node.hint) if isinstance(size, torch.SymInt) else int(size)
+
+
+# --- the profiler -------------------------------------------------------------------------------
+# PyTorch's profiler has no extension point a Python device can fill (its PrivateUse1 activity
+# expects a compiled kineto plugin). torch_pjrt/profiler.py therefore wraps four methods of the
+# class behind both torch.profiler.profile and torch.autograd.profiler.profile (torch 2.11-2.13).
+
+_PROFILER_METHODS = ("_start_trace", "__exit__", "_parse_kineto_results", "export_chrome_trace")
+
+
+def hook_profiler(
+    started: Callable[[Any], None],
+    stopping: Callable[[Any], None],
+    parsed: Callable[[Any, list, int], list],
+    exported: Callable[[Any, str], None],
+) -> bool:
+    """Call `started(profile)` once a profiling window is open, `stopping(profile)` before it closes,
+    `parsed(profile, events, trace_start_ns)` on the parsed events, and `exported(profile, path)` after
+    a Chrome trace is written; False (and nothing changed) where this torch lacks one of the methods."""
+    from torch.autograd import profiler
+
+    cls = profiler.profile
+    if getattr(cls, "_torch_pjrt_hooked", False):
+        return True
+    if not all(callable(getattr(cls, name, None)) for name in _PROFILER_METHODS):
+        return False
+    start_trace, exit_, parse, export = (getattr(cls, name) for name in _PROFILER_METHODS)
+
+    @functools.wraps(start_trace)
+    def hooked_start_trace(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = start_trace(self, *args, **kwargs)
+        started(self)
+        return result
+
+    @functools.wraps(exit_)
+    def hooked_exit(self: Any, *args: Any) -> Any:
+        try:
+            stopping(self)
+        finally:
+            result = exit_(self, *args)  # PyTorch's profiler stops even when ours failed
+        return result
+
+    @functools.wraps(parse)
+    def hooked_parse(self: Any, result: Any, *args: Any, **kwargs: Any) -> Any:
+        return parsed(self, parse(self, result, *args, **kwargs), result.trace_start_ns())
+
+    @functools.wraps(export)
+    def hooked_export(self: Any, path: str, *args: Any, **kwargs: Any) -> Any:
+        result = export(self, path, *args, **kwargs)
+        exported(self, path)
+        return result
+
+    cls._start_trace, cls.__exit__ = hooked_start_trace, hooked_exit
+    cls._parse_kineto_results, cls.export_chrome_trace = hooked_parse, hooked_export
+    cls._torch_pjrt_hooked = True
+    return True
+
+
+def profiler_device_event(event_id: int, name: str, thread: int, start_us: float, end_us: float, device_index: int,
+                          use_device: str) -> Any:
+    """A parsed profiler event of work on the pjrt device (the kind kineto makes for a GPU kernel)."""
+    from torch.autograd.profiler_util import FunctionEvent
+
+    return FunctionEvent(id=event_id, name=name, thread=thread, start_us=start_us, end_us=end_us, trace_name=name,
+                         input_shapes=[], stack=[], use_device=use_device, device_type=privateuse1_device_type(),
+                         device_index=device_index)

@@ -38,6 +38,8 @@ VARIABLES: dict[str, Variable] = {
                                               "indices silently, as other XLA bridges do)"),
     "TORCH_PJRT_ACCELERATE": Variable("1", "0: accelerate and transformers' Trainer keep the CPU where they find no "
                                            "other accelerator (pjrt is picked by default)"),
+    "TORCH_PJRT_PROFILE_JAX_DIR": Variable("", "a folder: a torch profiler window that records pjrt also runs jax's "
+                                               "profiler into it (TensorBoard/XProf), named in the Chrome trace"),
     "TORCH_PJRT_FLASH_ATTENTION": Variable("0", "1: scaled_dot_product_attention on pjrt tensors runs the Pallas flash "
                                                 "attention kernel where it applies (no mask, no dropout)"),
 }

@@ -3,7 +3,8 @@
 Presets train examples/gpt.py's GPT (tokens) or a small ResNet defined here (samples); `--script`
 runs a CUDA script through the same shim as `run` and times it step by step (one step per
 `optimizer.step()`). Per device: time to first step (compiles included), steady step time (median,
-p10, p90), throughput, peak memory, compile seconds, and cost with `--price-per-hour`.
+p10, p90), throughput, peak memory, compile seconds, and cost with `--price-per-hour`. `--profile PATH`
+runs PyTorch's profiler over pjrt's steps after the warmup and writes its Chrome trace (docs/profiler.md).
 """
 
 from __future__ import annotations
@@ -228,6 +229,49 @@ class Run:
     memory_kind: str = ""
     compiles: int | None = None
     compile_seconds: float | None = None
+    profile: dict[str, Any] | None = None
+
+
+class ProfileWindow(contextlib.AbstractContextManager):
+    """PyTorch's profiler (CPU and the pjrt device) from the start of step `first` of a pjrt run to its
+    end; `finish` writes the Chrome trace to `path`. Inactive without a path or on other devices; a run
+    that fails leaves the `with` block with the profiler stopped and nothing written."""
+
+    def __init__(self, path: str | None, device: str, first: int) -> None:
+        self.path = path if device == "pjrt" else None
+        self.first = first
+        self.profile: Any = None
+
+    def at_step(self, index: int) -> None:
+        """Called as step `index` begins."""
+        if self.path is not None and index == self.first and self.profile is None:
+            from torch.profiler import ProfilerActivity, profile
+
+            self.profile = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.PrivateUse1])
+            self.profile.start()
+
+    def finish(self, run: Run, steps: int) -> None:
+        """After `steps` steps: stop, write the trace, print the ops with the most device time to stderr,
+        and note the trace in `run`."""
+        if self.path is None:
+            return
+        if self.profile is None:
+            raise BenchError(f"--profile: pjrt ran {steps} step(s), none after the {self.first} warmup step(s); "
+                             "lower --warmup or run more steps")
+        self.profile.stop()
+        self.profile.export_chrome_trace(self.path)
+        averages = self.profile.key_averages()
+        self.profile = None
+        print(averages.table(sort_by="device_time_total", row_limit=12), file=sys.stderr)
+        print(f"pjrt profile of steps {self.first}..{steps - 1} written to {self.path} (step times from step "
+              f"{self.first} on include the profiler's wait after every program)", file=sys.stderr)
+        run.profile = {"trace": self.path, "first_step": self.first, "steps": steps - self.first,
+                       "device_seconds": sum(row.self_device_time_total for row in averages) / 1e6}
+
+    def __exit__(self, *exc: object) -> None:
+        if self.profile is not None:
+            self.profile.stop()
+            self.profile = None
 
 
 @contextlib.contextmanager
@@ -247,14 +291,17 @@ def measured(device: str) -> Iterator[Run]:
         run.compile_seconds = after["compile_seconds"] - before["compile_seconds"]
 
 
-def run_workload(workload: Workload, device: str, steps: int, progress: Progress) -> Run:
+def run_workload(workload: Workload, device: str, steps: int, progress: Progress,
+                 window: ProfileWindow | None = None) -> Run:
     torch.manual_seed(0)
     data = workload.batches(steps)
-    with measured(device) as run:
+    window = window or ProfileWindow(None, device, 0)
+    with measured(device) as run, window:
         start = time.perf_counter()
         model = workload.build().to(device)
         optimizer = workload.optimizer(model.parameters())
         for index, (inputs, targets) in enumerate(data):
+            window.at_step(index)
             began = time.perf_counter()
             run.losses.append(workload.step(model, optimizer, inputs.to(device), targets.to(device)).item())
             ended = time.perf_counter()
@@ -263,10 +310,12 @@ def run_workload(workload: Workload, device: str, steps: int, progress: Progress
             else:
                 run.step_times.append(ended - began)
             progress.update(ended - began)
+        window.finish(run, steps)
     return run
 
 
-def run_script(script: str, argv: list[str], device: str, progress: Progress) -> Run:
+def run_script(script: str, argv: list[str], device: str, progress: Progress,
+               window: ProfileWindow | None = None) -> Run:
     """A CUDA script on `device` through the run shim; a step ends at each optimizer.step().
 
     The script's own output goes to stderr: stdout carries the bench's table or JSON."""
@@ -277,6 +326,7 @@ def run_script(script: str, argv: list[str], device: str, progress: Progress) ->
 
     last_loss: list[torch.Tensor] = []
     marks: list[float] = []
+    window = window or ProfileWindow(None, device, 0)
 
     def on_step(*_: Any) -> None:
         synchronize(device)
@@ -284,6 +334,7 @@ def run_script(script: str, argv: list[str], device: str, progress: Progress) ->
         if last_loss and last_loss[-1].numel() == 1:
             run.losses.append(float(last_loss[-1].detach().float().cpu()))
         progress.update(marks[-1] - (marks[-2] if len(marks) > 1 else start))
+        window.at_step(len(marks))  # the next step begins
 
     def on_backward(loss: torch.Tensor) -> None:
         last_loss[:] = [loss]
@@ -291,8 +342,9 @@ def run_script(script: str, argv: list[str], device: str, progress: Progress) ->
     if device == "cpu":
         torch.pjrt.init()  # the shim maps torch.cuda.* to torch.pjrt: start jax outside the CPU timing
     torch.manual_seed(0)
-    with measured(device) as run:
+    with measured(device) as run, window:
         handle = register_optimizer_step_post_hook(on_step)
+        window.at_step(0)
         start = time.perf_counter()
         try:
             with CudaShim(device, on_backward=on_backward), contextlib.redirect_stdout(sys.stderr):
@@ -305,6 +357,7 @@ def run_script(script: str, argv: list[str], device: str, progress: Progress) ->
             raise BenchError(f"{script} raised {type(error).__name__} on {device}") from None
         finally:
             handle.remove()
+        window.finish(run, len(marks))
     if not marks:
         raise BenchError(f"{script} ran on {device} but never called optimizer.step(): no steps to time")
     run.first_step_s = marks[0] - start
@@ -338,6 +391,8 @@ def summarise(run: Run, unit: str, items_per_step: int, prices: dict[str, float]
         "losses": run.losses,
         "step_times_s": run.step_times,
     }
+    if run.profile is not None:
+        result["profile"] = run.profile
     if run.device in prices and throughput:
         label, scale = COST_UNITS[unit]
         result["cost"] = {"usd": prices[run.device] / 3600 / throughput * scale, "per": label,
@@ -414,6 +469,8 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     prices = parse_prices(args.price_per_hour)
     if args.steps < 1:
         raise BenchError(f"--steps {args.steps}: at least one step is needed")
+    if args.profile and "pjrt" not in devices:
+        raise BenchError(f"--profile {args.profile}: it profiles the pjrt run; add pjrt to --devices")
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         raise BenchError(f"--plot {args.plot}: matplotlib is not installed (pip install matplotlib)")
     if args.script:
@@ -430,10 +487,12 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     for device in devices:
         progress = Progress(None if args.script else args.steps, device, enabled=args.progress)
         try:
+            window = ProfileWindow(args.profile, device, min(args.warmup, args.steps - 1) if not args.script
+                                   else args.warmup)
             if args.script:
-                run = run_script(args.script, shlex.split(args.script_args), device, progress)
+                run = run_script(args.script, shlex.split(args.script_args), device, progress, window)
             else:
-                run = run_workload(workload, device, args.steps, progress)
+                run = run_workload(workload, device, args.steps, progress, window)
         finally:
             progress.close()
         results.append(summarise(run, unit, items, prices, args.warmup))
@@ -472,6 +531,9 @@ def add_parser(subparsers: Any) -> None:
                         help="hourly price of a device: adds cost per 1M tokens (or per 1k samples)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.add_argument("--plot", metavar="FILE.png", help="draw step time and loss per step (needs matplotlib)")
+    parser.add_argument("--profile", metavar="TRACE.json",
+                        help="profile pjrt's steps after the warmup with torch.profiler (CPU and device) and write "
+                             "the Chrome trace (.json or .json.gz); pjrt's step times then include its waits")
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                         help="progress bar on stderr (default: when stderr is a terminal)")
     parser.set_defaults(func=command)

@@ -16,6 +16,7 @@
 #include <torch/csrc/Dtype.h>
 #include <torch/csrc/Generator.h>
 #include <torch/csrc/Storage.h>
+#include <torch/csrc/profiler/stubs/base.h>
 #include <torch/extension.h>
 
 #include "native.h"
@@ -328,6 +329,43 @@ Hooks* hooks_instance() {
   return instance;
 }
 
+// The PrivateUse1 stubs of PyTorch's legacy profiler mode (torch.autograd.profiler.profile with
+// use_device="pjrt" and no kineto), which calls them around every op: without any, each op's record
+// fails and the profile's CPU times come out negative. They time nothing per op: torch_pjrt/profiler.py
+// times whole programs and adds those to the profile in every mode.
+struct ProfilerStubs final : torch::profiler::impl::ProfilerStubs {
+  void record(c10::DeviceIndex* device, torch::profiler::impl::ProfilerVoidEventStub* /*event*/,
+              int64_t* cpu_ns) const override {
+    if (device != nullptr) {
+      *device = current_index;
+    }
+    if (cpu_ns != nullptr) {
+      *cpu_ns = c10::getTime();
+    }
+  }
+  float elapsed(const torch::profiler::impl::ProfilerVoidEventStub* /*start*/,
+                const torch::profiler::impl::ProfilerVoidEventStub* /*end*/) const override {
+    return 0;
+  }
+  void mark(const char* /*name*/) const override {}
+  void rangePush(const char* /*name*/) const override {}
+  void rangePop() const override {}
+  bool enabled() const override {
+    return true;
+  }
+  void onEachDevice(std::function<void(int)> op) const override {
+    for (c10::DeviceIndex index = 0; index < count(); ++index) {
+      op(index);
+    }
+  }
+  void synchronize() const override {}
+};
+
+ProfilerStubs* profiler_stubs_instance() {
+  static auto* instance = new ProfilerStubs();
+  return instance;
+}
+
 c10::DeviceIndex checked_count(int64_t n) {
   TORCH_CHECK(n >= 0 && n <= std::numeric_limits<c10::DeviceIndex>::max(), "invalid pjrt device count ", n);
   return static_cast<c10::DeviceIndex>(n);
@@ -351,6 +389,9 @@ bool install(int64_t n, int64_t engine_n) {
   }
   if (!at::isPrivateUse1HooksRegistered()) {
     at::RegisterPrivateUse1HooksInterface(hooks_instance());
+  }
+  if (installed() && !torch::profiler::impl::privateuse1Stubs()->enabled()) {
+    torch::profiler::impl::registerPrivateUse1Methods(profiler_stubs_instance());
   }
   return installed();
 }

@@ -325,7 +325,7 @@ def is_out_of_memory(error: BaseException) -> bool:
 def out_of_memory_from(error: BaseException, values: Sequence[Any], index: int | None = None) -> torch.OutOfMemoryError:
     """An allocation failure as torch.OutOfMemoryError, on the given device or else that of the first array."""
     if index is None:
-        index = _index_of(values)
+        index = index_of(values)
     text = str(error).strip()
     asked = re.search(r"(\d+) bytes", text)
     total, source = memory_limit(index)
@@ -344,7 +344,8 @@ def out_of_memory_translated(values: Sequence[Any], index: int | None = None) ->
         raise out_of_memory_from(error, values, index) from None
 
 
-def _index_of(values: Sequence[Any]) -> int:
+def index_of(values: Sequence[Any]) -> int:
+    """The pjrt index of the first device array among `values` (0 when there is none)."""
     array = jax_module().Array
     for value in values:
         if isinstance(value, array):

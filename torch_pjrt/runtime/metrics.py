@@ -37,6 +37,8 @@ COUNTER_NAMES = (
     # a transfer the host made anyway)
     "device_check_codes",
     "device_check_reads",
+    # program launches timed for a profiler (runtime/profiling.py): none unless one asks for device time
+    "profiled_programs",
 )
 
 _counts: Counter = Counter()

@@ -7,7 +7,7 @@ import warnings
 from collections.abc import Callable, Hashable
 from typing import Any
 
-from torch_pjrt.runtime import client, metrics
+from torch_pjrt.runtime import client, metrics, profiling
 
 
 class Program:
@@ -31,11 +31,13 @@ class Program:
 
     def call(self, *args: Any) -> Any:
         """Run the program. Every program runs here, so faults are handled here, not per op: an allocation
-        the device cannot make raises torch.OutOfMemoryError (and the process goes on), and a forked child
-        refuses at once instead of hanging."""
+        the device cannot make raises torch.OutOfMemoryError (and the process goes on), a forked child
+        refuses at once instead of hanging, and while a profiler records the device each launch is timed."""
         client.refuse_in_forked_child()
         try:
-            return self._run(*args)
+            if profiling.recording is None:
+                return self._run(*args)
+            return profiling.timed_call(self._run, args, self.name, self.device_index)
         except (RuntimeError, MemoryError) as error:
             self.reraise(error, args)
 
