@@ -440,17 +440,18 @@ def read_padded(st: storage.DeviceStorage, slot: int, view: View, symbols: Symbo
     run their bucket's program. None when no dim qualifies."""
     if view.dtype != st.dtype or view.conj or view.neg or 0 in view.sizes:
         return None
-    sizes, dims = list(view.sizes), [None] * len(view.sizes)
+    sizes, uppers = list(view.sizes), [None] * len(view.sizes)
     for d, size in enumerate(view.sizes):
         upper = live_bound(size) if view.strides[d] else None
         padded_size = None if upper is None else bucket(size, upper)
         if padded_size is not None and padded_size > size:
-            sizes[d], dims[d] = padded_size, ((symbols.of(size, upper), 0),)
-    if all(d is None for d in dims):
+            sizes[d], uppers[d] = padded_size, upper
+    if all(u is None for u in uppers):
         return None
     if view.offset + sum((n - 1) * stride for n, stride in zip(sizes, view.strides)) >= st.numel:
         return None
-    return PaddedLeaf(slot, st.dtype, (st.numel,), view._replace(sizes=tuple(sizes)), tuple(dims), (), ())
+    dims = tuple(None if u is None else ((symbols.of(n, u), 0),) for n, u in zip(view.sizes, uppers))
+    return PaddedLeaf(slot, st.dtype, (st.numel,), view._replace(sizes=tuple(sizes)), dims, (), ())
 
 
 def padded_factor(f: Factor, buckets: Sequence[int]) -> int:
