@@ -176,3 +176,32 @@ def test_backward_on_second_device() -> None:
                             env={**os.environ, "TORCH_PJRT_CPU_DEVICES": "2"}, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip() == "ok"
+
+
+class TiedLM(nn.Module):
+    """An embedding and an output layer sharing one weight, as GPT-2, BERT and T5 do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(20, 8)
+        self.head = nn.Linear(8, 20, bias=False)
+        self.head.weight = self.embed.weight
+
+
+def test_moving_a_module_keeps_its_parameters_and_their_ties() -> None:
+    torch.manual_seed(21)
+    model = TiedLM()
+    moved = copy.deepcopy(model)
+    weight = moved.embed.weight
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (model, moved)]  # built before the move
+    moved.to("pjrt")
+    assert moved.embed.weight is weight and moved.head.weight is weight and weight.device.type == "pjrt"
+    tokens = torch.randint(0, 20, (2, 6))
+    for m, optimizer, device in ((model, optimizers[0], "cpu"), (moved, optimizers[1], "pjrt")):
+        for _ in range(2):
+            optimizer.zero_grad()
+            F.cross_entropy(m.head(m.embed(tokens.to(device))).flatten(0, 1), tokens.flatten().to(device)).backward()
+            optimizer.step()
+    torch.testing.assert_close(weight.detach().cpu(), model.embed.weight.detach())
+    moved.to("cpu")
+    assert moved.head.weight is weight and weight.device.type == "cpu"

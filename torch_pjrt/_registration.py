@@ -58,7 +58,7 @@ def register() -> None:
     with _lock:
         if _state["registered"]:
             return
-        from torch_pjrt import amp, device, distributed, integrations, native, profiler, serialization
+        from torch_pjrt import amp, device, distributed, integrations, module_moves, native, profiler, serialization
         from torch_pjrt.eager import fallback, modes
 
         modes.load_from_environment()
@@ -71,6 +71,7 @@ def register() -> None:
         _state["libraries"].append(_torch_private.library_fallback(fallback.catch_all, "PrivateUse1"))
         serialization.register()
         integrations.install()
+        module_moves.install()
         profiler.install()
         distributed.register()
         _state["libraries"].extend(amp.register())

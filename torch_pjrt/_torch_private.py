@@ -249,6 +249,15 @@ def suggest_memory_format(tensor: torch.Tensor) -> torch.memory_format:
     return suggest(tensor)
 
 
+def wrap_module_apply(make: Any) -> None:
+    """Replace torch.nn.Module._apply (what .to(), .cuda(), .half() run) by `make(original)`, once."""
+    original = torch.nn.Module._apply
+    if not getattr(original, "_pjrt_wrapped", False):
+        wrapped = make(original)
+        wrapped._pjrt_wrapped = True
+        torch.nn.Module._apply = wrapped
+
+
 def hint(size: Any) -> int:
     """A size as an int: a SymInt's value in the call it was made for (its hint)."""
     return int(size.node.hint) if isinstance(size, torch.SymInt) else int(size)

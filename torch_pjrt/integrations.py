@@ -183,33 +183,6 @@ def _patch_accelerate_checkpointing(module: Any) -> None:
             holder.load_accelerator_state = load_accelerator_state
 
 
-def _patch_accelerator(module: Any) -> None:
-    accelerator = module.Accelerator
-    original = accelerator.prepare
-    if getattr(original, "_pjrt_aware", False):
-        return
-
-    @functools.wraps(original)
-    def prepare(self: Any, *args: Any, **kwargs: Any) -> Any:
-        """Point prepared optimizers at the moved parameters. Moving a module to pjrt makes new Parameter
-        objects (PyTorch keeps them only between its built-in dense backends), so an optimizer built on
-        the CPU ones would step nothing; accelerate does the same switch for XLA devices."""
-        moves = self.device_placement and self.device.type == "pjrt"
-        old = self._get_named_parameters(*args, drop_refs=False) if moves else {}
-        result = original(self, *args, **kwargs)
-        if moves:
-            prepared = result if isinstance(result, tuple) else (result,)
-            new = self._get_named_parameters(*prepared)
-            mapping = {parameter: new[name] for name, parameter in old.items() if name in new}
-            for item in prepared:
-                if isinstance(item, torch.optim.Optimizer):
-                    item._switch_parameters(mapping)
-        return result
-
-    prepare._pjrt_aware = True
-    accelerator.prepare = prepare
-
-
 def _patch_training_args(module: Any) -> None:
     arguments = module.TrainingArguments
     original = arguments.__dict__["_setup_devices"].func
@@ -275,7 +248,6 @@ PATCHES = {
     "transformers.generation.utils": _patch_generate,
     "accelerate.state": _patch_accelerate_state,
     "accelerate.checkpointing": _patch_accelerate_checkpointing,
-    "accelerate.accelerator": _patch_accelerator,
     "transformers.training_args": _patch_training_args,
     "transformers.trainer": _patch_trainer,
 }
