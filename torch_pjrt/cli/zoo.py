@@ -500,16 +500,19 @@ def _invocation(args: argparse.Namespace) -> str:
     return shlex.join(words)
 
 
+def _comma_list(text: str | None) -> list[str] | None:
+    return [item.strip() for item in text.split(",") if item.strip()] if text else None
+
+
 def command(args: argparse.Namespace) -> int:
-    split = lambda text: [item.strip() for item in text.split(",") if item.strip()] if text else None
-    tasks = split(args.task)
+    tasks = list(zoo_catalog.TASKS) if args.task == "all" else _comma_list(args.task)
     unknown = sorted(set(tasks or ()) - set(zoo_catalog.TASKS))
     if unknown:
         print(f"torch-pjrt zoo: unknown task {', '.join(unknown)}; use one of {', '.join(zoo_catalog.TASKS)}",
               file=sys.stderr)
         return 2
     try:
-        cases = select(tasks or ["causal-lm"], split(args.family), args.name, args.model)
+        cases = select(tasks or ["causal-lm"], _comma_list(args.family), args.name, args.model)
     except (ValueError, ImportError, Skip, re.error) as error:
         print(f"torch-pjrt zoo: {error}", file=sys.stderr)
         return 2
@@ -541,7 +544,7 @@ def command(args: argparse.Namespace) -> int:
 def add_parser(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "zoo", help="Hugging Face architectures (shrunk, random weights) or your own models: pjrt against CPU")
-    parser.add_argument("--task", help=f"comma-separated tasks (default causal-lm): {', '.join(zoo_catalog.TASKS)}")
+    parser.add_argument("--task", help=f"comma-separated tasks, or all (default causal-lm): {', '.join(zoo_catalog.TASKS)}")
     parser.add_argument("--family", help="comma-separated model types, e.g. llama,gpt2,bert")
     parser.add_argument("--name", help="regular expression on the architecture key or model class")
     parser.add_argument("--model", action="append", metavar="SPEC",

@@ -53,7 +53,12 @@ SMALL_SIZES: dict[str, int] = {
     "patch_size": 8,
     **dict.fromkeys(("sliding_window", "attention_window", "window_size"), 64),
     **dict.fromkeys(("embedding_size", "num_channels_hidden"), 16),
+    "rotary_dim": 8,
+    "mamba_n_heads": 4, "mamba_d_head": 16, **dict.fromkeys(("mamba_d_state", "state_size", "d_state"), 16),
 }
+# Key-value head counts equal to the attention head count by default stay equal when shrunk.
+KEY_VALUE_HEADS = {"num_key_value_heads": "num_attention_heads", "n_kv_heads": "n_heads",
+                   "num_kv_heads": "num_attention_heads"}
 # List attributes of staged (vision) models: each element lowered to these.
 SMALL_STAGE_LISTS: dict[str, int] = {"hidden_sizes": 16, "depths": 1, "embed_dims": 16, "dims": 16,
                                      "num_heads": 2, "encoder_hidden_sizes": 16, "block_depths": 1}
@@ -197,11 +202,14 @@ def shrunk_overrides(defaults: dict[str, Any]) -> dict[str, Any]:
         if _is_sub_config(value):
             sub = shrunk_overrides(value)
             if sub:
-                overrides[name] = {**value, **sub}
+                overrides[name] = {"model_type": value["model_type"], **sub} if value["model_type"] else sub
             continue
         small = _shrunk_value(name, value, layers)
         if small != value:
             overrides[name] = small
+    for kv_heads, heads in KEY_VALUE_HEADS.items():
+        if kv_heads in overrides and defaults[kv_heads] == defaults.get(heads):
+            overrides[kv_heads] = overrides.get(heads, defaults[heads])
     vocab = overrides.get("vocab_size", defaults.get("vocab_size"))
     if isinstance(vocab, int):
         for name in TOKEN_ID_NAMES:
@@ -225,6 +233,8 @@ def small_config(config_class: type, task: str) -> Any:
     overrides = shrunk_overrides(defaults.to_dict())
     if task in ("sequence-classification", "token-classification", "image-classification"):
         overrides["num_labels"] = LABELS
+    if getattr(defaults, "use_cache", False):
+        overrides["use_cache"] = False  # no key-value cache: the zoo runs one forward per step
     if getattr(defaults, "pad_token_id", None) is None:
         overrides["pad_token_id"] = 0
     if getattr(defaults, "is_encoder_decoder", False) and getattr(defaults, "decoder_start_token_id", None) is None:
