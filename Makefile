@@ -86,7 +86,7 @@ ZOO_TASKS ?= all
 ZOO_MINUTES ?= 40
 zoo: $(STAMP)
 	mkdir -p build/zoo
-	-HF_HUB_OFFLINE=1 $(PY) -m torch_pjrt zoo --task $(ZOO_TASKS) --jobs 2 --budget-minutes $(ZOO_MINUTES) \
+	-HF_HUB_OFFLINE=1 $(PY) -m torch_pjrt zoo --task $(ZOO_TASKS) --jobs 2 --timeout 180 --budget-minutes $(ZOO_MINUTES) \
 		--report docs/model-coverage.md --json build/zoo/results.json --log build/zoo/workers.log
 
 clean:

@@ -19,7 +19,7 @@ SLICE = {"llama/causal-lm", "gpt2/causal-lm", "bert/masked-lm", "t5/seq2seq-lm"}
 
 
 def test_fixed_slice_matches_cpu() -> None:
-    cases = [c for c in zoo.select(["causal-lm", "masked-lm", "seq2seq-lm"], ["llama", "gpt2", "bert", "t5"])
+    cases = [c for c in zoo.select_cases(["causal-lm", "masked-lm", "seq2seq-lm"], ["llama", "gpt2", "bert", "t5"])
              if c.key in SLICE]
     assert {c.key for c in cases} == SLICE
     rows = zoo.run_cases(cases, isolate=False)
@@ -44,7 +44,7 @@ def test_user_factories_in_workers_and_a_crash_is_one_row(tmp_path: pytest.TempP
 
 
 def test_filters_select_by_family_task_and_name(capsys: pytest.CaptureFixture) -> None:
-    keys = {c.key for c in zoo.select(["causal-lm", "sequence-classification"], ["llama", "gpt2"], name="^gpt2/")}
+    keys = {c.key for c in zoo.select_cases(["causal-lm", "sequence-classification"], ["llama", "gpt2"], name="^gpt2/")}
     assert keys == {"gpt2/causal-lm", "gpt2/sequence-classification"}
     assert main(["zoo", "--list", "--family", "mistral", "--task", "causal-lm,token-classification"]) == 0
     assert capsys.readouterr().out.split() == ["mistral/causal-lm", "MistralForCausalLM",

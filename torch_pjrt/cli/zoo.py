@@ -19,6 +19,7 @@ import os
 import platform
 import queue
 import re
+import select
 import shlex
 import subprocess
 import sys
@@ -39,7 +40,7 @@ FORWARD_TOLERANCE = {"rtol": 1e-4, "atol": 1e-4}
 TRAINING_TOLERANCE = {"rtol": 1e-3, "atol": 1e-4}  # the loss, every gradient, the loss after one SGD step
 LEARNING_RATE = 0.1
 DEFAULT_TIMEOUT = 300.0
-CASES_PER_WORKER = 25  # a worker is replaced after this many models, so its caches do not grow without bound
+CASES_PER_WORKER = 50  # a worker is replaced after this many models, so its caches do not grow without bound
 STATUSES = ("match", "mismatch", "error", "skipped", "not run")
 
 
@@ -64,7 +65,7 @@ def _loss(output: Any) -> torch.Tensor:
     if isinstance(loss, torch.Tensor) and loss.numel() == 1:
         return loss.reshape(())
     for _, tensor in _tensors(output):
-        if tensor.is_floating_point() and tensor.requires_grad:
+        if tensor.is_floating_point() and (tensor.requires_grad or not torch.is_grad_enabled()):
             return tensor.float().square().mean()
     raise Skip("the model returns no loss and no differentiable float output to train on")
 
@@ -253,37 +254,34 @@ def worker_main(mode: str) -> None:
 
 
 class Worker:
-    """A worker subprocess and a thread that queues its result lines (None when it exits)."""
+    """A worker subprocess: one case in on stdin, one JSON row back on stdout, waited for with a timeout."""
 
     def __init__(self, mode: str, log: Any) -> None:
         environment = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                        "TRANSFORMERS_VERBOSITY": "error", "OMP_NUM_THREADS": "1"}
         environment.pop("TORCH_PJRT_CPU_FALLBACK", None)
         self.process = subprocess.Popen([sys.executable, "-m", "torch_pjrt.cli.zoo", "--worker", mode],
-                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
-                                        env=environment)
-        self.lines: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=self._pump, daemon=True).start()
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=environment)
+        self.unread = b""
         self.cases_run = 0
-
-    def _pump(self) -> None:
-        for line in self.process.stdout:
-            self.lines.put(line)
-        self.lines.put(None)
 
     def result(self, timeout: float) -> dict[str, Any] | str:
         """The next row, or why there is none (the worker died, or said nothing for `timeout` s)."""
-        try:
-            line = self.lines.get(timeout=timeout)
-        except queue.Empty:
-            return f"timeout: no result in {timeout:.0f} s"
-        if line is None:
-            code = self.process.wait()
-            return f"the worker process died (signal {-code})" if code < 0 else f"the worker exited ({code})"
+        give_up = time.monotonic() + timeout
+        while b"\n" not in self.unread:
+            left = give_up - time.monotonic()
+            if left <= 0 or not select.select([self.process.stdout], [], [], left)[0]:
+                return f"timeout: no result in {timeout:.0f} s"
+            chunk = os.read(self.process.stdout.fileno(), 1 << 16)
+            if not chunk:
+                code = self.process.wait()
+                return f"the worker process died (signal {-code})" if code < 0 else f"the worker exited ({code})"
+            self.unread += chunk
+        line, _, self.unread = self.unread.partition(b"\n")
         return json.loads(line)
 
     def submit(self, case: Case) -> None:
-        self.process.stdin.write(json.dumps(dataclasses.asdict(case)) + "\n")
+        self.process.stdin.write(json.dumps(dataclasses.asdict(case)).encode() + b"\n")
         self.process.stdin.flush()
         self.cases_run += 1
 
@@ -371,7 +369,7 @@ def _drive(cases: list[Case], todo: queue.Queue[int], mode: str, timeout: float,
 # --- selection ---------------------------------------------------------------------------------------
 
 
-def select(tasks: list[str] | None = None, families: list[str] | None = None, name: str | None = None,
+def select_cases(tasks: list[str] | None = None, families: list[str] | None = None, name: str | None = None,
            user_models: list[str] | None = None) -> list[Case]:
     """The cases to run: user factories when given, else Hugging Face architectures, filtered."""
     cases = [c for spec in user_models for c in zoo_catalog.user_cases(spec)] if user_models else \
@@ -512,7 +510,7 @@ def command(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     try:
-        cases = select(tasks or ["causal-lm"], _comma_list(args.family), args.name, args.model)
+        cases = select_cases(tasks or ["causal-lm"], _comma_list(args.family), args.name, args.model)
     except (ValueError, ImportError, Skip, re.error) as error:
         print(f"torch-pjrt zoo: {error}", file=sys.stderr)
         return 2
@@ -544,7 +542,8 @@ def command(args: argparse.Namespace) -> int:
 def add_parser(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "zoo", help="Hugging Face architectures (shrunk, random weights) or your own models: pjrt against CPU")
-    parser.add_argument("--task", help=f"comma-separated tasks, or all (default causal-lm): {', '.join(zoo_catalog.TASKS)}")
+    parser.add_argument("--task", help="comma-separated tasks, or all (default causal-lm): "
+                                       + ", ".join(zoo_catalog.TASKS))
     parser.add_argument("--family", help="comma-separated model types, e.g. llama,gpt2,bert")
     parser.add_argument("--name", help="regular expression on the architecture key or model class")
     parser.add_argument("--model", action="append", metavar="SPEC",

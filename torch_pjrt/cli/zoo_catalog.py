@@ -56,9 +56,10 @@ SMALL_SIZES: dict[str, int] = {
     "rotary_dim": 8,
     "mamba_n_heads": 4, "mamba_d_head": 16, **dict.fromkeys(("mamba_d_state", "state_size", "d_state"), 16),
 }
-# Key-value head counts equal to the attention head count by default stay equal when shrunk.
-KEY_VALUE_HEADS = {"num_key_value_heads": "num_attention_heads", "n_kv_heads": "n_heads",
-                   "num_kv_heads": "num_attention_heads"}
+# Sizes equal to another by default stay equal to it when shrunk (models assume it: key-value heads,
+# ALBERT-style embedding sizes).
+KEPT_EQUAL = {"num_key_value_heads": "num_attention_heads", "n_kv_heads": "n_heads",
+              "num_kv_heads": "num_attention_heads", "embedding_size": "hidden_size"}
 # List attributes of staged (vision) models: each element lowered to these.
 SMALL_STAGE_LISTS: dict[str, int] = {"hidden_sizes": 16, "depths": 1, "embed_dims": 16, "dims": 16,
                                      "num_heads": 2, "encoder_hidden_sizes": 16, "block_depths": 1}
@@ -85,9 +86,20 @@ class Case:
     factory: str = ""
 
 
+def _text_config(config: Any) -> Any:
+    """The config that holds the vocabulary (the text sub-config of a composite model)."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
 def _token_inputs(config: Any) -> dict[str, torch.Tensor]:
-    vocab = int(getattr(config, "vocab_size", VOCAB) or VOCAB)
+    """Random ordinary tokens; each sequence ends with the end-of-sequence token where the config has one
+    (encoder-decoder classifiers pool at it)."""
+    text = _text_config(config)
+    vocab = int(getattr(text, "vocab_size", VOCAB) or VOCAB)
     ids = torch.randint(FIRST_ORDINARY_TOKEN, vocab, (BATCH, SEQUENCE))
+    eos = getattr(text, "eos_token_id", None)
+    if isinstance(eos, int) and 0 <= eos < vocab:
+        ids[:, -1] = eos
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
 
 
@@ -111,7 +123,7 @@ def question_answering_inputs(config: Any) -> dict[str, torch.Tensor]:
 
 def seq2seq_inputs(config: Any) -> dict[str, torch.Tensor]:
     inputs = _token_inputs(config)
-    labels = torch.randint(FIRST_ORDINARY_TOKEN, int(config.vocab_size), (BATCH, SEQUENCE // 2))
+    labels = torch.randint(FIRST_ORDINARY_TOKEN, inputs["input_ids"].max().item() + 1, (BATCH, SEQUENCE // 2))
     return {**inputs, "labels": labels}
 
 
@@ -143,14 +155,15 @@ class Task:
 
 
 TASKS: dict[str, Task] = {
+    # the order of a run: text generation first, then the other heads, the bare models last
     "causal-lm": Task("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", causal_lm_inputs),
     "masked-lm": Task("MODEL_FOR_MASKED_LM_MAPPING_NAMES", causal_lm_inputs),
     "seq2seq-lm": Task("MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES", seq2seq_inputs),
     "sequence-classification": Task("MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
                                     sequence_classification_inputs),
+    "image-classification": Task("MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES", image_classification_inputs),
     "token-classification": Task("MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES", token_classification_inputs),
     "question-answering": Task("MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES", question_answering_inputs),
-    "image-classification": Task("MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES", image_classification_inputs),
     "base": Task("MODEL_MAPPING_NAMES", base_model_inputs),
 }
 
@@ -207,9 +220,9 @@ def shrunk_overrides(defaults: dict[str, Any]) -> dict[str, Any]:
         small = _shrunk_value(name, value, layers)
         if small != value:
             overrides[name] = small
-    for kv_heads, heads in KEY_VALUE_HEADS.items():
-        if kv_heads in overrides and defaults[kv_heads] == defaults.get(heads):
-            overrides[kv_heads] = overrides.get(heads, defaults[heads])
+    for follower, leader in KEPT_EQUAL.items():
+        if follower in overrides and defaults[follower] == defaults.get(leader):
+            overrides[follower] = overrides.get(leader, defaults[leader])
     vocab = overrides.get("vocab_size", defaults.get("vocab_size"))
     if isinstance(vocab, int):
         for name in TOKEN_ID_NAMES:
@@ -243,6 +256,11 @@ def small_config(config_class: type, task: str) -> Any:
         config = config_class(**overrides)
     except Exception as error:
         raise Skip(f"shrunk config does not build: {first_line(error)}") from None
+    heads = getattr(config, "num_attention_heads", None)
+    if isinstance(heads, int) and isinstance(getattr(config, "hidden_size", None), int):
+        for name, derived in (("head_dim", config.hidden_size // heads), ("num_key_value_heads", heads)):
+            if hasattr(config, name) and getattr(config, name) is None:
+                setattr(config, name, derived)  # a default some configs derive only when loaded from a file
     return config
 
 
