@@ -342,4 +342,10 @@ def build_user(case: Case) -> tuple[nn.Module, Any]:
 
 
 def build(case: Case) -> tuple[nn.Module, Any]:
-    return build_user(case) if case.factory else build_hf(case)
+    """The case's CPU model and inputs; any failure here is the zoo's or the model's, not pjrt's (Skip)."""
+    try:
+        return build_user(case) if case.factory else build_hf(case)
+    except Skip:
+        raise
+    except Exception as error:
+        raise Skip(f"building it on CPU fails: {first_line(error)}") from None
