@@ -60,9 +60,9 @@ SMALL_SIZES: dict[str, int] = {
 # ALBERT-style embedding sizes).
 KEPT_EQUAL = {"num_key_value_heads": "num_attention_heads", "n_kv_heads": "n_heads",
               "num_kv_heads": "num_attention_heads", "embedding_size": "hidden_size"}
-# List attributes of staged (vision) models: each element lowered to these.
-SMALL_STAGE_LISTS: dict[str, int] = {"hidden_sizes": 16, "depths": 1, "embed_dims": 16, "dims": 16,
-                                     "num_heads": 2, "encoder_hidden_sizes": 16, "block_depths": 1}
+# Per-stage lists of staged (vision) models: widths start at this and double each stage, counts are capped.
+STAGE_WIDTHS: dict[str, int] = {"hidden_sizes": 16, "embed_dims": 16, "dims": 16, "encoder_hidden_sizes": 16}
+STAGE_COUNTS: dict[str, int] = {"depths": 1, "block_depths": 1, "num_heads": 2}
 LAYER_COUNT_NAMES = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
 # Dropout and stochastic-depth probabilities are set to 0 so CPU and pjrt draw nothing.
 ZERO_PROBABILITY = re.compile(r"(dropout|drop_path|layerdrop|drop_rate|_pdrop)")
@@ -196,12 +196,11 @@ def _shrunk_value(name: str, value: Any, layers: int | None) -> Any:
         return min(value, SMALL_SIZES[name])
     if isinstance(value, float) and ZERO_PROBABILITY.search(name):
         return 0.0
-    if isinstance(value, (list, tuple)) and value and all(isinstance(v, int) and not isinstance(v, bool)
-                                                          for v in value):
-        if name in SMALL_STAGE_LISTS:
-            return type(value)(min(v, SMALL_STAGE_LISTS[name] * (2 ** i if name.endswith("sizes") or name in
-                                                                 ("embed_dims", "dims") else 1))
-                               for i, v in enumerate(value))
+    if isinstance(value, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        if name in STAGE_WIDTHS:
+            return type(value)(min(v, STAGE_WIDTHS[name] * 2**stage) for stage, v in enumerate(value))
+        if name in STAGE_COUNTS:
+            return type(value)(min(v, STAGE_COUNTS[name]) for v in value)
     if isinstance(value, (list, tuple)) and layers and len(value) == layers and layers > SMALL_SIZES["n_layer"]:
         return type(value)(value[: SMALL_SIZES["n_layer"]])
     return value
