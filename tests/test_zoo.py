@@ -1,0 +1,52 @@
+"""`torch-pjrt zoo`: a fixed slice of shrunk Hugging Face architectures matches CPU (forward and a
+training step); user factories run and are reported; a model that kills its worker process costs only
+its row; filters select by family, task and name."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from torch_pjrt.cli import zoo
+from torch_pjrt.cli.main import main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+USER_MODELS = os.path.join(ROOT, "examples", "zoo_models.py")
+CRASHING_MODELS = os.path.join(ROOT, "tests", "fixtures", "zoo", "crashing_models.py")
+SLICE = {"llama/causal-lm", "gpt2/causal-lm", "bert/masked-lm", "vit/image-classification"}
+
+
+def test_fixed_slice_matches_cpu() -> None:
+    cases = [c for c in zoo.select_cases(["causal-lm", "masked-lm", "image-classification"],
+                                         ["llama", "gpt2", "bert", "vit"]) if c.key in SLICE]
+    assert {c.key for c in cases} == SLICE
+    rows = zoo.run_cases(cases, isolate=False)
+    for row in rows:
+        assert row["status"] == "match", row
+        assert row["forward_max_diff"] <= 1e-4 and row["training_max_diff"] <= 1e-3
+
+
+def test_user_factories_and_the_report(tmp_path: pytest.TempPathFactory) -> None:
+    out, report = tmp_path / "zoo.json", tmp_path / "zoo.md"
+    assert main(["zoo", "--model", USER_MODELS, "--in-process", "--json", str(out), "--report", str(report)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(row["key"].rsplit(":", 1)[1], row["status"]) for row in rows] == [("mlp", "match"), ("convnet", "match")]
+    assert "| match | 2 |" in report.read_text()
+
+
+def test_a_crashing_model_costs_only_its_row() -> None:
+    cases = zoo.select_cases(user_models=[CRASHING_MODELS])
+    crashed, after = zoo.run_cases(cases, jobs=1, timeout=120)
+    assert crashed["status"] == "error" and "died (signal 9)" in crashed["detail"], crashed
+    assert after["status"] == "match", after
+
+
+def test_filters_select_by_family_task_and_name(capsys: pytest.CaptureFixture) -> None:
+    keys = {c.key for c in zoo.select_cases(["causal-lm", "sequence-classification"], ["llama", "gpt2"], name="^gpt2/")}
+    assert keys == {"gpt2/causal-lm", "gpt2/sequence-classification"}
+    assert main(["zoo", "--list", "--family", "mistral", "--task", "causal-lm,token-classification"]) == 0
+    assert capsys.readouterr().out.split() == ["mistral/causal-lm", "MistralForCausalLM",
+                                               "mistral/token-classification", "MistralForTokenClassification"]
+    assert main(["zoo", "--task", "no-such-task"]) == 2
