@@ -22,7 +22,7 @@ demo: $(STAMP)
 # XLA compile or program after another, so a second worker uses CI's second core.
 test: $(STAMP)
 	$(VENV)/bin/ruff check torch_pjrt tests bench examples battery
-	$(PY) -m pytest -q -n 2 --dist loadfile tests
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=20 tests
 
 # vLLM serving on pjrt (tests/test_serving.py) in an environment of its own: vLLM pulls packages
 # (torchvision, torchaudio, torchcodec) that do not load against CPU torch and are removed here.
