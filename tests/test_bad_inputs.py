@@ -141,6 +141,12 @@ STATIC_ERRORS: dict[str, tuple[Any, Any]] = {
     "std_of_ints": (torch.std, lambda: (_ints(2, 3),)),
     "amax_of_an_empty_dim": (lambda x: x.amax(1), lambda: (_table(3, 0),)),
     "argmin_of_nothing": (torch.argmin, lambda: (_table(0),)),
+    "bitwise_and_of_floats": (torch.bitwise_and, lambda: (_table(3), _table(3))),
+    "cat_of_0d_tensors": (lambda a, b: torch.cat([a, b]), lambda: (_table(), _table())),
+    "embedding_weight_not_2d": (F.embedding, lambda: (_ids(0), _table(1, 1, 1))),
+    "bucketize_boundaries_not_1d": (torch.bucketize, lambda: (_table(3, 3), _table(3, 3))),
+    "index_tensors_that_do_not_broadcast": (lambda x, i, j: x[i, j], lambda: (_table(2, 3), _ids(0, 1), _ids(0, 1, 2))),
+    "randn_size_overflow": (lambda x: torch.randn(2**62, 3, device=x.device), lambda: (_table(1),)),
 }
 # CPU returns (nothing is selected, so no index is checked; or an empty tensor with a huge side)
 STATIC_VALUES: dict[str, tuple[Any, Any]] = {

@@ -264,7 +264,9 @@ def bincount(self: torch.Tensor, weights: torch.Tensor | None = None, minlength:
         largest += 1
     w = None if weights is None else dispatch.read(weights).reshape(-1)
     dtype = torch.int64 if w is None else (torch.float32 if weights.dtype == torch.float32 else torch.float64)
-    return _wrap(_bincount(x, w, max(largest, int(minlength))), dtype, self.device)
+    length = max(largest, int(minlength))
+    client.check_fits(self.device.index, length * dtype.itemsize)
+    return _wrap(_bincount(x, w, length), dtype, self.device)
 
 
 @jax.jit
@@ -278,9 +280,9 @@ def one_hot(self: torch.Tensor, num_classes: int = -1) -> torch.Tensor:
     otherwise they are device-side checks."""
     if self.dtype != torch.int64:
         raise RuntimeError("one_hot is only applicable to index tensor of type LongTensor.")
+    if self.numel() == 0 and num_classes <= 0:
+        raise RuntimeError("Can not infer total number of classes from empty tensor.")
     if num_classes == -1:
-        if self.numel() == 0:
-            raise RuntimeError("Can not infer total number of classes from empty tensor.")
         smallest, largest = _host_ints(_min_and_max_or_zero(dispatch.read(self)))
         if smallest < 0:
             raise RuntimeError("Class values must be non-negative.")

@@ -161,6 +161,14 @@ def _integer_indices(indices: Sequence[Any]) -> bool:
 
 
 def _check_empty_dims(self: torch.Tensor, indices: Sequence[Any]) -> None:
+    """The index tensors broadcast together, and none indexes an empty dim (CPU's order)."""
+    given = [i for i in indices if i is not None]
+    try:
+        torch.broadcast_shapes(*[i.shape for i in given])
+    except RuntimeError:
+        shapes = ", ".join(str(_sizes(i)) for i in given)
+        raise IndexError(f"shape mismatch: indexing tensors could not be broadcast together with shapes {shapes}"
+                         ) from None
     for size, index in zip(self.shape, indices):
         if index is not None and size == 0 and index.numel():
             raise IndexError("index is out of bounds for dimension with size 0")
@@ -207,6 +215,40 @@ def _as_strided_scatter(_name: str, /, self: torch.Tensor, src: torch.Tensor, si
                            f"of size {self.numel() * itemsize}")
 
 
+@_checks("embedding")
+def _embedding(_name: str, /, weight: torch.Tensor, indices: torch.Tensor, **_: Any) -> None:
+    if weight.dim() != 2:
+        raise RuntimeError("'weight' must be 2-D")
+
+
+@_checks("bucketize")
+def _bucketize(_name: str, /, self: Any, boundaries: torch.Tensor, **_: Any) -> None:
+    if boundaries.dim() != 1:
+        raise RuntimeError(f"boundaries tensor must be 1 dimension, but got dim({boundaries.dim()})")
+
+
+# --- joining and narrowing ---------------------------------------------------------------------
+
+
+@_checks("cat")
+def _cat(_name: str, /, tensors: Sequence[torch.Tensor], dim: int = 0, **_: Any) -> None:
+    """CPU refuses 0-d tensors first, then wraps dim by the first tensor that is not a legacy empty [0]."""
+    for position, t in enumerate(tensors):
+        if t.dim() == 0:
+            raise RuntimeError(f"zero-dimensional tensor (at position {position}) cannot be concatenated")
+    reference = next((t for t in tensors if list(t.shape) != [0]), None)
+    if reference is not None:
+        _wrap(dim, reference.dim())
+
+
+@_checks("narrow_copy")
+def _narrow_copy(_name: str, /, self: torch.Tensor, dim: int, **_: Any) -> None:
+    if dim >= self.dim():
+        raise RuntimeError("Expected dim < static_cast<int64_t>(self_sizes.size()) to be true, but got false.  "
+                           "(Could this error message be improved?  If so, please report an enhancement request "
+                           "to PyTorch.)")
+
+
 # --- class indices -----------------------------------------------------------------------------
 
 
@@ -218,14 +260,6 @@ def _nll_loss(_name: str, /, self: torch.Tensor, target: torch.Tensor, weight: t
     if weight is not None and weight.numel() != classes:
         raise RuntimeError(f"weight tensor should be defined either for all {classes} classes or no classes but got "
                            f"weight tensor of shape: {_sizes(weight)}")
-
-
-@_checks("one_hot")
-def _one_hot(_name: str, /, self: torch.Tensor, num_classes: int = -1) -> None:
-    if self.dtype != torch.int64:
-        raise RuntimeError("one_hot is only applicable to index tensor of type LongTensor.")
-    if self.numel() == 0 and num_classes <= 0:
-        raise RuntimeError("Can not infer total number of classes from empty tensor.")
 
 
 # --- factories ---------------------------------------------------------------------------------
