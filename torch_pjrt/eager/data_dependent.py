@@ -196,11 +196,10 @@ def _repeat_positions(repeats: Any, total: int) -> Any:
 def repeat_interleave(repeats: torch.Tensor, *, output_size: int | None = None) -> torch.Tensor:
     """One sync (the total, and the smallest repeat: CPU's check) unless output_size is given; then the
     check is a device-side one."""
+    if repeats.dtype not in (torch.int64, torch.int32):  # CPU checks the dtype first
+        raise NotImplementedError(f'"repeat_interleave_cpu" not implemented for \'{scalar_type_name(repeats.dtype)}\'')
     if repeats.dim() != 1:
         raise RuntimeError("repeat_interleave only accept 1D vector as repeat")
-    if repeats.dtype not in (torch.int64, torch.int32):
-        raise NotImplementedError(f'"repeat_interleave" not implemented for \'{scalar_type_name(repeats.dtype)}\': '
-                                  "repeats are Long or Int")
     r = dispatch.read(repeats).reshape(-1)
     if output_size is None:
         total, smallest = _host_ints(_sum_and_min(r))
