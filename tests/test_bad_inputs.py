@@ -156,6 +156,8 @@ STATIC_VALUES: dict[str, tuple[Any, Any]] = {
                                       lambda: (_table(4, 2, 0), _ids(0)[0], _table(4, 1, 0))),
     "index_put_selecting_nothing": (lambda x, i, v: x.index_put_((i,), v),
                                     lambda: (_table(1, 0, 4), _ids(0, -7, 1, 1), _table(4, 0, 4))),
+    "repeat_interleave_int32_repeats": (torch.repeat_interleave,
+                                        lambda: (torch.randint(0, 3, (4,), dtype=torch.int32),)),
     "view_of_an_empty_tensor_with_a_huge_side": (lambda x: x.view(2**62, 0), lambda: (_table(2, 0, 0),)),
 }
 

@@ -189,7 +189,8 @@ def unique_consecutive(self: torch.Tensor, return_inverse: bool = False, return_
 
 @functools.partial(jax.jit, static_argnums=1)
 def _repeat_positions(repeats: Any, total: int) -> Any:
-    return jnp.repeat(jnp.arange(repeats.shape[0], dtype=jnp.int64), repeats, total_repeat_length=total)
+    """Positions in the repeats' own dtype (CPU's result dtype)."""
+    return jnp.repeat(jnp.arange(repeats.shape[0], dtype=repeats.dtype), repeats, total_repeat_length=total)
 
 
 @kernel(aten.repeat_interleave.Tensor)
@@ -209,7 +210,7 @@ def repeat_interleave(repeats: torch.Tensor, *, output_size: int | None = None) 
         total = int(output_size)
         if checks.ENABLED:
             checks.issued(_negative_code(r), (_NEGATIVE_REPEATS,), (checks.caller(),), modes.state.blocking)
-    return _wrap(_repeat_positions(r, total), torch.int64, repeats.device)
+    return _wrap(_repeat_positions(r, total), repeats.dtype, repeats.device)
 
 
 _NEGATIVE_REPEATS = checks.Check("aten::repeat_interleave", "repeats can not be negative")
