@@ -143,6 +143,7 @@ STATIC_ERRORS: dict[str, tuple[Any, Any]] = {
     "argmin_of_nothing": (torch.argmin, lambda: (_table(0),)),
     "bitwise_and_of_floats": (torch.bitwise_and, lambda: (_table(3), _table(3))),
     "cat_of_0d_tensors": (lambda a, b: torch.cat([a, b]), lambda: (_table(), _table())),
+    "stack_of_unequal_sizes": (lambda a, b: torch.stack([a, b], 3), lambda: (_table(2, 2, 2), _table(2, 2))),
     "embedding_weight_not_2d": (F.embedding, lambda: (_ids(0), _table(1, 1, 1))),
     "bucketize_boundaries_not_1d": (torch.bucketize, lambda: (_table(3, 3), _table(3, 3))),
     "index_tensors_that_do_not_broadcast": (lambda x, i, j: x[i, j], lambda: (_table(2, 3), _ids(0, 1), _ids(0, 1, 2))),

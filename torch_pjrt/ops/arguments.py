@@ -241,6 +241,15 @@ def _cat(_name: str, /, tensors: Sequence[torch.Tensor], dim: int = 0, **_: Any)
         _wrap(dim, reference.dim())
 
 
+@_checks("stack")
+def _stack(_name: str, /, tensors: Sequence[torch.Tensor], dim: int = 0, **_: Any) -> None:
+    """CPU compares the sizes before it wraps dim."""
+    for position, t in enumerate(tensors[1:], 1):
+        if t.shape != tensors[0].shape:
+            raise RuntimeError(f"stack expects each tensor to be equal size, but got {_sizes(tensors[0])} at entry 0 "
+                               f"and {_sizes(t)} at entry {position}")
+
+
 @_checks("narrow_copy")
 def _narrow_copy(_name: str, /, self: torch.Tensor, dim: int, **_: Any) -> None:
     if dim >= self.dim():
