@@ -243,7 +243,9 @@ def _cat(_name: str, /, tensors: Sequence[torch.Tensor], dim: int = 0, **_: Any)
 
 @_checks("stack")
 def _stack(_name: str, /, tensors: Sequence[torch.Tensor], dim: int = 0, **_: Any) -> None:
-    """CPU compares the sizes before it wraps dim."""
+    """CPU wraps dim by the first tensor's rank, then compares the sizes (before the dim's other checks)."""
+    if tensors:
+        _wrap(dim, tensors[0].dim() + 1)
     for position, t in enumerate(tensors[1:], 1):
         if t.shape != tensors[0].shape:
             raise RuntimeError(f"stack expects each tensor to be equal size, but got {_sizes(tensors[0])} at entry 0 "
