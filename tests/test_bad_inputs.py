@@ -148,6 +148,8 @@ STATIC_ERRORS: dict[str, tuple[Any, Any]] = {
     "bucketize_boundaries_not_1d": (torch.bucketize, lambda: (_table(3, 3), _table(3, 3))),
     "index_tensors_that_do_not_broadcast": (lambda x, i, j: x[i, j], lambda: (_table(2, 3), _ids(0, 1), _ids(0, 1, 2))),
     "repeat_interleave_float_repeats": (torch.repeat_interleave, lambda: (_table(),)),
+    "multinomial_out_dtype": (lambda p, o: torch.multinomial(p, 2, out=o),
+                              lambda: (_table(1, 2, dtype=torch.float64).abs(), torch.empty(1, 2).double())),
     "randn_size_overflow": (lambda x: torch.randn(2**62, 3, device=x.device), lambda: (_table(1),)),
 }
 # CPU returns (nothing is selected, so no index is checked; or an empty tensor with a huge side)

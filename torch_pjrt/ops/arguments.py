@@ -284,6 +284,12 @@ def _factory(_name: str, /, size: Sequence[int] = (), dtype: torch.dtype | None 
         raise RuntimeError(f"Storage size calculation overflowed with sizes={list(size)}")
 
 
+@_checks("multinomial")
+def _multinomial(_name: str, /, self: torch.Tensor, *, out: torch.Tensor | None = None, **_: Any) -> None:
+    if out is not None and out.dtype != torch.int64:
+        raise RuntimeError(f"multinomial expects Long tensor out, got: {scalar_type_name(out.dtype)}")
+
+
 # --- convolution -------------------------------------------------------------------------------
 
 
