@@ -25,60 +25,17 @@ COLUMNS = {
 }
 # Findings left open, by key: what they are and why they are not fixed yet.
 OPEN: dict[str, str] = {
-    "errors:amax": "PyTorch's meta kernel raises RuntimeError where CPU raises IndexError for a reduction over an "
-                   "empty dim; pjrt takes the meta kernel's class (the same for amin, aminmax, median, argmin).",
-    "errors:amin": "as errors:amax.",
-    "errors:aminmax": "out= dtype checks: the out= wrapper casts instead of refusing an out of another dtype "
-                      "(also errors:complex).",
-    "errors:as_strided_scatter": "no check that the strided view fits the storage.",
-    "errors:bucketize": "no rank check of the boundaries in the lowering (jax raises TypeError).",
-    "errors:cat": "a 0-d tensor: PyTorch's decomposition fails with IndexError before CPU's check.",
-    "errors:complex": "dtype checks made by a PyTorch decomposition's assert (AssertionError) and missing for out=.",
+    "errors:multinomial": "fixed after this run: multinomial's out= must be int64 (ops/arguments.py, "
+                          "tests/test_bad_inputs.py::multinomial_out_dtype); the next run drops this case.",
     "errors:gradient": "a meta-device spacing tensor: the battery's copy to pjrt fails first (a case about devices).",
-    "errors:index_add": "the source-shape check CPU makes (PyTorch's meta kernel does not) is not in the lowering yet.",
-    "errors:kthvalue": "out= overlap with the input: the out is resized, and kthvalue is not in OVERLAP_REFUSED.",
-    "errors:masked_scatter": "a uint8 mask is accepted (CPU refuses it).",
-    "errors:narrow_copy": "a dim out of range: IndexError from PyTorch's decomposition, RuntimeError on CPU.",
-    "errors:nn.functional.conv1d": "a negative dilation reaches jax (TypeError); CPU checks it (also conv2d/conv3d, "
-                                   "and conv3d's negative padding is not refused).",
-    "errors:nn.functional.conv2d": "as conv1d.",
-    "errors:nn.functional.conv3d": "as conv1d.",
-    "errors:nn.functional.embedding": "a weight that is not 2-D: PyTorch's decomposition asserts (AssertionError).",
-    "hypothesis:embedding": "embedding_bag's offsets[0] != 0 is not a device check yet (torch_pjrt/ops/nn.py is being "
-                            "split into a package; the check belongs there).",
-    "hypothesis:nll_loss/cross_entropy": "an int32 target is accepted (CPU wants int64 or uint8); a target or weight "
-                                         "of the wrong shape fails an assert in PyTorch's decomposition.",
-    "hypothesis:index_put_": "empty destinations: CPU checks no index when nothing is written, the device check "
-                             "still does; index_put_ on an expanded tensor is refused (CPU warns and writes); "
-                             "broadcast errors come from jax (ValueError).",
-    "hypothesis:index_add/copy/fill": "index_add_'s source-shape and index-dtype checks and index_fill_'s int64 check "
-                                      "are missing; empty destinations as for index_put_.",
-    "hypothesis:index_select": "a 0-d input with dim -2 is not refused; empty inputs fail in jax.",
-    "hypothesis:index": "an index on an empty dim fails in jax's gather (TypeError) before the check.",
-    "hypothesis:bincount": "a count of 2**40 bins: jax's out-of-memory error escapes untranslated from the bincount "
-                           "kernel (eager/data_dependent.py), not torch.OutOfMemoryError.",
-    "hypothesis:cat/stack": "dim and rank errors come from PyTorch's decompositions with another class.",
-    "hypothesis:huge": "sizes whose strides overflow int64 fail in PyTorch's Python argument parsing (TypeError) "
-                       "before pjrt's allocation check.",
-    "hypothesis:pointwise_binary": "integer remainder/division by zero (CPU raises ZeroDivisionError as a "
-                                   "RuntimeError) is not a device check; shifts of floats fail in jax (TypeError).",
-    "hypothesis:pointwise_unary": "dtypes CPU has no kernel for (frac of ints, round of bools) compute a value; "
-                                  "bitwise_not/frac of the wrong dtype fail in jax with another class.",
-    "hypothesis:reductions": "empty reductions: the meta kernel's class (see errors:amax); median of an empty tensor "
-                             "returns a value where CPU returns nan; std/var of ints are not refused.",
-    "hypothesis:repeat_interleave": "a 0-d float repeats tensor: the rank check comes before CPU's dtype check. After "
-                                    "its cases whose total is 2**40 (OutOfMemoryError, as expected), "
-                                    "torch.pjrt.memory_allocated() stays up by the size asked until the key ends (not "
-                                    "reproduced with one call alone; not bisected yet), so later cases in the same "
-                                    "worker raise OutOfMemoryError: the raises-where-CPU-returns rows of "
-                                    "hypothesis:binary_cross_entropy and of this key.",
-    "hypothesis:binary_cross_entropy": "every case here raises OutOfMemoryError only because of the accounting left "
-                                       "by hypothesis:repeat_interleave in the same worker (see there); the key passes "
-                                       "alone (tests/test_bad_inputs.py).",
-    "hypothesis:one_hot": "one_hot of an empty tensor with num_classes=0 is not refused (CPU infers no classes).",
-    "hypothesis:scatter": "an empty index of another rank fails in jax (IndexError) where CPU writes nothing.",
-    "hypothesis:take/put_": "put_ into an empty tensor: the internal-overlap message, not CPU's IndexError.",
-    "hypothesis:view/reshape": "a view of an empty tensor with a side of 2**62 hangs (over 60 s) on pjrt.",
+    "hypothesis:bincount": "2**40 bins: torch.OutOfMemoryError, CUDA's class (justified).",
+    "hypothesis:huge": "allocations larger than the device: torch.OutOfMemoryError, CUDA's class (justified).",
+    "hypothesis:index_put_": "index_put_ on an expanded tensor is refused (its elements overlap); CPU warns and writes "
+                             "element by element.",
+    "hypothesis:one_hot": "2**40 classes: torch.OutOfMemoryError, CUDA's class (justified).",
+    "hypothesis:pointwise_binary": "pow_ of a bool tensor by True: PyTorch's meta kernel refuses to cast the int64 "
+                                   "result into self, which CPU's kernel accepts.",
+    "hypothesis:repeat_interleave": "totals of 2**40: torch.OutOfMemoryError, CUDA's class (justified).",
 }
 
 

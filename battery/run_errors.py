@@ -154,7 +154,17 @@ def run_case(case: Case) -> dict[str, Any]:
         frame = traceback.extract_tb(pjrt_error.__traceback__)[-1]
         row["raised_at"] = f"{os.path.relpath(frame.filename)}:{frame.lineno} ({frame.name})"
     row["seconds"] = round(time.perf_counter() - started, 3)
+    for error in (cpu_error, pjrt_error):
+        _drop_tracebacks(error)
     return row
+
+
+def _drop_tracebacks(error: BaseException | None) -> None:
+    """A traceback's frames keep the case's tensors (and their device memory) alive until a garbage
+    collection; so do the tracebacks of the errors it was raised from."""
+    while error is not None:
+        error.__traceback__ = None
+        error = error.__cause__ or error.__context__
 
 
 def _difference(actual: Any, expected: Any, random: bool) -> str | None:

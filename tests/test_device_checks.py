@@ -32,6 +32,11 @@ def table(*shape: int) -> torch.Tensor:
     return torch.randn(*shape) + 2.0  # random, never zeros
 
 
+def divisors(n: int) -> torch.Tensor:
+    """Random nonzero integers."""
+    return torch.randint(1, 9, (n,)) * (torch.randint(0, 2, (n,)) * 2 - 1)
+
+
 # name -> (fn, bad arguments, good arguments); CPU raises on the bad ones
 CASES: dict[str, tuple[Callable[..., Any], Callable[[], tuple], Callable[[], tuple]]] = {
     "index": (lambda x, i: x[i], lambda: (table(5), ids(7)), lambda: (table(5), ids(4, -5, 1))),
@@ -86,6 +91,13 @@ CASES: dict[str, tuple[Callable[..., Any], Callable[[], tuple], Callable[[], tup
                        lambda: (table(2, 3), torch.tensor([True, False, True]), table(3)),
                        lambda: (table(2, 3), torch.tensor([True, False, True]), table(5))),
     "bernoulli": (lambda p: torch.bernoulli(p) * 0, lambda: (torch.tensor([1.5]),), lambda: (torch.rand(3),)),
+    "floor_divide_by_zero": (torch.floor_divide, lambda: (divisors(4), divisors(4).index_fill(0, ids(2), 0)),
+                             lambda: (divisors(4), divisors(4))),
+    "remainder_by_zero": (lambda a, b: a % b, lambda: (divisors(3), 0), lambda: (divisors(3), 3)),
+    "fmod_by_zero": (torch.fmod, lambda: (divisors(3), divisors(3) * 0), lambda: (divisors(3), divisors(3))),
+    "div_trunc_by_zero": (lambda a, b: torch.div(a, b, rounding_mode="trunc"),
+                          lambda: (divisors(2), divisors(2).index_fill(0, ids(0), 0)),
+                          lambda: (divisors(2), divisors(2))),
 }
 # these sync anyway (their result's size depends on the values): CPU's exception at the op
 AT_THE_OP = {

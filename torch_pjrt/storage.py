@@ -284,6 +284,15 @@ def replace_storage(tensor: torch.Tensor, numel: int, sizes: Sequence[int], stri
     return storage._pjrt
 
 
+# XLA aborts the process on an array with a dimension this large, even an empty one (CPU allows it)
+XLA_DIMENSION_LIMIT = 2**61
+
+
+def beyond_xla(sizes: Sequence[int]) -> bool:
+    """Whether XLA cannot hold an array of these sizes (it would abort the process, not raise)."""
+    return any(n >= XLA_DIMENSION_LIMIT for n in sizes)
+
+
 def contiguous_strides(sizes: Sequence[int]) -> tuple[int, ...]:
     strides = []
     running = 1

@@ -189,18 +189,18 @@ def unique_consecutive(self: torch.Tensor, return_inverse: bool = False, return_
 
 @functools.partial(jax.jit, static_argnums=1)
 def _repeat_positions(repeats: Any, total: int) -> Any:
-    return jnp.repeat(jnp.arange(repeats.shape[0], dtype=jnp.int64), repeats, total_repeat_length=total)
+    """Positions in the repeats' own dtype (CPU's result dtype)."""
+    return jnp.repeat(jnp.arange(repeats.shape[0], dtype=repeats.dtype), repeats, total_repeat_length=total)
 
 
 @kernel(aten.repeat_interleave.Tensor)
 def repeat_interleave(repeats: torch.Tensor, *, output_size: int | None = None) -> torch.Tensor:
     """One sync (the total, and the smallest repeat: CPU's check) unless output_size is given; then the
     check is a device-side one."""
+    if repeats.dtype not in (torch.int64, torch.int32):  # CPU checks the dtype first
+        raise NotImplementedError(f'"repeat_interleave_cpu" not implemented for \'{scalar_type_name(repeats.dtype)}\'')
     if repeats.dim() != 1:
         raise RuntimeError("repeat_interleave only accept 1D vector as repeat")
-    if repeats.dtype not in (torch.int64, torch.int32):
-        raise NotImplementedError(f'"repeat_interleave" not implemented for \'{scalar_type_name(repeats.dtype)}\': '
-                                  "repeats are Long or Int")
     r = dispatch.read(repeats).reshape(-1)
     if output_size is None:
         total, smallest = _host_ints(_sum_and_min(r))
@@ -210,7 +210,7 @@ def repeat_interleave(repeats: torch.Tensor, *, output_size: int | None = None) 
         total = int(output_size)
         if checks.ENABLED:
             checks.issued(_negative_code(r), (_NEGATIVE_REPEATS,), (checks.caller(),), modes.state.blocking)
-    return _wrap(_repeat_positions(r, total), torch.int64, repeats.device)
+    return _wrap(_repeat_positions(r, total), repeats.dtype, repeats.device)
 
 
 _NEGATIVE_REPEATS = checks.Check("aten::repeat_interleave", "repeats can not be negative")
@@ -264,7 +264,9 @@ def bincount(self: torch.Tensor, weights: torch.Tensor | None = None, minlength:
         largest += 1
     w = None if weights is None else dispatch.read(weights).reshape(-1)
     dtype = torch.int64 if w is None else (torch.float32 if weights.dtype == torch.float32 else torch.float64)
-    return _wrap(_bincount(x, w, max(largest, int(minlength))), dtype, self.device)
+    length = max(largest, int(minlength))
+    client.check_fits(self.device.index, length * dtype.itemsize)
+    return _wrap(_bincount(x, w, length), dtype, self.device)
 
 
 @jax.jit
@@ -278,9 +280,9 @@ def one_hot(self: torch.Tensor, num_classes: int = -1) -> torch.Tensor:
     otherwise they are device-side checks."""
     if self.dtype != torch.int64:
         raise RuntimeError("one_hot is only applicable to index tensor of type LongTensor.")
+    if self.numel() == 0 and num_classes <= 0:
+        raise RuntimeError("Can not infer total number of classes from empty tensor.")
     if num_classes == -1:
-        if self.numel() == 0:
-            raise RuntimeError("Can not infer total number of classes from empty tensor.")
         smallest, largest = _host_ints(_min_and_max_or_zero(dispatch.read(self)))
         if smallest < 0:
             raise RuntimeError("Class values must be non-negative.")

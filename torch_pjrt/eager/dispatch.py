@@ -23,7 +23,7 @@ from torch._ops import OpOverload
 
 from torch_pjrt import _torch_private, storage
 from torch_pjrt.eager import dynamic, fusion, modes
-from torch_pjrt.ops import graph, linalg, padding, registry
+from torch_pjrt.ops import arguments, graph, linalg, padding, registry
 from torch_pjrt.runtime import checks, client, metrics, programs, rng, startup
 from torch_pjrt.storage import View
 
@@ -364,6 +364,8 @@ def _run_meta(plan: OpPlan, values: list[Any], described: list[Any], symbols: An
     meta_kernel = padding.SYMBOLIC_META.get(plan.op, plan.op) if symbols is not None else plan.op
     if plan.factory and "device" in plan.names:
         metas[plan.names.index("device")] = torch.device("meta")
+    if symbols is None:
+        arguments.check(plan.op, dict(zip(plan.names, metas)))
     positional = [m for m, kw in zip(metas, plan.kwarg_only) if not kw]
     keywords = {n: m for n, m, kw in zip(plan.names, metas, plan.kwarg_only) if kw and m is not _NO_DEFAULT}
     return meta_kernel(*positional, **keywords), metas
@@ -394,7 +396,7 @@ def _spec_bytes(specs: list[Any]) -> int:
 # out= ops whose CPU kernels refuse an out= overlapping an input at all (at::assert_no_overlap); pointwise ones
 # (TensorIterator's) refuse only a partial overlap (an out= that is an input works as an in-place op); the others
 # (mm, sum, flip, ...) check nothing.
-OVERLAP_REFUSED = frozenset({"cat", "take", "gather", "index_select", "masked_select", "index"})
+OVERLAP_REFUSED = frozenset({"cat", "take", "gather", "index_select", "masked_select", "index", "kthvalue"})
 INTERNAL_OVERLAP = ("unsupported operation: more than one element of the written-to tensor refers to a single "
                     "memory location. Please clone() the tensor before performing the operation.")
 OVERLAP = ("unsupported operation: some elements of the input tensor and the written-to tensor refer to a single "
@@ -421,6 +423,16 @@ def _check_out_overlap(plan: OpPlan, described: list[Any], slot: int, out: View,
                 status = _overlap(written, leaf.view)
                 if status == "partial" or (status == "full" and refused):
                     raise RuntimeError(OVERLAP)
+
+
+def _check_xla_sizes(plan: OpPlan, described: list[Any], specs: list[Any]) -> None:
+    """Refuse a program XLA would abort the process on (an array with a dimension of 2**61 or more)."""
+    sizes = [leaf.view.sizes for leaf in _leaves(described) if isinstance(leaf, Leaf)]
+    sizes += [s[1] for spec in specs if spec is not None for s in (spec if isinstance(spec, list) else [spec])]
+    for found in sizes:
+        if storage.beyond_xla(found):
+            raise RuntimeError(f"{plan.op}: a tensor of shape {list(found)} has a dimension of 2**61 or more, which "
+                               "XLA cannot hold: use smaller dimensions.")
 
 
 def _overlap(a: View, b: View) -> str | None:
@@ -454,6 +466,7 @@ def _build(plan: OpPlan, scan: Scan, values: list[Any], described: list[Any], fo
         else:
             fresh_specs.append(None if meta is None else _spec(meta))
     client.check_fits(scan.device.index, _spec_bytes(fresh_specs))
+    _check_xla_sizes(plan, described, fresh_specs)
 
     # mutated arguments: their views, their storages, and out= resizes
     mutated_views: list[list[tuple[int, Any, Any] | None]] = []
@@ -472,6 +485,10 @@ def _build(plan: OpPlan, scan: Scan, values: list[Any], described: list[Any], fo
             slot, view = desc.slot, desc.view
             if plan.kwarg_only[index]:
                 _check_out_overlap(plan, described, slot, view, tuple(meta.shape))
+            elif tuple(meta.shape) != view.sizes and plan.lowering.fn.__module__.endswith(".pointwise"):
+                # an in-place pointwise op never resizes self (PyTorch's refs for some, lt_ and fmod_, do)
+                raise RuntimeError(f"output with shape {list(view.sizes)} doesn't match the broadcast shape "
+                                   f"{list(meta.shape)}")
             if tuple(meta.shape) != view.sizes:
                 sizes = tuple(meta.shape)
                 strides = storage.contiguous_strides(sizes)

@@ -51,6 +51,8 @@ def to_cpu(tensor: torch.Tensor) -> torch.Tensor:
     """A new CPU tensor with a pjrt tensor's contents (waits for it; a sync point in fused mode).
     A padded storage is cut to its true elements on the host, so no program runs per size."""
     fusion.flush("transfer to host")
+    if tensor.numel() == 0 and storage.beyond_xla(tensor.shape):
+        return torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype)
     st = storage.storage_of(tensor)
     if isinstance(st.array, storage.Padded):
         flat = storage.host_tensor(st.array.host()).view(tensor.dtype)

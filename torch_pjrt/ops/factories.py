@@ -57,6 +57,11 @@ def scalar_type_name(dtype: torch.dtype) -> str:
     return torch.empty(0, dtype=dtype).type().removeprefix("torch.").removesuffix("Tensor")
 
 
+def not_implemented_for(kernel: str, array: Any) -> NotImplementedError:
+    """CPU's error for a dtype its kernel has no instance for (`"frac_cpu" not implemented for 'Int'`)."""
+    return NotImplementedError(f'"{kernel}" not implemented for \'{scalar_type_name(dtype_of(array))}\'')
+
+
 def _to(value: Any, dtype: torch.dtype) -> Any:
     """A scalar converted like Scalar.to<T>(): floats truncate toward zero into integers."""
     return casts.convert(value, dtype)

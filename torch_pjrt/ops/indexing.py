@@ -8,6 +8,7 @@ not depend on the count (`x[mask] = 0`), which needs no sync.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -41,11 +42,21 @@ def check_index(index: Any, size: int, op: str, message: str, error: type[Except
 
 
 def _check_indices(self: Any, indices: Sequence[Any], op: str) -> None:
-    """index/index_put's integer indices against the dims they index (negatives count from the end)."""
+    """index/index_put's integer indices against the dims they index (negatives count from the end); CPU
+    checks none when no element is selected."""
+    if not _selects_any(self.shape, indices):
+        return
     for dim, index in enumerate(indices):
         if index is not None and not _is_mask(index):
             check_index(index, self.shape[dim], op, OUT_OF_BOUNDS, negative=True, dim=dim)
 
+def _selects_any(shape: Sequence[int], indices: Sequence[Any]) -> bool:
+    """Whether indexing an array of `shape` with these integer indices selects any element."""
+    if any(_is_mask(i) for i in indices):
+        return True
+    given = [jnp.shape(i) for i in indices if i is not None]
+    rest = [n for n, index in zip(shape, list(indices) + [None] * len(shape)) if index is None]
+    return math.prod(np.broadcast_shapes(*given) if given else ()) * math.prod(rest) > 0
 
 
 def _dim(dim: int, ndim: int) -> int:
@@ -95,6 +106,12 @@ def _masked_write(self: Any, indices: Sequence[Any], values: Any, accumulate: bo
     if accumulate:
         return jnp.where(mask, self + values.astype(self.dtype), self)
     return jnp.where(mask, values.astype(self.dtype), self)
+
+
+def _source_shape(data: Any, axis: int, index: Any) -> tuple[int, ...]:
+    """index_add/copy/reduce's source: data's shape with one slice per index along axis (an explicit size:
+    a -1 cannot be solved when another dim is 0)."""
+    return data.shape[:axis] + (int(np.size(index)),) + data.shape[axis + 1:]
 
 
 def _along(dim: int, index: Any) -> tuple:
@@ -228,11 +245,7 @@ def index_select_backward(grad: Any, self_sizes: list[int], dim: int, index: Any
 
 @register(aten.index_select.default)
 def index_select(self: Any, dim: int, index: Any) -> Any:
-    """CPU's checks of the index's rank and dtype (PyTorch's meta kernel makes neither)."""
-    if index.ndim > 1:
-        raise IndexError("index_select(): Index is supposed to be a vector")
-    if index.dtype not in (jnp.int32, jnp.int64):
-        raise RuntimeError("index_select(): Expected dtype int32 or int64 for index")
+    """The index's rank and dtype are checked before (ops/arguments.py)."""
     check_index(index, _as_vector(self).shape[_dim(dim, self.ndim)], "aten::index_select", OUT_OF_RANGE)
     return jnp.take(_as_vector(self), _as_vector(index), axis=_dim(dim, self.ndim))
 
@@ -314,6 +327,8 @@ def scatter_add(self: Any, dim: int, index: Any, src: Any) -> Any:
 
 @register(aten.scatter_reduce.two)
 def scatter_reduce(self: Any, dim: int, index: Any, src: Any, reduce: str, *, include_self: bool = True) -> Any:
+    if index.size == 0:
+        return self
     data, index = _as_vector(self), _as_vector(index)
     _check_scatter(data, _dim(dim, data.ndim), index, "aten::scatter_reduce")
     where = _full_index(index, _dim(dim, data.ndim))
@@ -329,7 +344,7 @@ def _index_update(self: Any, dim: int, index: Any, source: Any, how: str) -> Any
     axis = _dim(dim, data.ndim)
     source = jnp.asarray(source)
     if source.ndim:
-        source = source.reshape(data.shape[:axis] + (-1,) + data.shape[axis + 1:])
+        source = source.reshape(_source_shape(data, axis, index))
     where = _along(axis, _as_vector(index))
     source = source.astype(data.dtype)
     return (_combine_at(data, where, source) if how == "add" else data.at[where].set(source)).reshape(self.shape)
@@ -337,10 +352,11 @@ def _index_update(self: Any, dim: int, index: Any, source: Any, how: str) -> Any
 
 @register(aten.index_add.default)
 def index_add(self: Any, dim: int, index: Any, source: Any, *, alpha: Any = 1) -> Any:
+    """CPU checks no index when self is empty (also index_fill)."""
     axis = _dim(dim, self.ndim)
-    if self.ndim <= 1:
+    if self.size and self.ndim <= 1:
         check_index(index, _as_vector(self).shape[0], "aten::index_add", OUT_OF_RANGE)
-    else:
+    elif self.size:
         check_index(index, self.shape[axis], "aten::index_add", OUT_OF_BOUNDS, RuntimeError, dim=axis)
     if self.dtype == jnp.bool_:
         return _index_update(self.astype(jnp.int8), dim, index, source, "add") != 0
@@ -350,14 +366,17 @@ def index_add(self: Any, dim: int, index: Any, source: Any, *, alpha: Any = 1) -
 @register(aten.index_copy.default)
 def index_copy(self: Any, dim: int, index: Any, source: Any) -> Any:
     axis = _dim(dim, self.ndim)
-    check_index(index, _as_vector(self).shape[axis], "aten::index_copy", "index_copy_(): " + OUT_OF_BOUNDS, dim=axis)
+    if jnp.size(source):  # CPU checks no index when nothing is copied
+        check_index(index, _as_vector(self).shape[axis], "aten::index_copy", "index_copy_(): " + OUT_OF_BOUNDS,
+                    dim=axis)
     return _index_update(self, dim, index, source, "set")
 
 
 @register(aten.index_fill.int_Scalar, aten.index_fill.int_Tensor)
 def index_fill(self: Any, dim: int, index: Any, value: Any) -> Any:
     axis = _dim(dim, self.ndim)
-    check_index(index, _as_vector(self).shape[axis], "aten::index_fill", OUT_OF_BOUNDS, negative=True, dim=axis)
+    if self.size:
+        check_index(index, _as_vector(self).shape[axis], "aten::index_fill", OUT_OF_BOUNDS, negative=True, dim=axis)
     return _index_update(self, dim, index, value, "set")
 
 
@@ -366,7 +385,7 @@ def index_reduce(self: Any, dim: int, index: Any, source: Any, reduce: str, *, i
     data = _as_vector(self)
     axis = _dim(dim, data.ndim)
     check_index(index, data.shape[axis], "aten::index_reduce", OUT_OF_RANGE)
-    source = _as_vector(source).reshape(data.shape[:axis] + (-1,) + data.shape[axis + 1:])
+    source = _as_vector(source).reshape(_source_shape(data, axis, index))
     return _reduce_into(data, _along(axis, _as_vector(index)), source, reduce, include_self).reshape(self.shape)
 
 

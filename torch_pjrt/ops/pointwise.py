@@ -20,7 +20,9 @@ from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND as KIND
 from torch._prims_common import elementwise_dtypes
 
 from torch_pjrt import storage
+from torch_pjrt.ops.factories import not_implemented_for
 from torch_pjrt.ops.registry import register
+from torch_pjrt.runtime import checks
 
 aten = torch.ops.aten
 
@@ -100,15 +102,23 @@ def mul(self: Any, other: Any) -> Any:
     return a * b
 
 
-def _trunc_divide(a: Any, b: Any) -> Any:
+def _check_divisor(a: Any, b: Any, op: str) -> None:
+    """CPU's integer kernels raise on a zero divisor (a device-side check: the divisor is data)."""
     if is_integral(a):
+        checks.fail_if(jnp.broadcast_arrays(a, b)[1] == 0, op, "ZeroDivisionError")
+
+
+def _trunc_divide(a: Any, b: Any, op: str = "aten::div") -> Any:
+    if is_integral(a):
+        _check_divisor(a, b, op)
         return jax.lax.div(*jnp.broadcast_arrays(a, b))
     return jnp.trunc(a / b)
 
 
-def _floor_divide(a: Any, b: Any) -> Any:
+def _floor_divide(a: Any, b: Any, op: str = "aten::div") -> Any:
     """Python's floor division; floats follow PyTorch's fmod-based formula (exact quotients)."""
     if is_integral(a):
+        _check_divisor(a, b, op)
         return jnp.floor_divide(a, b)
     mod = jnp.fmod(a, b)
     div = (a - mod) / b
@@ -139,20 +149,23 @@ def div_mode(self: Any, other: Any, *, rounding_mode: str | None = None) -> Any:
 
 @register(aten.floor_divide.default, aten.floor_divide.Scalar)
 def floor_divide(self: Any, other: Any) -> Any:
-    return _floor_divide(*promote(self, other))
+    return _floor_divide(*promote(self, other), op="aten::floor_divide")
 
 
 @register(aten.remainder.Tensor, aten.remainder.Scalar, aten.remainder.Scalar_Tensor)
 def remainder(self: Any, other: Any) -> Any:
     """The remainder takes the divisor's sign (Python's %)."""
     a, b = promote(self, other)
+    _check_divisor(a, b, "aten::remainder")
     mod = jnp.fmod(a, b)
     return jnp.where((mod != 0) & ((b < 0) != (mod < 0)), mod + b, mod)
 
 
 @register(aten.fmod.Tensor, aten.fmod.Scalar)
 def fmod(self: Any, other: Any) -> Any:
-    return jnp.fmod(*promote(self, other))
+    a, b = promote(self, other)
+    _check_divisor(a, b, "aten::fmod")
+    return jnp.fmod(a, b)
 
 
 def _integer_power(base: Any, exponent: Any) -> Any:
@@ -208,8 +221,11 @@ def square(self: Any) -> Any:
     return x * x
 
 
-def _float_rounding(fn: Callable) -> Callable:
+def _float_rounding(fn: Callable, kernel: str) -> Callable:
+    """Integers round to themselves; CPU has no kernel for bools (nor, for frac, any integer)."""
     def lowering(self: Any) -> Any:
+        if self.dtype == np.bool_ or (fn is _frac and is_integral(self)):
+            raise not_implemented_for(kernel, self)
         return self if is_integral(self) else fn(self)
 
     lowering.__name__ = fn.__name__
@@ -220,18 +236,19 @@ def _frac(x: Any) -> Any:
     return x - jnp.trunc(x)
 
 
-for _op, _fn in {
-    aten.floor.default: jnp.floor, aten.ceil.default: jnp.ceil, aten.round.default: jnp.round,
-    aten.trunc.default: jnp.trunc, aten.frac.default: _frac,
+for _op, (_fn, _kernel) in {
+    aten.floor.default: (jnp.floor, "floor_vml_cpu"), aten.ceil.default: (jnp.ceil, "ceil_vml_cpu"),
+    aten.round.default: (jnp.round, "round_vml_cpu"), aten.trunc.default: (jnp.trunc, "trunc_vml_cpu"),
+    aten.frac.default: (_frac, "frac_cpu"),
 }.items():
-    register(_op)(_float_rounding(_fn))
+    register(_op)(_float_rounding(_fn, _kernel))
 
 
 @register(aten.round.decimals)
 def round_decimals(self: Any, *, decimals: int = 0) -> Any:
     """Half to even at 10**-decimals, scaled the way PyTorch does it."""
     if is_integral(self):
-        return self
+        raise not_implemented_for("round_vml_cpu" if decimals == 0 else "round_cpu", self)
     (x,) = promote(self)
     if decimals == 0:
         return jnp.round(x)
@@ -882,26 +899,34 @@ def nan_to_num(self: Any, nan: float | None = None, posinf: float | None = None,
     return jnp.where(x == -jnp.inf, info.min if neginf is None else neginf, x).astype(self.dtype)
 
 
-def _bitwise(fn: Callable) -> Callable:
-    return _binary(fn, KIND.DEFAULT)
+def _bitwise(fn: Callable, kernel: str) -> Callable:
+    """Integers and bools only: CPU has no kernel for floating operands (their promoted dtype named)."""
+    def lowering(self: Any, other: Any) -> Any:
+        (common, _) = promote(self, other, exact=True)
+        if not is_integral(common):
+            raise not_implemented_for(kernel, common)
+        return fn(*promote(self, other))
+
+    lowering.__name__ = fn.__name__
+    return lowering
 
 
-for _packet, _fn in {
-    aten.bitwise_and: jnp.bitwise_and, aten.bitwise_or: jnp.bitwise_or, aten.bitwise_xor: jnp.bitwise_xor,
-    aten.bitwise_left_shift: jnp.left_shift, aten.bitwise_right_shift: jnp.right_shift,
+for _packets, (_fn, _kernel) in {
+    (aten.bitwise_and, aten.__and__): (jnp.bitwise_and, "bitwise_and_cpu"),
+    (aten.bitwise_or, aten.__or__): (jnp.bitwise_or, "bitwise_or_cpu"),
+    (aten.bitwise_xor, aten.__xor__): (jnp.bitwise_xor, "bitwise_xor_cpu"),
+    (aten.bitwise_left_shift, aten.__lshift__): (jnp.left_shift, "lshift_cpu"),
+    (aten.bitwise_right_shift, aten.__rshift__): (jnp.right_shift, "rshift_cpu"),
 }.items():
-    register(*[getattr(_packet, name) for name in ("Tensor", "Scalar", "Scalar_Tensor", "Tensor_Scalar")
-               if name in _packet.overloads()])(_bitwise(_fn))
-
-register(aten.__and__.Tensor, aten.__and__.Scalar)(_bitwise(jnp.bitwise_and))
-register(aten.__or__.Tensor, aten.__or__.Scalar)(_bitwise(jnp.bitwise_or))
-register(aten.__xor__.Tensor, aten.__xor__.Scalar)(_bitwise(jnp.bitwise_xor))
-register(aten.__lshift__.Tensor, aten.__lshift__.Scalar)(_bitwise(jnp.left_shift))
-register(aten.__rshift__.Tensor, aten.__rshift__.Scalar)(_bitwise(jnp.right_shift))
+    register(*[getattr(_packet, name) for _packet in _packets
+               for name in ("Tensor", "Scalar", "Scalar_Tensor", "Tensor_Scalar") if name in _packet.overloads()])(
+        _bitwise(_fn, _kernel))
 
 
 @register(aten.bitwise_not.default)
 def bitwise_not(self: Any) -> Any:
+    if not is_integral(self):
+        raise not_implemented_for("bitwise_not_cpu", self)
     return ~self
 
 

@@ -92,8 +92,10 @@ def prod_dim(self: Any, dim: int, keepdim: bool = False, *, dtype: torch.dtype |
     return jnp.prod(accumulate(self, dtype), axis=axes(self, dim), keepdims=keepdim)
 
 
-def _moments(self: Any, dim: Any, correction: Any, keepdim: bool) -> tuple[Any, Any]:
+def _moments(self: Any, dim: Any, correction: Any, keepdim: bool, name: str = "std and var") -> tuple[Any, Any]:
     """(variance, mean); the divisor is max(0, N - correction) as in PyTorch."""
+    if np.dtype(self.dtype).kind not in "fc" and self.dtype != jnp.bfloat16:
+        raise RuntimeError(f"{name} only support floating point and complex dtypes")
     x = _opmath(self)
     dims = axes(self, dim)
     average = jnp.mean(x, axis=dims, keepdims=True)
@@ -116,12 +118,12 @@ def std(self: Any, dim: Any = None, *, correction: Any = None, keepdim: bool = F
 
 @register(aten.var_mean.correction)
 def var_mean(self: Any, dim: Any = None, *, correction: Any = None, keepdim: bool = False) -> tuple[Any, Any]:
-    return _moments(self, dim, correction, keepdim)
+    return _moments(self, dim, correction, keepdim, "var_mean")
 
 
 @register(aten.std_mean.correction)
 def std_mean(self: Any, dim: Any = None, *, correction: Any = None, keepdim: bool = False) -> tuple[Any, Any]:
-    variance, average = _moments(self, dim, correction, keepdim)
+    variance, average = _moments(self, dim, correction, keepdim, "std_mean")
     return jnp.sqrt(variance), average
 
 

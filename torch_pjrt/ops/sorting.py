@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import torch
 from jax import lax
 
+from torch_pjrt.ops.factories import not_implemented_for
 from torch_pjrt.ops.registry import register
 
 aten = torch.ops.aten
@@ -102,11 +103,15 @@ def kthvalue(self: Any, k: int, dim: int = -1, keepdim: bool = False) -> tuple[A
 # --- medians and mode --------------------------------------------------------------------------
 
 
-def _median(self: Any, dim: int, keepdim: bool, ignore_nan: bool) -> tuple[Any, Any]:
+def _median(self: Any, dim: int, keepdim: bool, ignore_nan: bool, kernel: str = "median_out") -> tuple[Any, Any]:
     """The lower median. With NaNs: median gives the first NaN, nanmedian skips them."""
+    if self.dtype == jnp.bool_:
+        raise not_implemented_for(kernel, self)
     x = _as_vector(self)
     axis = _dim(dim, x.ndim)
     n = x.shape[axis]
+    if n == 0 and self.ndim:
+        raise IndexError(f"median(): Expected reduction dim {axis} to have non-zero size.")
     values, indices = _sort(x, axis)
     nans = _nan_count(x, axis)
     if ignore_nan:
@@ -116,14 +121,21 @@ def _median(self: Any, dim: int, keepdim: bool, ignore_nan: bool) -> tuple[Any, 
     return _pick(values, indices, position, axis, keepdim)
 
 
+def _median_of_all(self: Any, ignore_nan: bool) -> Any:
+    """The median of every element; of none, NaN (as CPU's floating kernels)."""
+    if self.size == 0 and self.dtype != jnp.bool_:
+        return jnp.full((), jnp.nan, self.dtype) if _is_float(self) else jnp.zeros((), self.dtype)
+    return _median(self.reshape(-1), 0, False, ignore_nan, "median_cpu")[0]
+
+
 @register(aten.median.default)
 def median(self: Any) -> Any:
-    return _median(self.reshape(-1), 0, False, False)[0]
+    return _median_of_all(self, False)
 
 
 @register(aten.nanmedian.default)
 def nanmedian(self: Any) -> Any:
-    return _median(self.reshape(-1), 0, False, True)[0]
+    return _median_of_all(self, True)
 
 
 @register(aten.median.dim)
