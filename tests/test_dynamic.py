@@ -7,6 +7,7 @@ import math
 import sys
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -214,16 +215,21 @@ def test_training_over_varying_lengths_matches_cpu_with_bounded_compiles(mode: s
     assert torch_pjrt.metrics.counters()["dynamic_unmaskable"] == 0
 
 
-def test_hugging_face_generate_marks_the_prompt_itself() -> None:
-    """generate() on pjrt marks input_ids and attention_mask (integrations.py): no user line."""
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(7)
+def one_layer_llama(transformers: Any) -> tuple[Any, Any, Any]:
+    """A one-layer Llama's config, the model on CPU and the same weights on pjrt (eval mode)."""
     config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128)
     cpu = transformers.LlamaForCausalLM(config).eval()
     dev = transformers.LlamaForCausalLM(config).eval()
     dev.load_state_dict(cpu.state_dict())
-    dev = dev.to("pjrt")
+    return config, cpu, dev.to("pjrt")
+
+
+def test_hugging_face_generate_marks_the_prompt_itself() -> None:
+    """generate() on pjrt marks input_ids and attention_mask (integrations.py): no user line."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(7)
+    _, cpu, dev = one_layer_llama(transformers)
     new_programs = []
     for length in (9, 13, 11):
         ids = torch.randint(1, 64, (1, length))
@@ -277,12 +283,7 @@ def test_a_slice_of_a_static_cache_by_a_marked_length_is_read_padded() -> None:
 def test_hugging_face_generate_with_a_static_cache_compiles_little_per_new_length() -> None:
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(14)
-    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128)
-    cpu = transformers.LlamaForCausalLM(config).eval()
-    dev = transformers.LlamaForCausalLM(config).eval()
-    dev.load_state_dict(cpu.state_dict())
-    dev = dev.to("pjrt")
+    config, cpu, dev = one_layer_llama(transformers)
     new_programs = []
     for length in (9, 13, 11, 12):
         ids = torch.randint(1, 64, (1, length))
