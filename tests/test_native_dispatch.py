@@ -50,7 +50,9 @@ HIT_CASES: dict[str, Callable[[dict], Callable[[float], object]]] = {
     "addmm": lambda t: lambda s: torch.addmm(t["bias"], t["a"], t["w"]),
     "view, transpose and matmul": lambda t: lambda s: t["a"].t().reshape(16, 16) @ t["b"][:, :16],
     "reduction with static dims": lambda t: lambda s: t["a"].sum(dim=1, keepdim=True),
-    "integer ops": lambda t: lambda s: (t["i"] * 3) // 2,
+    # integer division carries a device-side check for a zero divisor, and checked programs are not on
+    # the native path yet (issue #13), so the integer case uses a shift
+    "integer ops": lambda t: lambda s: (t["i"] * 3) >> 1,
     "tensor list (cat)": lambda t: lambda s: torch.cat([t["a"], t["b"]], dim=0),
     "multiple returns (max.dim)": lambda t: lambda s: t["a"].max(dim=0),
 }
