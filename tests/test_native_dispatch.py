@@ -80,6 +80,44 @@ def test_hits_are_counted() -> None:
     assert after["compiles"] == before["compiles"]
 
 
+def test_padded_calls_at_a_seen_true_length_replay_natively() -> None:
+    """Ops on tensors marked dynamic (padded storages) replay natively once their true sizes were
+    seen: Python is entered only for the padded results' layouts and live lengths, and the values,
+    in-place writes included, equal CPU's."""
+    torch.manual_seed(4)
+
+    def step(cache: torch.Tensor, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cache = torch.cat([cache, new], dim=2)
+        scores = torch.nn.functional.scaled_dot_product_attention(new, cache, cache)
+        cache.mul_(0.5)
+        return cache, scores * 2 + 1
+
+    prompt, news = torch.randn(1, 2, 11, 8), [torch.randn(1, 2, 1, 8) for _ in range(3)]
+
+    def run(device: str) -> list[torch.Tensor]:
+        host = prompt.clone()
+        if device == "pjrt":
+            torch_pjrt.mark_dynamic(host, 2, max=64)
+        cache, outputs = host.to(device), []
+        for new in news:
+            cache, scores = step(cache, new.to(device))
+            outputs += [cache, scores]
+        return outputs
+
+    want = run("cpu")
+    run("pjrt")  # misses: Python builds each padded program and installs it per true size
+    before = torch_pjrt.metrics.counters()
+    got: list[torch.Tensor] = []
+    entered = python_calls_of_ours(lambda: got.extend(run("pjrt")[2:]))
+    after = torch_pjrt.metrics.counters()
+    for a, b in zip(got, want[2:]):
+        torch.testing.assert_close(a.cpu(), b)
+    # (moving the marked prompt in runs Python's transfer; no op enters Python's dispatch)
+    assert not [name for name in entered if "/eager/dispatch.py:" in name]
+    assert after["dynamic_padded_ops"] > before["dynamic_padded_ops"]
+    assert after["compiles"] == before["compiles"]
+
+
 def test_memory_figures_follow_native_results() -> None:
     a = pjrt(64, 64)
     a * 2

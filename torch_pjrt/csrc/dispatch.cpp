@@ -6,9 +6,13 @@
 // dtype) to what Python built for it (the jitted program, which storages it takes, the layouts of
 // its results), and the hit path: call that program with the storages' arrays and the traced
 // scalars, point mutated storages at their new arrays, and wrap the results as tensors, entering
-// no Python code of ours. Every call the cache cannot describe (fused or launch-blocking mode,
-// bfloat16 or large CPU tensors, padded or pending storages, explicit generators, factories) and every miss goes to
-// Python's `native_miss`, which runs the op as before and hands back what to install.
+// no Python code of ours. A padded storage (a dynamic dim held at its bucket size) keys by its layout
+// as well, and its programs also take the call's true lengths, remembered with the entry: a call of
+// the same true sizes replays natively (its padded results ask Python's layout for their holder and
+// keep their lengths live through Python's `note_padded`). Every call the cache cannot describe
+// (fused or launch-blocking mode, bfloat16 or large CPU tensors, pending storages, explicit
+// generators, factories) and every miss goes to Python's `native_miss`, which runs the op as before
+// and hands back what to install.
 // All state is guarded by the GIL, which every call holds (autograd's threads included).
 
 #include <torch/csrc/Device.h>
@@ -49,6 +53,8 @@ struct Runtime {
   PyObject* op_counts = nullptr;  // metrics.op_counts
   PyObject* last_output = nullptr;  // device._last_output
   PyObject* random_key = nullptr;  // random_key(device_index) -> key data
+  PyObject* padded_type = nullptr;  // storage.Padded: a storage's array held at bucket sizes
+  PyObject* note_padded = nullptr;  // dynamic.note_padded(device_storage): a new padded result's lengths are live
   PyObject* s_pjrt = nullptr;
   PyObject* s_array = nullptr;
   PyObject* s_dtype = nullptr;
@@ -59,6 +65,11 @@ struct Runtime {
   PyObject* s_blocking = nullptr;
   PyObject* s_ops_executed = nullptr;
   PyObject* s_cache_hits = nullptr;
+  PyObject* s_dynamic_padded_ops = nullptr;
+  PyObject* s_shape = nullptr;
+  PyObject* s_padded = nullptr;
+  PyObject* s_bounds = nullptr;
+  PyObject* s_holding = nullptr;
   std::vector<PyObject*> devices;  // torch.device("pjrt", i), made on first use
   pid_t pid = 0;
   bool enabled = false;
@@ -99,6 +110,7 @@ struct OutSpec {
   std::vector<int64_t> strides;
   int64_t numel;
   PyObject* dtype_object;
+  PyObject* layout;  // a padded result's storage.Padded (its array unset), or nullptr
 };
 
 // One schema return: an alias of argument `alias`, None, one new tensor, or a list of them.
@@ -117,6 +129,8 @@ struct Entry {
   std::vector<Return> returns;
   std::vector<int> mutated;
   size_t fresh;
+  PyObject* lengths;  // a tuple: the true lengths a padded program takes after the traced scalars
+  std::vector<bool> mutated_padded;  // per mutated storage: written in its padded layout
 };
 
 struct Key {
@@ -133,11 +147,13 @@ struct KeyHash {
   }
 };
 
-// A storage met in a call: its DeviceStorage and array (None while uninitialised).
+// A storage met in a call: its DeviceStorage and array (None while uninitialised; a padded storage's
+// bucket-size array, its layout beside it).
 struct Slot {
   c10::StorageImpl* impl;
   py::object device_storage;
   py::object array;
+  py::object layout;
 };
 
 // One call's signature, as the arguments are read.
@@ -227,6 +243,63 @@ bool add_host_tensor(const at::Tensor& tensor, bool allow_cpu, Signature& sig) {
   return true;
 }
 
+// A tuple of ints into the key, its length first; false if it holds anything else.
+bool add_ints(PyObject* items, std::vector<int64_t>& words) {
+  if (items == nullptr || !PyTuple_Check(items)) {
+    return false;
+  }
+  const Py_ssize_t n = PyTuple_GET_SIZE(items);
+  words.push_back(n);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* item = PyTuple_GET_ITEM(items, i);
+    if (!PyLong_CheckExact(item)) {
+      return false;
+    }
+    words.push_back(PyLong_AsLongLong(item));
+  }
+  return true;
+}
+
+// A padded storage's layout into the key (its true and bucket shapes, each dim's bound: None, an
+// int, or a ladder of sizes), and its bucket-size array; false when that array is not a device
+// array yet (a fused result: Python resolves it).
+bool add_layout(PyObject* layout, std::vector<int64_t>& words, py::object& inner) {
+  auto& rt = runtime();
+  auto attribute = [layout](PyObject* name) {
+    PyObject* found = PyObject_GetAttr(layout, name);
+    if (found == nullptr) {
+      throw py::error_already_set();
+    }
+    return py::reinterpret_steal<py::object>(found);
+  };
+  py::object shape = attribute(rt.s_shape);
+  py::object padded = attribute(rt.s_padded);
+  py::object bounds = attribute(rt.s_bounds);
+  inner = attribute(rt.s_array);
+  if (Py_TYPE(inner.ptr()) != reinterpret_cast<PyTypeObject*>(rt.array_type)) {
+    return false;
+  }
+  words.push_back(-7);
+  if (!add_ints(shape.ptr(), words) || !add_ints(padded.ptr(), words) || !PyTuple_Check(bounds.ptr())) {
+    return false;
+  }
+  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(bounds.ptr()); ++i) {
+    PyObject* bound = PyTuple_GET_ITEM(bounds.ptr(), i);
+    if (bound == Py_None) {
+      words.push_back(-1);
+    } else if (PyLong_CheckExact(bound)) {
+      words.push_back(-2);
+      words.push_back(PyLong_AsLongLong(bound));
+    } else {
+      words.push_back(-3);
+      if (!add_ints(bound, words)) {
+        return false;
+      }
+    }
+  }
+  return true;
+}
+
 bool add_tensor(const at::Tensor& tensor, Signature& sig, const OpState& op) {
   auto& words = sig.key.words;
   if (!tensor.defined()) {
@@ -279,15 +352,23 @@ bool add_tensor(const at::Tensor& tensor, Signature& sig, const OpState& op) {
       return false;
     }
     const bool uninitialised = array.is_none();
-    if (!uninitialised && Py_TYPE(array.ptr()) != reinterpret_cast<PyTypeObject*>(rt.array_type)) {
-      return false;  // a padded or pending (fused) storage: Python knows how to read it
-    }
-    slot = static_cast<int64_t>(sig.slots.size());
-    sig.slots.push_back({impl, std::move(device_storage), std::move(array)});
     words.push_back(-2);  // a storage met for the first time: its own layout follows
     words.push_back(static_cast<int64_t>(reinterpret_cast<THPDtype*>(dtype.ptr())->scalar_type));
     words.push_back(PyLong_AsLongLong(numel.ptr()));
     words.push_back(uninitialised ? 1 : 0);
+    py::object layout;
+    if (!uninitialised && Py_TYPE(array.ptr()) == reinterpret_cast<PyTypeObject*>(rt.padded_type)) {
+      py::object inner;
+      if (!add_layout(array.ptr(), words, inner)) {
+        return false;
+      }
+      layout = std::move(array);
+      array = std::move(inner);
+    } else if (!uninitialised && Py_TYPE(array.ptr()) != reinterpret_cast<PyTypeObject*>(rt.array_type)) {
+      return false;  // a pending (fused) storage: Python resolves it
+    }
+    slot = static_cast<int64_t>(sig.slots.size());
+    sig.slots.push_back({impl, std::move(device_storage), std::move(array), std::move(layout)});
   }
   words.push_back(slot);
   words.push_back(tensor.is_conj() ? 1 : 0);
@@ -485,14 +566,32 @@ py::object new_device_storage(PyObject* array, const OutSpec& spec, c10::DeviceI
   return created;
 }
 
+// `layout.holding(array)`: a padded storage's layout over a new bucket-size array.
+py::object padded_holder(PyObject* layout, PyObject* array) {
+  PyObject* holder = PyObject_CallMethodOneArg(layout, runtime().s_holding, array);
+  if (holder == nullptr) {
+    throw py::error_already_set();
+  }
+  return py::reinterpret_steal<py::object>(holder);
+}
+
 at::Tensor wrap_output(const OutSpec& spec, PyObject* array, c10::DeviceIndex device) {
   auto& rt = runtime();
   const int64_t nbytes = spec.numel * static_cast<int64_t>(c10::elementSize(spec.dtype));
   at::Tensor tensor = make_tensor(device, spec.dtype, spec.sizes, spec.strides, new_address(nbytes), nbytes);
   py::object wrapped = py::reinterpret_steal<py::object>(THPStorage_Wrap(tensor.storage()));
-  py::object device_storage = new_device_storage(array, spec, device, nbytes);
+  py::object holder = spec.layout == nullptr ? py::reinterpret_borrow<py::object>(array)
+                                             : padded_holder(spec.layout, array);
+  py::object device_storage = new_device_storage(holder.ptr(), spec, device, nbytes);
   if (PyObject_SetAttr(wrapped.ptr(), rt.s_pjrt, device_storage.ptr()) != 0) {
     throw py::error_already_set();
+  }
+  if (spec.layout != nullptr) {
+    PyObject* noted = PyObject_CallOneArg(rt.note_padded, device_storage.ptr());
+    if (noted == nullptr) {
+      throw py::error_already_set();
+    }
+    Py_DECREF(noted);
   }
   return tensor;
 }
@@ -500,7 +599,8 @@ at::Tensor wrap_output(const OutSpec& spec, PyObject* array, c10::DeviceIndex de
 // The hit: run the cached program and leave the op's returns on the stack.
 void run_hit(const OpState& op, const Entry& entry, Signature& sig, torch::jit::Stack* stack, size_t n_arguments) {
   auto& rt = runtime();
-  const size_t n_inputs = entry.passed.size() + (entry.random ? 1 : 0) + sig.traced.size();
+  const Py_ssize_t n_lengths = PyTuple_GET_SIZE(entry.lengths);
+  const size_t n_inputs = entry.passed.size() + (entry.random ? 1 : 0) + sig.traced.size() + n_lengths;
   py::tuple inputs(n_inputs);
   size_t position = 0;
   for (const int slot : entry.passed) {
@@ -517,6 +617,9 @@ void run_hit(const OpState& op, const Entry& entry, Signature& sig, torch::jit::
   for (auto& value : sig.traced) {
     inputs[position++] = std::move(value);
   }
+  for (Py_ssize_t i = 0; i < n_lengths; ++i) {
+    inputs[position++] = py::reinterpret_borrow<py::object>(PyTuple_GET_ITEM(entry.lengths, i));
+  }
   PyObject* called = PyObject_Call(entry.jitted, inputs.ptr(), nullptr);
   if (called == nullptr) {
     // Program.reraise translates a device allocation failure into torch.OutOfMemoryError.
@@ -531,13 +634,19 @@ void run_hit(const OpState& op, const Entry& entry, Signature& sig, torch::jit::
   bump(rt.counts, rt.s_ops_executed);
   bump(rt.counts, rt.s_cache_hits);
   bump(rt.op_counts, op.name_object);
+  if (n_lengths > 0) {
+    bump(rt.counts, rt.s_dynamic_padded_ops);
+  }
   py::object index = py::reinterpret_steal<py::object>(PyLong_FromLong(sig.device));
   if (PyDict_SetItem(rt.last_output, index.ptr(), called) != 0) {
     throw py::error_already_set();
   }
   for (size_t j = 0; j < entry.mutated.size(); ++j) {
+    const Slot& slot = sig.slots[entry.mutated[j]];
     PyObject* array = PyTuple_GET_ITEM(called, entry.fresh + j);
-    if (PyObject_SetAttr(sig.slots[entry.mutated[j]].device_storage.ptr(), rt.s_array, array) != 0) {
+    py::object holder = entry.mutated_padded[j] ? padded_holder(slot.layout.ptr(), array)
+                                                : py::reinterpret_borrow<py::object>(array);
+    if (PyObject_SetAttr(slot.device_storage.ptr(), rt.s_array, holder.ptr()) != 0) {
       throw py::error_already_set();
     }
   }
@@ -578,16 +687,21 @@ OutSpec read_spec(py::handle spec) {
   PyObject* dtype = fields[0].ptr();
   TORCH_CHECK(THPDtype_Check(dtype), "torch_pjrt native dispatch: bad output spec");
   Py_INCREF(dtype);
+  PyObject* layout = nullptr;
+  if (fields.size() > 4 && !fields[4].is_none()) {
+    layout = py::object(fields[4]).release().ptr();
+  }
   return OutSpec{
       reinterpret_cast<THPDtype*>(dtype)->scalar_type,
       fields[1].cast<std::vector<int64_t>>(),
       fields[2].cast<std::vector<int64_t>>(),
       fields[3].cast<int64_t>(),
-      dtype};
+      dtype,
+      layout};
 }
 
-// install = (jitted, program, passed_slots, random, returns, mutated_slots, n_fresh_outputs), each return
-// (kind, alias, specs) with spec (dtype, sizes, strides, numel).
+// install = (jitted, program, passed_slots, random, returns, mutated_slots, n_fresh_outputs, lengths,
+// mutated_padded), each return (kind, alias, specs) with spec (dtype, sizes, strides, numel[, layout]).
 Entry* read_entry(py::handle install) {
   py::tuple fields = py::reinterpret_borrow<py::tuple>(install);
   auto* entry = new Entry();
@@ -607,6 +721,8 @@ Entry* read_entry(py::handle install) {
   }
   entry->mutated = fields[5].cast<std::vector<int>>();
   entry->fresh = fields[6].cast<size_t>();
+  entry->lengths = py::tuple(fields[7]).release().ptr();
+  entry->mutated_padded = fields[8].cast<std::vector<bool>>();
   return entry;
 }
 
@@ -764,7 +880,8 @@ PyObject* interned(const char* text) {
 }
 
 void configure(py::object miss, py::object storage_type, py::object array_type, py::object modes,
-               py::object counts, py::object op_counts, py::object last_output, py::object random_key) {
+               py::object counts, py::object op_counts, py::object last_output, py::object random_key,
+               py::object padded_type, py::object note_padded) {
   auto& rt = runtime();
   rt.miss = miss.inc_ref().ptr();
   rt.storage_type = storage_type.inc_ref().ptr();
@@ -774,6 +891,8 @@ void configure(py::object miss, py::object storage_type, py::object array_type, 
   rt.op_counts = op_counts.inc_ref().ptr();
   rt.last_output = last_output.inc_ref().ptr();
   rt.random_key = random_key.inc_ref().ptr();
+  rt.padded_type = padded_type.inc_ref().ptr();
+  rt.note_padded = note_padded.inc_ref().ptr();
   rt.s_pjrt = interned("_pjrt");
   rt.s_array = interned("array");
   rt.s_dtype = interned("dtype");
@@ -784,6 +903,11 @@ void configure(py::object miss, py::object storage_type, py::object array_type, 
   rt.s_blocking = interned("blocking");
   rt.s_ops_executed = interned("ops_executed");
   rt.s_cache_hits = interned("cache_hits");
+  rt.s_dynamic_padded_ops = interned("dynamic_padded_ops");
+  rt.s_shape = interned("shape");
+  rt.s_padded = interned("padded");
+  rt.s_bounds = interned("bounds");
+  rt.s_holding = interned("holding");
   rt.pid = getpid();
   rt.enabled = true;
 }
@@ -793,6 +917,7 @@ void configure(py::object miss, py::object storage_type, py::object array_type, 
 void init_dispatch(py::module& m) {
   m.def("configure_dispatch", &configure, py::arg("miss"), py::arg("storage_type"), py::arg("array_type"),
         py::arg("modes"), py::arg("counts"), py::arg("op_counts"), py::arg("last_output"), py::arg("random_key"),
+        py::arg("padded_type"), py::arg("note_padded"),
         "Hand the native dispatch the Python objects it reads and calls, and turn it on.");
   m.def("register_kernel", &register_kernel, py::arg("name"), py::arg("overload"), py::arg("plan"),
         py::arg("kinds"), py::arg("static_scalars"), py::arg("allow_cpu"), py::arg("cacheable"),

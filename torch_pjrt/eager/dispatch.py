@@ -158,7 +158,7 @@ class Leaf(NamedTuple):
 class Scan:
     """Storages, key and traced values gathered from one call's arguments."""
 
-    __slots__ = ("storages", "slots", "dynamic", "device", "plan", "allow_cpu", "symbols", "plain")
+    __slots__ = ("storages", "slots", "dynamic", "device", "plan", "allow_cpu", "symbols", "plain", "live_reads")
 
     def __init__(self, plan: OpPlan, plain: bool = False) -> None:
         self.storages: list[storage.DeviceStorage] = []
@@ -170,6 +170,9 @@ class Scan:
         # the true sizes of padded (dynamic) arguments, once one is seen; plain: read them compacted
         self.symbols: dynamic.Symbols | None = None
         self.plain = plain
+        # a plain storage read padded because its length was marked lately: the call depends on
+        # more than its arguments, so the native cache must not replay it
+        self.live_reads = False
 
     def tensor(self, t: torch.Tensor) -> Any:
         if t.is_cpu:
@@ -197,6 +200,7 @@ class Scan:
             leaf = dynamic.read_padded(st, slot, view, symbols)
             if leaf is not None:
                 self.symbols = symbols
+                self.live_reads = True
                 return leaf
         return Leaf(slot, view, st.numel, st.dtype, st.array is None)
 
@@ -779,9 +783,18 @@ def execute(plan: OpPlan, args: tuple, kwargs: dict) -> Any:
     return _execute(plan, args, kwargs)[0]
 
 
-def _execute(plan: OpPlan, args: tuple, kwargs: dict) -> tuple[Any, Entry | None]:
-    """Run one call; also the entry of its plain cached program (None where the call went another way:
-    padded, compacted, a fallback, a factory placed elsewhere)."""
+class Replay(NamedTuple):
+    """What the native cache needs to run a call's signature again: the program's entry, the specs
+    of its results, and the values passed after its traced scalars (a padded call's true lengths)."""
+
+    entry: Entry
+    specs: list[Any]
+    lengths: tuple[int, ...]
+
+
+def _execute(plan: OpPlan, args: tuple, kwargs: dict) -> tuple[Any, Replay | None]:
+    """Run one call; also how to replay it (None where it went a way that its arguments alone do not
+    decide: a fallback, a factory placed elsewhere, a storage read padded for a live length)."""
     values = plan.normalize(args, kwargs)
     try:
         scan, described = _describe(plan, values, False)
@@ -801,7 +814,8 @@ def _execute(plan: OpPlan, args: tuple, kwargs: dict) -> tuple[Any, Entry | None
             scan, described = _describe(plan, values, True)
             scan.device = _target_device(values, plan, scan.device)
         else:
-            return _complete(plan, values, scan, entry, _run(entry, inputs), specs), None
+            result = _complete(plan, values, scan, entry, _run(entry, inputs), specs)
+            return result, None if scan.live_reads else Replay(entry, specs, tuple(scan.symbols.values))
     key = cache_key(scan, described)
     try:
         entry = _cache.get(key)
@@ -828,20 +842,23 @@ def _execute(plan: OpPlan, args: tuple, kwargs: dict) -> tuple[Any, Entry | None
     if scan.plain:
         dynamic.repad(result)
         return result, None
-    return result, entry
+    return result, Replay(entry, entry.outputs, ())
 
 
 def native_miss(plan: OpPlan, args: tuple, kwargs: dict) -> tuple[Any, tuple | None]:
     """A call the native hit path (csrc/dispatch.cpp) did not have: run it here, and hand back what
     the native cache needs to run the same signature itself next time (None: it cannot)."""
-    result, entry = _execute(plan, args, kwargs)
+    result, replay = _execute(plan, args, kwargs)
+    if replay is None:
+        return result, None
+    entry = replay.entry
     # a program with device-side checks returns their code last: its calls stay here (_run hands it on)
-    if entry is None or entry.resized or entry.checks or modes.state.fusing or not plan.native_returns:
+    if entry.resized or entry.checks or modes.state.fusing or not plan.native_returns:
         return result, None
     program = entry.program
     if not program.compiled:
         return result, None
-    specs = iter(entry.outputs)
+    specs = iter(replay.specs)
     returns = []
     for alias in plan.return_aliases:
         if alias is not None:
@@ -855,7 +872,9 @@ def native_miss(plan: OpPlan, args: tuple, kwargs: dict) -> tuple[Any, tuple | N
         else:
             returns.append((2, -1, (spec,)))
     fresh = entry.output_count - len(entry.mutated_slots)
-    return result, (program.jitted, program, entry.passed_slots, entry.random, returns, entry.mutated_slots, fresh)
+    mutated_padded = [slot in entry.padded_slots for slot in entry.mutated_slots]
+    return result, (program.jitted, program, entry.passed_slots, entry.random, returns, entry.mutated_slots, fresh,
+                    replay.lengths, mutated_padded)
 
 
 def _complete(plan: OpPlan, values: list[Any], scan: Scan, entry: Entry, outputs: Any, specs: list[Any]) -> Any:
@@ -997,12 +1016,13 @@ def register_native(module: Any, op: OpOverload, plan: OpPlan) -> None:
 
 def configure_native(module: Any) -> None:
     """Hand the native dispatch what its hit path reads: the storage class, jax's array type, the mode,
-    the counters it bumps, the device's newest outputs and the default random key source."""
+    the counters it bumps, the device's newest outputs, the default random key source, and for padded
+    storages their layout class and what keeps a new padded result's lengths live."""
     jax = client.jax_module()
     array_type = type(jax.device_put(np.zeros((0,), np.float32), client.device_for(0)))
     module.configure_dispatch(native_miss, storage.DeviceStorage, array_type, modes.state, metrics.counter_table(),
                               metrics.op_counts, startup.newest_outputs(),
-                              lambda index: rng.state(index).next_key())
+                              lambda index: rng.state(index).next_key(), storage.Padded, dynamic.note_padded)
 
 
 def make_kernel(plan: OpPlan) -> Callable[..., Any]:
