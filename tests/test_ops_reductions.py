@@ -206,6 +206,18 @@ def _segment_grads(reduce: str, **kwargs: object):
     return run
 
 
+def test_half_precision_segment_products_keep_subnormals() -> None:
+    """float16 running products that fall below the normal range keep CPU's subnormal values (XLA's
+    reduce_precision alone flushes them to zero)."""
+    torch.manual_seed(12)
+    tiny = (torch.rand(3, 8) * 0.02 + 0.001).to(torch.float16)  # products of 3-5 of these are subnormal
+    lengths = torch.tensor([[3, 5], [4, 4], [5, 3]])
+    want = torch.segment_reduce(tiny, "prod", lengths=lengths, axis=1)
+    assert ((want != 0) & (want.abs() < torch.finfo(torch.float16).smallest_normal)).any()
+    got = torch.segment_reduce(tiny.to("pjrt"), "prod", lengths=lengths.to("pjrt"), axis=1)
+    assert torch.equal(got.cpu(), want)
+
+
 @pytest.mark.parametrize("reduce", ["sum", "mean", "max", "min", "prod"])
 def test_segment_reduce(reduce: str) -> None:
     data = torch.tensor([2.0, 2.0, 1.0, 0.0, 3.0, 0.0, 0.0, 5.0, NAN, 4.0, 1.5])  # ties, zeros, a NaN

@@ -265,7 +265,15 @@ def rounded_like(x: Any, dtype: Any) -> Any:
     if not jnp.issubdtype(dtype, jnp.floating) or jnp.finfo(dtype).bits >= 32:
         return x
     info = jnp.finfo(dtype)
-    return jax.lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+    reduced = jax.lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+    # reduce_precision flushes what falls below the format's normal range to zero, where PyTorch keeps
+    # the format's subnormals: round those to their grid, a power of two apart (scaling by it is exact).
+    # bfloat16's subnormals are float32's own, which XLA's CPU runtime flushes in every op anyway.
+    exponent = int(info.minexp) - int(info.nmant)
+    if exponent < int(jnp.finfo(jnp.float32).minexp):
+        return reduced
+    subnormal = jnp.round(x * float(2.0 ** -exponent)) * float(2.0 ** exponent)
+    return jnp.where(jnp.abs(x) < float(info.smallest_normal), subnormal.astype(x.dtype), reduced)
 
 
 @register(aten.linalg_cross.default)
