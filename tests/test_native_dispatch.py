@@ -50,8 +50,7 @@ HIT_CASES: dict[str, Callable[[dict], Callable[[float], object]]] = {
     "addmm": lambda t: lambda s: torch.addmm(t["bias"], t["a"], t["w"]),
     "view, transpose and matmul": lambda t: lambda s: t["a"].t().reshape(16, 16) @ t["b"][:, :16],
     "reduction with static dims": lambda t: lambda s: t["a"].sum(dim=1, keepdim=True),
-    # integer division carries a device-side check for a zero divisor, and checked programs are not on
-    # the native path yet (issue #13), so the integer case uses a shift
+    # (integer division carries a device-side check, whose code a hit hands to Python: see the checked test)
     "integer ops": lambda t: lambda s: (t["i"] * 3) >> 1,
     "tensor list (cat)": lambda t: lambda s: torch.cat([t["a"], t["b"]], dim=0),
     "multiple returns (max.dim)": lambda t: lambda s: t["a"].max(dim=0),
@@ -116,6 +115,34 @@ def test_padded_calls_at_a_seen_true_length_replay_natively() -> None:
     assert not [name for name in entered if "/eager/dispatch.py:" in name]
     assert after["dynamic_padded_ops"] > before["dynamic_padded_ops"]
     assert after["compiles"] == before["compiles"]
+
+
+def test_checked_programs_hit_natively_and_raise_at_the_host_wait() -> None:
+    """Ops with device-side checks (an embedding lookup, integer division) replay natively, handing only
+    their check code to Python; a bad call of a seen signature still raises where the host waits,
+    naming the op and the user's line."""
+    torch.manual_seed(6)
+    table, ids = torch.randn(10, 4), torch.randint(0, 10, (3, 5))
+    numerators, divisors = torch.randint(-50, 50, (8,)), torch.randint(1, 9, (8,))
+    on = {"table": table.to("pjrt"), "ids": ids.to("pjrt"), "n": numerators.to("pjrt"), "d": divisors.to("pjrt")}
+
+    def lookup() -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.nn.functional.embedding(on["ids"], on["table"]), on["n"] // on["d"]
+
+    lookup()
+    lookup()
+    results: list[torch.Tensor] = []
+    entered = python_calls_of_ours(lambda: results.extend(lookup()))
+    assert {name.rsplit(":", 1)[1] for name in entered if "/eager/dispatch.py:" in name} == {"native_checks_issued"}
+    torch.testing.assert_close(results[0].cpu(), torch.nn.functional.embedding(ids, table))
+    assert torch.equal(results[1].cpu(), numerators // divisors)
+    on["ids"] = torch.tensor([[0, 12, 3, 4, 5]] * 3).to("pjrt")  # same signature, an id past the table
+    before = torch_pjrt.metrics.counters()["cache_hits"]
+    looked_up = lookup()[0]
+    assert torch_pjrt.metrics.counters()["cache_hits"] - before == 2
+    issued_at = r"aten::embedding: index out of range.*test_native_dispatch.py:\d+: return torch.nn.functional.emb"
+    with pytest.raises(RuntimeError, match=issued_at):
+        looked_up.cpu()
 
 
 def test_memory_figures_follow_native_results() -> None:

@@ -9,7 +9,8 @@
 // no Python code of ours. A padded storage (a dynamic dim held at its bucket size) keys by its layout
 // as well, and its programs also take the call's true lengths, remembered with the entry: a call of
 // the same true sizes replays natively (its padded results ask Python's layout for their holder and
-// keep their lengths live through Python's `note_padded`). Every call the cache cannot describe
+// keep their lengths live through Python's `note_padded`). A program with device-side checks hands
+// its code to Python's pending checks (`native_checks_issued`). Every call the cache cannot describe
 // (fused or launch-blocking mode, bfloat16 or large CPU tensors, pending storages, explicit
 // generators, factories) and every miss goes to Python's `native_miss`, which runs the op as before
 // and hands back what to install.
@@ -55,6 +56,7 @@ struct Runtime {
   PyObject* random_key = nullptr;  // random_key(device_index) -> key data
   PyObject* padded_type = nullptr;  // storage.Padded: a storage's array held at bucket sizes
   PyObject* note_padded = nullptr;  // dynamic.note_padded(device_storage): a new padded result's lengths are live
+  PyObject* checks_issued = nullptr;  // dispatch.native_checks_issued(code, checks): a checked program ran
   PyObject* s_pjrt = nullptr;
   PyObject* s_array = nullptr;
   PyObject* s_dtype = nullptr;
@@ -131,6 +133,7 @@ struct Entry {
   size_t fresh;
   PyObject* lengths;  // a tuple: the true lengths a padded program takes after the traced scalars
   std::vector<bool> mutated_padded;  // per mutated storage: written in its padded layout
+  PyObject* checks;  // the program's device-side checks (its last output is their code), or nullptr
 };
 
 struct Key {
@@ -628,8 +631,19 @@ void run_hit(const OpState& op, const Entry& entry, Signature& sig, torch::jit::
     throw failure;
   }
   py::object outputs = py::reinterpret_steal<py::object>(called);
-  if (!PyTuple_Check(called) || static_cast<size_t>(PyTuple_GET_SIZE(called)) != entry.fresh + entry.mutated.size()) {
+  const size_t n_outputs = entry.fresh + entry.mutated.size();
+  if (!PyTuple_Check(called) ||
+      static_cast<size_t>(PyTuple_GET_SIZE(called)) != n_outputs + (entry.checks != nullptr ? 1 : 0)) {
     throw std::runtime_error("torch_pjrt native dispatch: a cached program returned an unexpected result");
+  }
+  if (entry.checks != nullptr) {
+    // the code stays on the device; Python keeps it pending, with the user's line, until a host wait
+    PyObject* noted = PyObject_CallFunctionObjArgs(rt.checks_issued, PyTuple_GET_ITEM(called, n_outputs),
+                                                   entry.checks, nullptr);
+    if (noted == nullptr) {
+      throw py::error_already_set();
+    }
+    Py_DECREF(noted);
   }
   bump(rt.counts, rt.s_ops_executed);
   bump(rt.counts, rt.s_cache_hits);
@@ -701,7 +715,7 @@ OutSpec read_spec(py::handle spec) {
 }
 
 // install = (jitted, program, passed_slots, random, returns, mutated_slots, n_fresh_outputs, lengths,
-// mutated_padded), each return (kind, alias, specs) with spec (dtype, sizes, strides, numel[, layout]).
+// mutated_padded, checks or None), each return (kind, alias, specs) with spec (dtype, sizes, strides, numel[, layout]).
 Entry* read_entry(py::handle install) {
   py::tuple fields = py::reinterpret_borrow<py::tuple>(install);
   auto* entry = new Entry();
@@ -723,6 +737,7 @@ Entry* read_entry(py::handle install) {
   entry->fresh = fields[6].cast<size_t>();
   entry->lengths = py::tuple(fields[7]).release().ptr();
   entry->mutated_padded = fields[8].cast<std::vector<bool>>();
+  entry->checks = fields[9].is_none() ? nullptr : py::object(fields[9]).release().ptr();
   return entry;
 }
 
@@ -881,7 +896,7 @@ PyObject* interned(const char* text) {
 
 void configure(py::object miss, py::object storage_type, py::object array_type, py::object modes,
                py::object counts, py::object op_counts, py::object last_output, py::object random_key,
-               py::object padded_type, py::object note_padded) {
+               py::object padded_type, py::object note_padded, py::object checks_issued) {
   auto& rt = runtime();
   rt.miss = miss.inc_ref().ptr();
   rt.storage_type = storage_type.inc_ref().ptr();
@@ -893,6 +908,7 @@ void configure(py::object miss, py::object storage_type, py::object array_type, 
   rt.random_key = random_key.inc_ref().ptr();
   rt.padded_type = padded_type.inc_ref().ptr();
   rt.note_padded = note_padded.inc_ref().ptr();
+  rt.checks_issued = checks_issued.inc_ref().ptr();
   rt.s_pjrt = interned("_pjrt");
   rt.s_array = interned("array");
   rt.s_dtype = interned("dtype");
@@ -917,7 +933,7 @@ void configure(py::object miss, py::object storage_type, py::object array_type, 
 void init_dispatch(py::module& m) {
   m.def("configure_dispatch", &configure, py::arg("miss"), py::arg("storage_type"), py::arg("array_type"),
         py::arg("modes"), py::arg("counts"), py::arg("op_counts"), py::arg("last_output"), py::arg("random_key"),
-        py::arg("padded_type"), py::arg("note_padded"),
+        py::arg("padded_type"), py::arg("note_padded"), py::arg("checks_issued"),
         "Hand the native dispatch the Python objects it reads and calls, and turn it on.");
   m.def("register_kernel", &register_kernel, py::arg("name"), py::arg("overload"), py::arg("plan"),
         py::arg("kinds"), py::arg("static_scalars"), py::arg("allow_cpu"), py::arg("cacheable"),

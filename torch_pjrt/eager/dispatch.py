@@ -852,8 +852,7 @@ def native_miss(plan: OpPlan, args: tuple, kwargs: dict) -> tuple[Any, tuple | N
     if replay is None:
         return result, None
     entry = replay.entry
-    # a program with device-side checks returns their code last: its calls stay here (_run hands it on)
-    if entry.resized or entry.checks or modes.state.fusing or not plan.native_returns:
+    if entry.resized or modes.state.fusing or not plan.native_returns:
         return result, None
     program = entry.program
     if not program.compiled:
@@ -874,7 +873,12 @@ def native_miss(plan: OpPlan, args: tuple, kwargs: dict) -> tuple[Any, tuple | N
     fresh = entry.output_count - len(entry.mutated_slots)
     mutated_padded = [slot in entry.padded_slots for slot in entry.mutated_slots]
     return result, (program.jitted, program, entry.passed_slots, entry.random, returns, entry.mutated_slots, fresh,
-                    replay.lengths, mutated_padded)
+                    replay.lengths, mutated_padded, entry.checks or None)
+
+
+def native_checks_issued(code: Any, issued_checks: tuple[checks.Check, ...]) -> None:
+    """A native hit ran a program with device-side checks (its last output, `code`): pending, as here."""
+    checks.issued(code, issued_checks, (checks.caller(),) * len(issued_checks))
 
 
 def _complete(plan: OpPlan, values: list[Any], scan: Scan, entry: Entry, outputs: Any, specs: list[Any]) -> Any:
@@ -1017,12 +1021,14 @@ def register_native(module: Any, op: OpOverload, plan: OpPlan) -> None:
 def configure_native(module: Any) -> None:
     """Hand the native dispatch what its hit path reads: the storage class, jax's array type, the mode,
     the counters it bumps, the device's newest outputs, the default random key source, and for padded
-    storages their layout class and what keeps a new padded result's lengths live."""
+    storages their layout class and what keeps a new padded result's lengths live, and where a
+    program's device-check code goes."""
     jax = client.jax_module()
     array_type = type(jax.device_put(np.zeros((0,), np.float32), client.device_for(0)))
     module.configure_dispatch(native_miss, storage.DeviceStorage, array_type, modes.state, metrics.counter_table(),
                               metrics.op_counts, startup.newest_outputs(),
-                              lambda index: rng.state(index).next_key(), storage.Padded, dynamic.note_padded)
+                              lambda index: rng.state(index).next_key(), storage.Padded, dynamic.note_padded,
+                              native_checks_issued)
 
 
 def make_kernel(plan: OpPlan) -> Callable[..., Any]:
