@@ -19,7 +19,7 @@ from battery import properties, run_errors, run_opinfo
 
 EXAMPLES = 8
 ENTRIES = (
-    "diagonal", "gather", "index_select", "movedim", "multinomial", "narrow", "reshape", "roll", "scatter",
+    "diagonal", "gather", "gradient", "index_select", "movedim", "multinomial", "narrow", "reshape", "roll", "scatter",
     "scatter_add", "take", "view",
 )
 PROPERTIES = (
