@@ -25,16 +25,9 @@ COLUMNS = {
 }
 # Findings left open, by key: what they are and why they are not fixed yet.
 OPEN: dict[str, str] = {
-    "errors:multinomial": "fixed after this run: multinomial's out= must be int64 (ops/arguments.py, "
-                          "tests/test_bad_inputs.py::multinomial_out_dtype); the next run drops this case.",
-    "errors:gradient": "a meta-device spacing tensor: the battery's copy to pjrt fails first (a case about devices).",
     "hypothesis:bincount": "2**40 bins: torch.OutOfMemoryError, CUDA's class (justified).",
     "hypothesis:huge": "allocations larger than the device: torch.OutOfMemoryError, CUDA's class (justified).",
-    "hypothesis:index_put_": "index_put_ on an expanded tensor is refused (its elements overlap); CPU warns and writes "
-                             "element by element.",
     "hypothesis:one_hot": "2**40 classes: torch.OutOfMemoryError, CUDA's class (justified).",
-    "hypothesis:pointwise_binary": "pow_ of a bool tensor by True: PyTorch's meta kernel refuses to cast the int64 "
-                                   "result into self, which CPU's kernel accepts.",
     "hypothesis:repeat_interleave": "totals of 2**40: torch.OutOfMemoryError, CUDA's class (justified).",
 }
 

@@ -159,10 +159,11 @@ def _copy(value: torch.Tensor, name: str, device: str, dtype: torch.dtype | None
 
 
 def _to_pjrt(value: Any, name: str, storages: dict[Any, torch.Tensor] | None = None) -> Any:
-    """A pjrt copy of a sample tensor; factories' CPU device becomes pjrt (transform also hands over dtypes)."""
+    """A pjrt copy of a sample tensor; factories' CPU device becomes pjrt (transform also hands over dtypes).
+    A meta tensor stays: it holds no data, and a sample with one is a case about mixing devices."""
     if isinstance(value, torch.device) and value.type == "cpu":
         return torch.device("pjrt")
-    if not isinstance(value, torch.Tensor):
+    if not isinstance(value, torch.Tensor) or value.is_meta:
         return value
     return _copy(value, name, "pjrt", storages=storages).requires_grad_(value.requires_grad)
 

@@ -19,7 +19,7 @@ from battery import properties, run_errors, run_opinfo
 
 EXAMPLES = 8
 ENTRIES = (
-    "diagonal", "gather", "index_select", "movedim", "multinomial", "narrow", "reshape", "roll", "scatter",
+    "diagonal", "gather", "gradient", "index_select", "movedim", "multinomial", "narrow", "reshape", "roll", "scatter",
     "scatter_add", "take", "view",
 )
 PROPERTIES = (
@@ -151,6 +151,8 @@ STATIC_ERRORS: dict[str, tuple[Any, Any]] = {
     "multinomial_out_dtype": (lambda p, o: torch.multinomial(p, 2, out=o),
                               lambda: (_table(1, 2, dtype=torch.float64).abs(), torch.empty(1, 2).double())),
     "randn_size_overflow": (lambda x: torch.randn(2**62, 3, device=x.device), lambda: (_table(1),)),
+    "pow_of_bools_by_a_bool_tensor": (torch.pow, lambda: (_ints(3) > 0, _ints(3) > 0)),
+    "pow_of_true_by_bools": (lambda x: torch.pow(True, x), lambda: (_ints(3) > 0,)),
 }
 # CPU returns (nothing is selected, so no index is checked; or an empty tensor with a huge side)
 STATIC_VALUES: dict[str, tuple[Any, Any]] = {
@@ -162,6 +164,9 @@ STATIC_VALUES: dict[str, tuple[Any, Any]] = {
     "repeat_interleave_int32_repeats": (torch.repeat_interleave,
                                         lambda: (torch.randint(0, 3, (4,), dtype=torch.int32),)),
     "view_of_an_empty_tensor_with_a_huge_side": (lambda x: x.view(2**62, 0), lambda: (_table(2, 0, 0),)),
+    # a bool tensor raised to a bool is a bool (a copy or a fill), in place and into out= too
+    "pow_of_bools_by_a_bool": (lambda x, o: (torch.pow(x, False), torch.pow(x, True, out=o), x.pow_(True)),
+                               lambda: (_ints(2, 3) > 0, torch.empty(0, dtype=torch.bool))),
 }
 
 

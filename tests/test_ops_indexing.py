@@ -102,6 +102,29 @@ def test_index_put_and_accumulate_duplicates():
     check(iadd, x, torch.tensor([4, 1]))
 
 
+def test_index_put_into_an_expanded_tensor_writes_through_its_shared_elements():
+    """CPU writes each selected element's one address (with a deprecation warning): accumulate adds every value
+    into the element that the expanded rows share, and an assignment reaches every row."""
+    rows, columns = torch.randn(1, 3), torch.randn(3)
+
+    def put(base, i, v, expand, accumulate):
+        expanded = expand(base.clone())
+        with pytest.warns(UserWarning, match="index_put_ on expanded tensors"):
+            expanded.index_put_((i,), v, accumulate=accumulate)
+        return expanded
+
+    def rows_of(t):
+        return t.expand(4, 3)
+
+    def columns_of(t):
+        return t.expand(2, 3).t()
+
+    for accumulate in (False, True):
+        check(put, rows, torch.tensor([2]), torch.randn(1, 3), rows_of, accumulate)
+        check(put, rows, torch.tensor([1, 3]), torch.randn(3), rows_of, accumulate)
+        check(put, columns, torch.tensor([0, 2]), torch.randn(2, 1), columns_of, accumulate)
+
+
 def test_index_backward():
     x = torch.randn(5, 4, 3)
     check(lambda x, i: _grads(lambda x, i: x[i], x, i), x, torch.tensor([0, 0, 3]))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -361,16 +362,37 @@ def index(self: torch.Tensor, indices: list[Any]) -> torch.Tensor:
     return dispatch.execute(dispatch.plan_for(aten.index.Tensor), (self, indices), {})
 
 
+EXPANDED_INDEX_PUT = ("Use of index_put_ on expanded tensors is deprecated. Please clone() the tensor before "
+                      "performing this operation. This also applies to advanced indexing e.g. tensor[indices] = tensor")
+
+
 def _index_put_kernel(op: Any) -> Callable:
     def put(self: torch.Tensor, indices: list[Any], values: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         """Masks are converted (one sync) unless the write is a `where` (`x[mask] = 0`)."""
         _check_index_dtypes(indices)
         if _needs_conversion(self, indices, values):
             indices = _integer_indices(self, indices)
+        if op is not aten.index_put.default and storage.view_of(self).has_internal_overlap():
+            _put_into_expanded(op, self, indices, values, args, kwargs)
+            return self
         return dispatch.execute(dispatch.plan_for(op), (self, indices, values, *args), kwargs)
 
     put.__name__ = f"pjrt_{op.name()}"
     return put
+
+
+def _put_into_expanded(op: Any, self: torch.Tensor, indices: list[Any], values: torch.Tensor, args: tuple[Any, ...],
+                       kwargs: dict[str, Any]) -> None:
+    """CPU writes each selected element through its address (warning that this is deprecated), so elements that
+    share one see every write: the write goes to the view without the expanded dims, at the selected elements'
+    places in it (checked against self's sizes, as CPU checks them)."""
+    warnings.warn(EXPANDED_INDEX_PUT, UserWarning, stacklevel=3)
+    unexpanded_sizes = [1 if stride == 0 else size for size, stride in zip(self.shape, self.stride())]
+    unexpanded = self.as_strided(unexpanded_sizes, self.stride(), self.storage_offset())
+    places = torch.arange(unexpanded.numel(), device=self.device).view(unexpanded_sizes).expand(self.shape)
+    selected = aten.index.Tensor(places, indices)
+    coordinates = list(torch.unravel_index(selected, unexpanded_sizes))
+    dispatch.execute(dispatch.plan_for(op), (unexpanded, coordinates, values, *args), kwargs)
 
 
 for _op in (aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default):

@@ -365,7 +365,9 @@ def _meta_from(tensor: torch.Tensor, described: Any, symbols: Any = None) -> tor
 def _run_meta(plan: OpPlan, values: list[Any], described: list[Any], symbols: Any = None) -> tuple[Any, list[Any]]:
     metas = [_meta_value(k, v, d, symbols) for k, v, d in zip(plan.kinds, values, described)]
     # a kernel that would specialise symbolic sizes is replaced by a size function of padding.py's
-    meta_kernel = padding.SYMBOLIC_META.get(plan.op, plan.op) if symbols is not None else plan.op
+    meta_kernel = arguments.META_KERNELS.get(plan.op, plan.op)
+    if symbols is not None:
+        meta_kernel = padding.SYMBOLIC_META.get(plan.op, meta_kernel)
     if plan.factory and "device" in plan.names:
         metas[plan.names.index("device")] = torch.device("meta")
     if symbols is None:

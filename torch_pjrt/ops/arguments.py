@@ -4,7 +4,8 @@ The eager dispatcher calls `check(op, arguments)` before it runs an op's meta ke
 with every tensor argument as a meta tensor: these checks read only shapes, dtypes and static
 arguments, so a program that passed them once passes them for every call it serves. Each raises
 CPU's exception class with CPU's message, in CPU's order. Checks on values are device-side checks,
-made by the lowerings (runtime/checks.py).
+made by the lowerings (runtime/checks.py). META_KERNELS replaces the meta kernels whose result
+dtype is not CPU's.
 """
 
 from __future__ import annotations
@@ -379,6 +380,41 @@ def _argmax(name: str, /, self: torch.Tensor, dim: int | None = None, keepdim: b
     if dim is None and self.numel() == 0:
         raise IndexError(f"{name}(): Expected reduction dim to be specified for input.numel() == 0.")
     _nonempty_dims(self, _dims(dim), f"{name}():")
+
+
+# --- powers ------------------------------------------------------------------------------------
+
+
+@_checks("pow")
+def _pow(_name: str, /, self: Any, exponent: Any, **_: Any) -> None:
+    """A bool result has no power kernel on CPU but a bool tensor raised to a bool scalar (a copy or a fill);
+    PyTorch's meta kernel promotes bool to int64 instead."""
+    if isinstance(self, torch.Tensor) and not isinstance(exponent, torch.Tensor):
+        return
+    if torch.result_type(self, exponent) == torch.bool:
+        raise NotImplementedError("\"pow\" not implemented for 'Bool'")
+
+
+def _pow_tensor_scalar_meta(op: OpOverload) -> Callable[..., torch.Tensor]:
+    """pow's meta kernel, except for a bool tensor raised to a bool: bool on CPU (result_type's dtype: True copies
+    self, False fills ones), where PyTorch's gives int64 and its in-place and out= forms refuse that cast."""
+
+    def meta(self: torch.Tensor, exponent: Any, **out: torch.Tensor) -> torch.Tensor:
+        if self.dtype != torch.bool or not isinstance(exponent, bool):
+            return op(self, exponent, **out)
+        if op is torch.ops.aten.pow_.Scalar:
+            return self
+        if out:
+            return out["out"].resize_(self.shape)
+        return torch.empty_like(self)
+
+    return meta
+
+
+META_KERNELS: dict[OpOverload, Callable[..., Any]] = {
+    op: _pow_tensor_scalar_meta(op)
+    for op in (torch.ops.aten.pow.Tensor_Scalar, torch.ops.aten.pow_.Scalar, torch.ops.aten.pow.Tensor_Scalar_out)
+}
 
 
 # --- selection ---------------------------------------------------------------------------------
