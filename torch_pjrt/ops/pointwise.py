@@ -273,7 +273,7 @@ def rounded_like(x: Any, dtype: Any) -> Any:
     if exponent < int(jnp.finfo(jnp.float32).minexp):
         return reduced
     subnormal = jnp.round(x * float(2.0 ** -exponent)) * float(2.0 ** exponent)
-    return jnp.where(jnp.abs(x) < float(info.smallest_normal), subnormal.astype(x.dtype), reduced)
+    return jnp.where(jnp.abs(x) < float(info.smallest_normal), subnormal, reduced)
 
 
 @register(aten.linalg_cross.default)
