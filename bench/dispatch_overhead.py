@@ -1,10 +1,12 @@
-"""Strict-eager per-op cost against the bare jitted call of the same math, side by side in one run.
+"""Per-op cost of strict eager and of DEFER_AND_FUSE recording against the bare jitted call of the same math.
 
 Two ops (16x16 float32 `a + b`, 64x64 `addmm`), each as: torch on CPU, the bare `jax.jit` of the
 same math on the same device arrays, pjrt strict eager through the native hit path
-(csrc/dispatch.cpp), and the same pjrt call with the native path turned off (every call through
-the Python kernel, as with TORCH_PJRT_NATIVE_DISPATCH=0). Rounds are interleaved and each figure
-is the best round of wall time (this machine is shared and noisy: the best round is the least disturbed).
+(csrc/dispatch.cpp), the same pjrt call with the native path turned off (every call through
+the Python kernel, as with TORCH_PJRT_NATIVE_DISPATCH=0), and the op recorded in DEFER_AND_FUSE,
+natively and through Python (recording only: the pending graph runs between timed batches, untimed).
+All side by side in one run; rounds are interleaved and each figure is the best round of wall time
+(this machine is shared and noisy: the best round is the least disturbed).
 Run: .venv/bin/python bench/dispatch_overhead.py [--rounds N]
 """
 
@@ -18,9 +20,12 @@ import jax
 import jax.numpy as jnp
 import torch
 
-import torch_pjrt  # noqa: F401
+import torch_pjrt
 from torch_pjrt import native
-from torch_pjrt.eager import dispatch
+from torch_pjrt.eager import dispatch, fusion
+
+# recorded ops per timed batch, below the pending graph's size cap (so no flush is timed)
+RECORDED_BATCH = 400
 
 
 def per_call_us(fn: Callable[[], object], calls: int) -> float:
@@ -28,6 +33,22 @@ def per_call_us(fn: Callable[[], object], calls: int) -> float:
     for _ in range(calls):
         fn()
     return (time.perf_counter() - start) / calls * 1e6
+
+
+def recording_us(fn: Callable[[], object], calls: int) -> float:
+    """Microseconds to record one call of `fn` into the pending graph; each batch's graph then runs, untimed."""
+    elapsed = 0.0
+    torch.pjrt.set_eager_mode(torch_pjrt.EagerMode.DEFER_AND_FUSE)
+    try:
+        for _ in range(max(1, calls // RECORDED_BATCH)):
+            start = time.perf_counter()
+            for _ in range(RECORDED_BATCH):
+                fn()
+            elapsed += time.perf_counter() - start
+            fusion.flush("bench")
+    finally:
+        torch.pjrt.set_eager_mode(torch_pjrt.EagerMode.DEFER_NEVER)
+    return elapsed / (max(1, calls // RECORDED_BATCH) * RECORDED_BATCH) * 1e6
 
 
 def rounds_and_calls(description: str) -> argparse.Namespace:
@@ -64,30 +85,38 @@ def main() -> None:
     cases["64x64 float32 addmm"] = (lambda: torch.addmm(c_cpu, m_cpu, n_cpu), lambda: jitted_addmm(jc, jm, jn),
                                     lambda: torch.addmm(c, m, n))
 
-    columns = ["torch CPU", "bare jax.jit", "pjrt native", "pjrt Python"]
+    columns = ["torch CPU", "bare jax.jit", "pjrt native", "pjrt Python", "record native", "record Python"]
     best: dict[str, dict[str, float]] = {name: {col: float("inf") for col in columns} for name in cases}
     for cpu, jit, op in cases.values():
         for fn in (cpu, jit, op, op, without_native(op)):
             for _ in range(200):
                 fn()
+        recording_us(op, RECORDED_BATCH)
+        recording_us(without_native(op), RECORDED_BATCH)
     for _ in range(args.rounds):
         for name, (cpu, jit, op) in cases.items():
             timed = {"torch CPU": cpu, "bare jax.jit": jit}
+            recorded = {}
             if module is not None:
                 timed["pjrt native"] = op
                 timed["pjrt Python"] = without_native(op)
+                recorded = {"record native": op, "record Python": without_native(op)}
             else:
                 timed["pjrt Python"] = op
+                recorded = {"record Python": op}
             for column, fn in timed.items():
                 best[name][column] = min(best[name][column], per_call_us(fn, args.calls))
+            for column, fn in recorded.items():
+                best[name][column] = min(best[name][column], recording_us(fn, args.calls))
 
-    print(f"best of {args.rounds} interleaved rounds, us per op")
-    print(f"{'':<24}" + "".join(f"{col:>14}" for col in columns) + f"{'native/jit':>12}{'Python/jit':>12}")
+    print(f"best of {args.rounds} interleaved rounds, us per op (record: DEFER_AND_FUSE recording only)")
+    ratios = ["pjrt native", "pjrt Python", "record native", "record Python"]
+    print(f"{'':<24}" + "".join(f"{col:>14}" for col in columns) + "".join(f"{col + '/jit':>18}" for col in ratios))
     for name, row in best.items():
         jit = row["bare jax.jit"]
         cells = "".join(f"{row[col]:>14.1f}" for col in columns)
-        print(f"{name:<24}{cells}{row['pjrt native'] / jit:>12.2f}{row['pjrt Python'] / jit:>12.2f}")
-    print("goal (issue 13): pjrt native / bare jax.jit <= 1.5")
+        print(f"{name:<24}{cells}" + "".join(f"{row[col] / jit:>18.2f}" for col in ratios))
+    print("goals (issue 13): pjrt native / bare jax.jit <= 1.5; record native / bare jax.jit <= 1.5")
 
 
 if __name__ == "__main__":

@@ -48,22 +48,14 @@ def set_native(on: bool) -> None:
     module = native.dispatch_module()
     if module is not None:
         module.set_dispatch_enabled(on)
-_first_call = programs.Program._first_call
+_call = programs.Program.call
 
 
-def _recording_first_call(self: programs.Program, *args: Any) -> Any:
-    result = _first_call(self, *args)
-    jitted = self.call
-
-    def call(*args: Any) -> Any:
-        if not recording[0]:
-            return jitted(*args)
+def _recording_call(self: programs.Program, *args: Any) -> Any:
+    if recording[0]:
         # Copies: in-place ops donate their input buffers, which the replay needs again.
         calls.append((self, jax.tree.map(lambda a: a.copy() if isinstance(a, jax.Array) else a, args)))
-        return jitted(*args)
-
-    self.call = call
-    return result
+    return _call(self, *args)
 
 
 def replay_ms(step_calls: list[tuple[programs.Program, tuple]], repeats: int = 10) -> float:
@@ -86,7 +78,7 @@ def main() -> None:
     torch.manual_seed(0)
     model = GPT(width=128, layers=2, heads=4, context=64)
     data = batches(corpus_bytes(), 8, 64, args.steps)
-    programs.Program._first_call = _recording_first_call
+    programs.Program.call = _recording_call
     rows = []
     for label, mode in (("pjrt strict eager", "eager"), ("pjrt DEFER_AND_FUSE", "fuse"),
                         ("pjrt torch.compile", "compile")):

@@ -67,6 +67,71 @@ def test_a_hit_enters_no_python_of_ours(case: str) -> None:
     assert python_calls_of_ours(lambda: call(0.25)) == []
 
 
+@pytest.mark.parametrize("case", sorted(HIT_CASES))
+def test_a_fused_recording_enters_no_python_of_ours(case: str) -> None:
+    """In DEFER_AND_FUSE a seen signature is appended to the pending graph natively, its inputs the
+    results of earlier recorded ops where they are; the graph then runs as Python built it."""
+    torch.manual_seed(7)
+    hosts = {"a": torch.randn(16, 16), "b": torch.randn(16, 16), "c": torch.randn(16, 16),
+             "out": torch.randn(16, 16), "w": torch.randn(16, 16), "bias": torch.randn(16),
+             "i": torch.randint(-50, 50, (8, 8))}
+    strict = {name: t.to("pjrt") for name, t in hosts.items()}
+    want = [HIT_CASES[case](strict)(s) for s in (0.5, 0.5, 0.25)]
+    tensors = {name: t.to("pjrt") for name, t in hosts.items()}
+    call = HIT_CASES[case](tensors)
+    with torch.pjrt.set_eager_mode(torch_pjrt.EagerMode.DEFER_AND_FUSE):
+        got = [call(0.5), call(0.5)]  # the first is a miss: Python records it and installs the entry
+        before = torch_pjrt.metrics.counters()
+        entered = python_calls_of_ours(lambda: got.append(call(0.25)))
+        after = torch_pjrt.metrics.counters()
+        torch.pjrt.synchronize()
+    assert entered == []
+    assert after["cache_hits"] > before["cache_hits"] and after["fused_programs"] == before["fused_programs"]
+    for expected, result in zip(want, got, strict=True):
+        for e, r in zip(expected if isinstance(expected, tuple) else (expected,),
+                        result if isinstance(result, tuple) else (result,), strict=True):
+            assert torch.equal(e.cpu(), r.cpu())
+    for name in ("c", "out"):  # in-place and out= writes went through the graph too
+        assert torch.equal(strict[name].cpu(), tensors[name].cpu())
+
+
+def test_native_recording_flushes_at_the_size_cap(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch_pjrt.eager import fusion
+
+    monkeypatch.setattr(fusion, "MAX_NODES", 50)
+    x_cpu = torch.randn(8, 8)
+    x = x_cpu.to("pjrt")
+    with torch.pjrt.set_eager_mode(torch_pjrt.EagerMode.DEFER_AND_FUSE):
+        x * 1.01
+        torch.pjrt.synchronize()
+        before = torch_pjrt.metrics.counters()["fused_programs"]
+        for _ in range(120):
+            x = x * 1.01
+        assert torch_pjrt.metrics.counters()["fused_programs"] - before == 2
+        got = x.cpu()
+    for _ in range(120):
+        x_cpu = x_cpu * 1.01
+    torch.testing.assert_close(got, x_cpu)
+
+
+def test_fused_checked_ops_record_natively_and_raise_at_the_sync() -> None:
+    """A recorded embedding lookup (a device-side check) names the user's line when its graph reports a bad id."""
+    torch.manual_seed(8)
+    table, ids = torch.randn(10, 4), torch.randint(0, 10, (3, 5))
+    on = {"table": table.to("pjrt"), "ids": ids.to("pjrt")}
+    with torch.pjrt.set_eager_mode(torch_pjrt.EagerMode.DEFER_AND_FUSE):
+        for _ in range(2):
+            torch.nn.functional.embedding(on["ids"], on["table"]).cpu()
+        got: list[torch.Tensor] = []
+        entered = python_calls_of_ours(lambda: got.append(torch.nn.functional.embedding(on["ids"], on["table"])))
+        assert {name.rsplit(":", 1)[1] for name in entered} <= {"caller"}
+        torch.testing.assert_close(got[0].cpu(), torch.nn.functional.embedding(ids, table))
+        on["ids"] = torch.tensor([[0, 12, 3, 4, 5]] * 3).to("pjrt")
+        looked_up = torch.nn.functional.embedding(on["ids"], on["table"])
+        with pytest.raises(RuntimeError, match=r"aten::embedding: index out of range.*test_native_dispatch.py:\d+"):
+            looked_up.cpu()
+
+
 def test_hits_are_counted() -> None:
     a, b = pjrt(8, 8), pjrt(8, 8)
     a - b
@@ -178,15 +243,17 @@ def workload() -> list[torch.Tensor]:
     return [*losses, extra, x.t().contiguous()[2:5].exp_(), *[p.detach() for p in model.parameters()]]
 
 
-def test_native_and_python_paths_give_identical_results() -> None:
+@pytest.mark.parametrize("mode", [torch_pjrt.EagerMode.DEFER_NEVER, torch_pjrt.EagerMode.DEFER_AND_FUSE])
+def test_native_and_python_paths_give_identical_results(mode: torch_pjrt.EagerMode) -> None:
     module = native.dispatch_module()
-    module.set_dispatch_enabled(False)
-    try:
-        python = [t.cpu() for t in workload()]
-    finally:
-        module.set_dispatch_enabled(True)
-    workload()  # warm the native cache, then run on hits
-    fast = [t.cpu() for t in workload()]
+    with torch.pjrt.set_eager_mode(mode):
+        module.set_dispatch_enabled(False)
+        try:
+            python = [t.cpu() for t in workload()]
+        finally:
+            module.set_dispatch_enabled(True)
+        workload()  # warm the native cache, then run on hits
+        fast = [t.cpu() for t in workload()]
     for expected, got in zip(python, fast, strict=True):
         assert torch.equal(expected, got)
 
@@ -236,13 +303,17 @@ def test_threads_share_the_native_cache() -> None:
     assert failures == []
 
 
-def test_backward_on_autograds_thread_matches_cpu() -> None:
+@pytest.mark.parametrize("mode", [torch_pjrt.EagerMode.DEFER_NEVER, torch_pjrt.EagerMode.DEFER_AND_FUSE])
+def test_backward_on_autograds_thread_matches_cpu(mode: torch_pjrt.EagerMode) -> None:
     w_cpu = torch.randn(8, 8, requires_grad=True)
     x_cpu = torch.randn(4, 8)
+    ids_cpu = torch.randint(0, 8, (4,))
     w = w_cpu.detach().to("pjrt").requires_grad_()
-    x = x_cpu.to("pjrt")
-    for _ in range(3):
-        w.grad = None
-        (torch.relu(x @ w) * 0.5).sum().backward()
-    (torch.relu(x_cpu @ w_cpu) * 0.5).sum().backward()
+    x, ids = x_cpu.to("pjrt"), ids_cpu.to("pjrt")
+    with torch.pjrt.set_eager_mode(mode):
+        for _ in range(3):  # an embedding's backward records a checked op on autograd's thread
+            w.grad = None
+            (torch.relu(x @ w) * 0.5 + torch.nn.functional.embedding(ids, w)).sum().backward()
+        torch.pjrt.synchronize()
+    (torch.relu(x_cpu @ w_cpu) * 0.5 + torch.nn.functional.embedding(ids_cpu, w_cpu)).sum().backward()
     assert torch.allclose(w.grad.cpu(), w_cpu.grad, atol=1e-6)

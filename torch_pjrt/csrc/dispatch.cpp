@@ -1,20 +1,23 @@
-// Native hit path of strict eager dispatch: one boxed PrivateUse1 kernel per lowered aten overload.
+// Native hit path of eager dispatch: one boxed PrivateUse1 kernel per lowered aten overload.
 //
 // Python (torch_pjrt/eager/dispatch.py) stays the one source of truth: it builds every program.
 // This file owns the per-overload cache from a call's signature (each tensor's dtype, sizes,
 // strides, offset and storage; static arguments; the kinds of traced scalars; device; default
 // dtype) to what Python built for it (the jitted program, which storages it takes, the layouts of
-// its results), and the hit path: call that program with the storages' arrays and the traced
-// scalars, point mutated storages at their new arrays, and wrap the results as tensors, entering
-// no Python code of ours. A padded storage (a dynamic dim held at its bucket size) keys by its layout
+// its results), and the hit path, entering no Python code of ours. In strict eager a hit calls that
+// program with the storages' arrays and the traced scalars; in DEFER_AND_FUSE it appends the call to
+// Python's pending graph (eager/fusion.py) as PendingGraph.record does, its results unresolved
+// fused results. Either way it then points mutated storages at their new arrays and wraps the
+// results as tensors. A padded storage (a dynamic dim held at its bucket size) keys by its layout
 // as well, and its programs also take the call's true lengths, remembered with the entry: a call of
 // the same true sizes replays natively (its padded results ask Python's layout for their holder and
 // keep their lengths live through Python's `note_padded`). A program with device-side checks hands
 // its code to Python's pending checks (`native_checks_issued`). Every call the cache cannot describe
-// (fused or launch-blocking mode, bfloat16 or large CPU tensors, pending storages, explicit
-// generators, factories) and every miss goes to Python's `native_miss`, which runs the op as before
-// and hands back what to install.
-// All state is guarded by the GIL, which every call holds (autograd's threads included).
+// (launch-blocking mode, bfloat16 or large CPU tensors, failed fused results, explicit generators,
+// factories) and every miss goes to Python's `native_miss`, which runs the op as before and hands
+// back what to install.
+// All state is guarded by the GIL, which every call holds (autograd's threads included), and the
+// pending graph by its own lock besides, as in Python.
 
 #include <torch/csrc/Device.h>
 #include <torch/csrc/Dtype.h>
@@ -57,6 +60,10 @@ struct Runtime {
   PyObject* padded_type = nullptr;  // storage.Padded: a storage's array held at bucket sizes
   PyObject* note_padded = nullptr;  // dynamic.note_padded(device_storage): a new padded result's lengths are live
   PyObject* checks_issued = nullptr;  // dispatch.native_checks_issued(code, checks): a checked program ran
+  PyObject* fusion = nullptr;  // eager.fusion: MAX_NODES and DEBUG_RECOMPILE, read at every recorded call
+  PyObject* graph = nullptr;  // fusion.graph(): the process's one PendingGraph
+  PyObject* deferred_type = nullptr;  // fusion.Deferred: one result of a recorded op
+  PyObject* check_caller = nullptr;  // checks.caller(): the user line a recorded checked op reports
   PyObject* s_pjrt = nullptr;
   PyObject* s_array = nullptr;
   PyObject* s_dtype = nullptr;
@@ -72,6 +79,27 @@ struct Runtime {
   PyObject* s_padded = nullptr;
   PyObject* s_bounds = nullptr;
   PyObject* s_holding = nullptr;
+  PyObject* s_compiled = nullptr;
+  PyObject* s_lock = nullptr;
+  PyObject* s_acquire = nullptr;
+  PyObject* s_release = nullptr;
+  PyObject* s_nodes = nullptr;
+  PyObject* s_inputs = nullptr;
+  PyObject* s_input_slots = nullptr;
+  PyObject* s_outputs = nullptr;
+  PyObject* s_check_lines = nullptr;
+  PyObject* s_graph = nullptr;
+  PyObject* s_node = nullptr;
+  PyObject* s_index = nullptr;
+  PyObject* s_value = nullptr;
+  PyObject* s_failure = nullptr;
+  PyObject* s_max_nodes = nullptr;
+  PyObject* s_debug_recompile = nullptr;
+  PyObject* s_flush = nullptr;
+  PyObject* s_size_cap = nullptr;
+  PyObject* s_ref_node = nullptr;  // the wiring refs of fusion.PendingGraph._ref: "n", "s", "c"
+  PyObject* s_ref_scalar = nullptr;
+  PyObject* s_ref_input = nullptr;
   std::vector<PyObject*> devices;  // torch.device("pjrt", i), made on first use
   pid_t pid = 0;
   bool enabled = false;
@@ -134,6 +162,8 @@ struct Entry {
   PyObject* lengths;  // a tuple: the true lengths a padded program takes after the traced scalars
   std::vector<bool> mutated_padded;  // per mutated storage: written in its padded layout
   PyObject* checks;  // the program's device-side checks (its last output is their code), or nullptr
+  PyObject* recorded;  // Python's dispatch.Entry, what a fused graph records
+  bool compiled;  // whether `jitted` has run once through Program.call (which compiles and counts)
 };
 
 struct Key {
@@ -165,6 +195,7 @@ struct Signature {
   std::vector<Slot> slots;
   std::vector<py::object> traced;
   c10::DeviceIndex device = -1;
+  bool fusing = false;  // recording into the pending graph: storages may hold unresolved fused results
 };
 
 int64_t double_bits(double value) {
@@ -246,6 +277,28 @@ bool add_host_tensor(const at::Tensor& tensor, bool allow_cpu, Signature& sig) {
   return true;
 }
 
+// A storage's array as a program input: a device array as is, a fused result by its value once its
+// graph has run, or (recording) unresolved as it is; false where Python must resolve it first.
+bool usable_array(py::object& array, bool fusing) {
+  auto& rt = runtime();
+  PyTypeObject* type = Py_TYPE(array.ptr());
+  if (type == reinterpret_cast<PyTypeObject*>(rt.array_type)) {
+    return true;
+  }
+  if (rt.deferred_type == nullptr || type != reinterpret_cast<PyTypeObject*>(rt.deferred_type)) {
+    return false;
+  }
+  py::object value = py::reinterpret_steal<py::object>(PyObject_GetAttr(array.ptr(), rt.s_value));
+  if (!value) {
+    throw py::error_already_set();
+  }
+  if (!value.is_none()) {
+    array = std::move(value);
+    return Py_TYPE(array.ptr()) == reinterpret_cast<PyTypeObject*>(rt.array_type);
+  }
+  return fusing;
+}
+
 // A tuple of ints into the key, its length first; false if it holds anything else.
 bool add_ints(PyObject* items, std::vector<int64_t>& words) {
   if (items == nullptr || !PyTuple_Check(items)) {
@@ -264,9 +317,8 @@ bool add_ints(PyObject* items, std::vector<int64_t>& words) {
 }
 
 // A padded storage's layout into the key (its true and bucket shapes, each dim's bound: None, an
-// int, or a ladder of sizes), and its bucket-size array; false when that array is not a device
-// array yet (a fused result: Python resolves it).
-bool add_layout(PyObject* layout, std::vector<int64_t>& words, py::object& inner) {
+// int, or a ladder of sizes), and its bucket-size array; false when that array cannot be used yet.
+bool add_layout(PyObject* layout, std::vector<int64_t>& words, py::object& inner, bool fusing) {
   auto& rt = runtime();
   auto attribute = [layout](PyObject* name) {
     PyObject* found = PyObject_GetAttr(layout, name);
@@ -279,7 +331,7 @@ bool add_layout(PyObject* layout, std::vector<int64_t>& words, py::object& inner
   py::object padded = attribute(rt.s_padded);
   py::object bounds = attribute(rt.s_bounds);
   inner = attribute(rt.s_array);
-  if (Py_TYPE(inner.ptr()) != reinterpret_cast<PyTypeObject*>(rt.array_type)) {
+  if (!usable_array(inner, fusing)) {
     return false;
   }
   words.push_back(-7);
@@ -362,13 +414,13 @@ bool add_tensor(const at::Tensor& tensor, Signature& sig, const OpState& op) {
     py::object layout;
     if (!uninitialised && Py_TYPE(array.ptr()) == reinterpret_cast<PyTypeObject*>(rt.padded_type)) {
       py::object inner;
-      if (!add_layout(array.ptr(), words, inner)) {
+      if (!add_layout(array.ptr(), words, inner, sig.fusing)) {
         return false;
       }
       layout = std::move(array);
       array = std::move(inner);
-    } else if (!uninitialised && Py_TYPE(array.ptr()) != reinterpret_cast<PyTypeObject*>(rt.array_type)) {
-      return false;  // a pending (fused) storage: Python resolves it
+    } else if (!uninitialised && !usable_array(array, sig.fusing)) {
+      return false;
     }
     slot = static_cast<int64_t>(sig.slots.size());
     sig.slots.push_back({impl, std::move(device_storage), std::move(array), std::move(layout)});
@@ -535,17 +587,30 @@ bool describe(const OpState& op, c10::ArrayRef<c10::IValue> arguments, Signature
   return true;
 }
 
-bool fast_path_allowed() {
-  auto& rt = runtime();
-  if (!rt.enabled || getpid() != rt.pid) {
-    return false;  // a forked child: Python refuses with the clear message
-  }
-  py::object fusing = py::reinterpret_steal<py::object>(PyObject_GetAttr(rt.modes, rt.s_fusing));
-  py::object blocking = py::reinterpret_steal<py::object>(PyObject_GetAttr(rt.modes, rt.s_blocking));
-  if (!fusing || !blocking) {
+// Where a call may go: Python only, the native strict hit, or native recording into the fused graph.
+enum class Path { Python, Strict, Fused };
+
+py::object attribute_of(PyObject* object, PyObject* name) {
+  PyObject* found = PyObject_GetAttr(object, name);
+  if (found == nullptr) {
     throw py::error_already_set();
   }
-  return fusing.ptr() == Py_False && blocking.ptr() == Py_False;
+  return py::reinterpret_steal<py::object>(found);
+}
+
+Path fast_path() {
+  auto& rt = runtime();
+  if (!rt.enabled || getpid() != rt.pid) {
+    return Path::Python;  // a forked child: Python refuses with the clear message
+  }
+  if (attribute_of(rt.modes, rt.s_blocking).ptr() != Py_False) {
+    return Path::Python;
+  }
+  if (attribute_of(rt.modes, rt.s_fusing).ptr() == Py_False) {
+    return Path::Strict;
+  }
+  // TORCH_PJRT_DEBUG_RECOMPILE records each op's user line, which Python finds
+  return PyObject_IsTrue(attribute_of(rt.fusion, rt.s_debug_recompile).ptr()) ? Path::Python : Path::Fused;
 }
 
 // A DeviceStorage made as Python's __init__ would, without running Python code: its type's own
@@ -569,6 +634,26 @@ py::object new_device_storage(PyObject* array, const OutSpec& spec, c10::DeviceI
   return created;
 }
 
+// Calls a Python function with borrowed arguments; its result.
+py::object call_python(PyObject* function, std::initializer_list<PyObject*> arguments) {
+  py::tuple packed(arguments.size());
+  size_t i = 0;
+  for (PyObject* argument : arguments) {
+    packed[i++] = py::reinterpret_borrow<py::object>(argument);
+  }
+  PyObject* called = PyObject_Call(function, packed.ptr(), nullptr);
+  if (called == nullptr) {
+    throw py::error_already_set();
+  }
+  return py::reinterpret_steal<py::object>(called);
+}
+
+// The device's next default random key (a random op without a generator).
+py::object random_key(c10::DeviceIndex device) {
+  py::object index = py::reinterpret_steal<py::object>(PyLong_FromLong(device));
+  return call_python(runtime().random_key, {index.ptr()});
+}
+
 // `layout.holding(array)`: a padded storage's layout over a new bucket-size array.
 py::object padded_holder(PyObject* layout, PyObject* array) {
   PyObject* holder = PyObject_CallMethodOneArg(layout, runtime().s_holding, array);
@@ -590,17 +675,23 @@ at::Tensor wrap_output(const OutSpec& spec, PyObject* array, c10::DeviceIndex de
     throw py::error_already_set();
   }
   if (spec.layout != nullptr) {
-    PyObject* noted = PyObject_CallOneArg(rt.note_padded, device_storage.ptr());
-    if (noted == nullptr) {
-      throw py::error_already_set();
-    }
-    Py_DECREF(noted);
+    call_python(rt.note_padded, {device_storage.ptr()});
   }
   return tensor;
 }
 
-// The hit: run the cached program and leave the op's returns on the stack.
-void run_hit(const OpState& op, const Entry& entry, Signature& sig, torch::jit::Stack* stack, size_t n_arguments) {
+// Whether a strict hit may call `jitted` directly: only once Program.call has run it (an entry first
+// met while fusing has been traced, not compiled).
+bool program_compiled(Entry& entry) {
+  if (!entry.compiled) {
+    entry.compiled = attribute_of(entry.program, runtime().s_compiled).ptr() == Py_True;
+  }
+  return entry.compiled;
+}
+
+// The strict hit: run the cached program; its results (the check code, when it makes one, handed
+// to Python's pending checks).
+py::object run_program(const Entry& entry, Signature& sig) {
   auto& rt = runtime();
   const Py_ssize_t n_lengths = PyTuple_GET_SIZE(entry.lengths);
   const size_t n_inputs = entry.passed.size() + (entry.random ? 1 : 0) + sig.traced.size() + n_lengths;
@@ -610,12 +701,7 @@ void run_hit(const OpState& op, const Entry& entry, Signature& sig, torch::jit::
     inputs[position++] = sig.slots[slot].array;
   }
   if (entry.random) {
-    py::object index = py::reinterpret_steal<py::object>(PyLong_FromLong(sig.device));
-    PyObject* key = PyObject_CallOneArg(rt.random_key, index.ptr());
-    if (key == nullptr) {
-      throw py::error_already_set();
-    }
-    inputs[position++] = py::reinterpret_steal<py::object>(key);
+    inputs[position++] = random_key(sig.device);
   }
   for (auto& value : sig.traced) {
     inputs[position++] = std::move(value);
@@ -638,26 +724,183 @@ void run_hit(const OpState& op, const Entry& entry, Signature& sig, torch::jit::
   }
   if (entry.checks != nullptr) {
     // the code stays on the device; Python keeps it pending, with the user's line, until a host wait
-    PyObject* noted = PyObject_CallFunctionObjArgs(rt.checks_issued, PyTuple_GET_ITEM(called, n_outputs),
-                                                   entry.checks, nullptr);
-    if (noted == nullptr) {
+    call_python(rt.checks_issued, {PyTuple_GET_ITEM(called, n_outputs), entry.checks});
+  }
+  return outputs;
+}
+
+// A value's wiring ref in the pending graph, as fusion.PendingGraph._ref makes it: an earlier op's
+// result ("n", node, index), a traced Python number ("s", position, type), or an array input ("c",
+// position), each array once however often it is passed.
+py::object graph_ref(PyObject* value, PyObject* inputs, PyObject* input_slots) {
+  auto& rt = runtime();
+  if (PyBool_Check(value) || PyLong_Check(value) || PyFloat_Check(value) || PyComplex_Check(value)) {
+    const Py_ssize_t position = PyList_GET_SIZE(inputs);
+    if (PyList_Append(inputs, value) != 0) {
       throw py::error_already_set();
     }
-    Py_DECREF(noted);
+    return py::make_tuple(py::handle(rt.s_ref_scalar), position, py::handle(reinterpret_cast<PyObject*>(Py_TYPE(value))));
   }
+  py::object id = py::reinterpret_steal<py::object>(PyLong_FromVoidPtr(value));
+  PyObject* slot = PyDict_GetItemWithError(input_slots, id.ptr());
+  if (slot == nullptr) {
+    if (PyErr_Occurred()) {
+      throw py::error_already_set();
+    }
+    py::object position = py::reinterpret_steal<py::object>(PyLong_FromSsize_t(PyList_GET_SIZE(inputs)));
+    if (PyDict_SetItem(input_slots, id.ptr(), position.ptr()) != 0 || PyList_Append(inputs, value) != 0) {
+      throw py::error_already_set();
+    }
+    return py::make_tuple(py::handle(rt.s_ref_input), position);
+  }
+  return py::make_tuple(py::handle(rt.s_ref_input), py::handle(slot));
+}
+
+// One result of a recorded op, made as fusion.Deferred's __init__ would, without running Python code.
+py::object new_deferred(PyObject* node, Py_ssize_t index) {
+  auto& rt = runtime();
+  auto* type = reinterpret_cast<PyTypeObject*>(rt.deferred_type);
+  py::object created = py::reinterpret_steal<py::object>(type->tp_alloc(type, 0));
+  if (!created) {
+    throw py::error_already_set();
+  }
+  py::object position = py::reinterpret_steal<py::object>(PyLong_FromSsize_t(index));
+  if (PyObject_SetAttr(created.ptr(), rt.s_graph, rt.graph) != 0 || PyObject_SetAttr(created.ptr(), rt.s_node, node) != 0 ||
+      PyObject_SetAttr(created.ptr(), rt.s_index, position.ptr()) != 0 ||
+      PyObject_SetAttr(created.ptr(), rt.s_value, Py_None) != 0 || PyObject_SetAttr(created.ptr(), rt.s_failure, Py_None) != 0) {
+    throw py::error_already_set();
+  }
+  return created;
+}
+
+// The graph's lock is held from here to the end of the scope (it is an RLock: a flush this thread
+// starts while holding it re-enters).
+struct GraphLock {
+  PyObject* lock;
+  bool held = false;
+  explicit GraphLock(PyObject* graph) : lock(attribute_of(graph, runtime().s_lock).release().ptr()) {
+    PyObject* got = PyObject_CallMethodOneArg(lock, runtime().s_acquire, Py_False);
+    if (got == nullptr) {
+      Py_DECREF(lock);
+      throw py::error_already_set();
+    }
+    held = got == Py_True;
+    Py_DECREF(got);
+  }
+  ~GraphLock() {
+    if (held) {
+      PyObject* done = PyObject_CallMethodNoArgs(lock, runtime().s_release);
+      if (done == nullptr) {
+        PyErr_WriteUnraisable(lock);
+      }
+      Py_XDECREF(done);
+    }
+    Py_DECREF(lock);
+  }
+};
+
+// The fused hit: the call appended to Python's pending graph as PendingGraph.record appends it (the
+// same lists, the same refs), its results unresolved Deferreds. Empty (nothing recorded) when another
+// thread holds the graph or an input is a fused result that failed: Python's path handles those.
+py::object record_call(const Entry& entry, Signature& sig) {
+  auto& rt = runtime();
+  PyObject* graph = rt.graph;
+  py::object results;
+  {
+    GraphLock lock(graph);
+    if (!lock.held) {
+      return results;
+    }
+    // the inputs in dispatch._inputs' order, fused results of this graph as refs to their node
+    std::vector<py::object> values;
+    std::vector<py::object> node_refs;
+    for (const int slot : entry.passed) {
+      py::object value = sig.slots[slot].array;
+      py::object ref;
+      if (Py_TYPE(value.ptr()) == reinterpret_cast<PyTypeObject*>(rt.deferred_type)) {
+        if (!attribute_of(value.ptr(), rt.s_failure).is_none()) {
+          return results;
+        }
+        py::object resolved = attribute_of(value.ptr(), rt.s_value);
+        if (!resolved.is_none()) {
+          value = std::move(resolved);  // its graph ran since the call was described
+        } else if (attribute_of(value.ptr(), rt.s_graph).ptr() != graph) {
+          return results;
+        } else {
+          ref = py::make_tuple(py::handle(rt.s_ref_node), attribute_of(value.ptr(), rt.s_node),
+                               attribute_of(value.ptr(), rt.s_index));
+        }
+      }
+      values.push_back(std::move(value));
+      node_refs.push_back(std::move(ref));
+    }
+    if (entry.random) {
+      values.push_back(random_key(sig.device));
+      node_refs.emplace_back();
+    }
+    for (const auto& value : sig.traced) {
+      values.push_back(value);
+      node_refs.emplace_back();
+    }
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(entry.lengths); ++i) {
+      values.push_back(py::reinterpret_borrow<py::object>(PyTuple_GET_ITEM(entry.lengths, i)));
+      node_refs.emplace_back();
+    }
+    py::object inputs = attribute_of(graph, rt.s_inputs);
+    py::object input_slots = attribute_of(graph, rt.s_input_slots);
+    py::tuple refs(values.size());
+    for (size_t i = 0; i < values.size(); ++i) {
+      refs[i] = node_refs[i] ? node_refs[i] : graph_ref(values[i].ptr(), inputs.ptr(), input_slots.ptr());
+    }
+    py::object nodes = attribute_of(graph, rt.s_nodes);
+    py::object node = py::reinterpret_steal<py::object>(PyLong_FromSsize_t(PyList_GET_SIZE(nodes.ptr())));
+    py::tuple recorded = py::make_tuple(py::handle(entry.recorded), refs);
+    if (PyList_Append(nodes.ptr(), recorded.ptr()) != 0) {
+      throw py::error_already_set();
+    }
+    if (entry.checks != nullptr) {
+      py::object line = call_python(rt.check_caller, {});
+      if (PyList_Append(attribute_of(graph, rt.s_check_lines).ptr(), line.ptr()) != 0) {
+        throw py::error_already_set();
+      }
+    }
+    const size_t n_outputs = entry.fresh + entry.mutated.size();
+    py::object outputs = attribute_of(graph, rt.s_outputs);
+    results = py::reinterpret_steal<py::object>(PyTuple_New(static_cast<Py_ssize_t>(n_outputs)));
+    for (size_t i = 0; i < n_outputs; ++i) {
+      py::object deferred = new_deferred(node.ptr(), static_cast<Py_ssize_t>(i));
+      py::object weak = py::reinterpret_steal<py::object>(PyWeakref_NewRef(deferred.ptr(), nullptr));
+      if (!weak || PyList_Append(outputs.ptr(), weak.ptr()) != 0) {
+        throw py::error_already_set();
+      }
+      PyTuple_SET_ITEM(results.ptr(), static_cast<Py_ssize_t>(i), deferred.release().ptr());
+    }
+  }
+  const Py_ssize_t recorded_nodes = PyList_GET_SIZE(attribute_of(graph, rt.s_nodes).ptr());
+  if (recorded_nodes >= PyLong_AsSsize_t(attribute_of(rt.fusion, rt.s_max_nodes).ptr())) {
+    call_python(attribute_of(graph, rt.s_flush).ptr(), {rt.s_size_cap});
+  }
+  return results;
+}
+
+// After a hit (run or recorded): point mutated storages at their new arrays, wrap the fresh
+// results as tensors, and leave the op's returns on the stack.
+void finish_hit(const OpState& op, const Entry& entry, Signature& sig, PyObject* outputs, torch::jit::Stack* stack,
+                size_t n_arguments) {
+  auto& rt = runtime();
   bump(rt.counts, rt.s_ops_executed);
   bump(rt.counts, rt.s_cache_hits);
   bump(rt.op_counts, op.name_object);
-  if (n_lengths > 0) {
+  if (PyTuple_GET_SIZE(entry.lengths) > 0) {
     bump(rt.counts, rt.s_dynamic_padded_ops);
   }
   py::object index = py::reinterpret_steal<py::object>(PyLong_FromLong(sig.device));
-  if (PyDict_SetItem(rt.last_output, index.ptr(), called) != 0) {
+  if (PyDict_SetItem(rt.last_output, index.ptr(), outputs) != 0) {
     throw py::error_already_set();
   }
   for (size_t j = 0; j < entry.mutated.size(); ++j) {
     const Slot& slot = sig.slots[entry.mutated[j]];
-    PyObject* array = PyTuple_GET_ITEM(called, entry.fresh + j);
+    PyObject* array = PyTuple_GET_ITEM(outputs, entry.fresh + j);
     py::object holder = entry.mutated_padded[j] ? padded_holder(slot.layout.ptr(), array)
                                                 : py::reinterpret_borrow<py::object>(array);
     if (PyObject_SetAttr(slot.device_storage.ptr(), rt.s_array, holder.ptr()) != 0) {
@@ -677,13 +920,13 @@ void run_hit(const OpState& op, const Entry& entry, Signature& sig, torch::jit::
         results.push_back(none_of(op.return_is_tensor[results.size()]));
         break;
       case Return::One:
-        results.emplace_back(wrap_output(ret.specs[0], PyTuple_GET_ITEM(called, next++), sig.device));
+        results.emplace_back(wrap_output(ret.specs[0], PyTuple_GET_ITEM(outputs, next++), sig.device));
         break;
       case Return::List: {
         c10::List<at::Tensor> list;
         list.reserve(ret.specs.size());
         for (const OutSpec& spec : ret.specs) {
-          list.push_back(wrap_output(spec, PyTuple_GET_ITEM(called, next++), sig.device));
+          list.push_back(wrap_output(spec, PyTuple_GET_ITEM(outputs, next++), sig.device));
         }
         results.emplace_back(std::move(list));
         break;
@@ -715,7 +958,7 @@ OutSpec read_spec(py::handle spec) {
 }
 
 // install = (jitted, program, passed_slots, random, returns, mutated_slots, n_fresh_outputs, lengths,
-// mutated_padded, checks or None), each return (kind, alias, specs) with spec (dtype, sizes, strides, numel[, layout]).
+// mutated_padded, checks or None, Python's Entry, compiled), each return (kind, alias, specs) with spec (dtype, sizes, strides, numel[, layout]).
 Entry* read_entry(py::handle install) {
   py::tuple fields = py::reinterpret_borrow<py::tuple>(install);
   auto* entry = new Entry();
@@ -738,6 +981,8 @@ Entry* read_entry(py::handle install) {
   entry->lengths = py::tuple(fields[7]).release().ptr();
   entry->mutated_padded = fields[8].cast<std::vector<bool>>();
   entry->checks = fields[9].is_none() ? nullptr : py::object(fields[9]).release().ptr();
+  entry->recorded = py::object(fields[10]).release().ptr();
+  entry->compiled = fields[11].cast<bool>();
   return entry;
 }
 
@@ -808,16 +1053,27 @@ struct Kernel final : public c10::OperatorKernel {
     OpState& op = *state_;
     const size_t n = op.kinds.size();
     Signature sig;
-    if (op.cacheable && fast_path_allowed() && describe(op, torch::jit::last(*stack, n), sig)) {
+    const Path path = op.cacheable ? fast_path() : Path::Python;
+    sig.fusing = path == Path::Fused;
+    if (path != Path::Python && describe(op, torch::jit::last(*stack, n), sig)) {
       auto found = op.cache.find(sig.key);
-      if (found != op.cache.end()) {
-        run_hit(op, *found->second, sig, stack, n);
+      if (found == op.cache.end()) {
+        sig.traced.clear();
+        sig.slots.clear();
+        run_miss(op, handle, stack, &sig);
         return;
       }
-      sig.traced.clear();
-      sig.slots.clear();
-      run_miss(op, handle, stack, &sig);
-      return;
+      Entry& entry = *found->second;
+      py::object outputs;
+      if (sig.fusing) {
+        outputs = record_call(entry, sig);
+      } else if (program_compiled(entry)) {
+        outputs = run_program(entry, sig);
+      }
+      if (outputs) {
+        finish_hit(op, entry, sig, outputs.ptr(), stack, n);
+        return;
+      }
     }
     run_miss(op, handle, stack, nullptr);
   }
@@ -896,7 +1152,8 @@ PyObject* interned(const char* text) {
 
 void configure(py::object miss, py::object storage_type, py::object array_type, py::object modes,
                py::object counts, py::object op_counts, py::object last_output, py::object random_key,
-               py::object padded_type, py::object note_padded, py::object checks_issued) {
+               py::object padded_type, py::object note_padded, py::object checks_issued, py::object fusion,
+               py::object deferred_type, py::object check_caller) {
   auto& rt = runtime();
   rt.miss = miss.inc_ref().ptr();
   rt.storage_type = storage_type.inc_ref().ptr();
@@ -909,6 +1166,10 @@ void configure(py::object miss, py::object storage_type, py::object array_type, 
   rt.padded_type = padded_type.inc_ref().ptr();
   rt.note_padded = note_padded.inc_ref().ptr();
   rt.checks_issued = checks_issued.inc_ref().ptr();
+  rt.fusion = fusion.inc_ref().ptr();
+  rt.graph = fusion.attr("graph")().release().ptr();
+  rt.deferred_type = deferred_type.inc_ref().ptr();
+  rt.check_caller = check_caller.inc_ref().ptr();
   rt.s_pjrt = interned("_pjrt");
   rt.s_array = interned("array");
   rt.s_dtype = interned("dtype");
@@ -924,6 +1185,27 @@ void configure(py::object miss, py::object storage_type, py::object array_type, 
   rt.s_padded = interned("padded");
   rt.s_bounds = interned("bounds");
   rt.s_holding = interned("holding");
+  rt.s_compiled = interned("compiled");
+  rt.s_lock = interned("lock");
+  rt.s_acquire = interned("acquire");
+  rt.s_release = interned("release");
+  rt.s_nodes = interned("nodes");
+  rt.s_inputs = interned("inputs");
+  rt.s_input_slots = interned("input_slots");
+  rt.s_outputs = interned("outputs");
+  rt.s_check_lines = interned("check_lines");
+  rt.s_graph = interned("graph");
+  rt.s_node = interned("node");
+  rt.s_index = interned("index");
+  rt.s_value = interned("value");
+  rt.s_failure = interned("failure");
+  rt.s_max_nodes = interned("MAX_NODES");
+  rt.s_debug_recompile = interned("DEBUG_RECOMPILE");
+  rt.s_flush = interned("flush");
+  rt.s_size_cap = interned("size cap");
+  rt.s_ref_node = interned("n");
+  rt.s_ref_scalar = interned("s");
+  rt.s_ref_input = interned("c");
   rt.pid = getpid();
   rt.enabled = true;
 }
@@ -933,7 +1215,8 @@ void configure(py::object miss, py::object storage_type, py::object array_type, 
 void init_dispatch(py::module& m) {
   m.def("configure_dispatch", &configure, py::arg("miss"), py::arg("storage_type"), py::arg("array_type"),
         py::arg("modes"), py::arg("counts"), py::arg("op_counts"), py::arg("last_output"), py::arg("random_key"),
-        py::arg("padded_type"), py::arg("note_padded"), py::arg("checks_issued"),
+        py::arg("padded_type"), py::arg("note_padded"), py::arg("checks_issued"), py::arg("fusion"),
+        py::arg("deferred_type"), py::arg("check_caller"),
         "Hand the native dispatch the Python objects it reads and calls, and turn it on.");
   m.def("register_kernel", &register_kernel, py::arg("name"), py::arg("overload"), py::arg("plan"),
         py::arg("kinds"), py::arg("static_scalars"), py::arg("allow_cpu"), py::arg("cacheable"),

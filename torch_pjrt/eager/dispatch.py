@@ -854,11 +854,9 @@ def native_miss(plan: OpPlan, args: tuple, kwargs: dict) -> tuple[Any, tuple | N
     if replay is None:
         return result, None
     entry = replay.entry
-    if entry.resized or modes.state.fusing or not plan.native_returns:
+    if entry.resized or not plan.native_returns:
         return result, None
     program = entry.program
-    if not program.compiled:
-        return result, None
     specs = iter(replay.specs)
     returns = []
     for alias in plan.return_aliases:
@@ -874,8 +872,10 @@ def native_miss(plan: OpPlan, args: tuple, kwargs: dict) -> tuple[Any, tuple | N
             returns.append((2, -1, (spec,)))
     fresh = entry.output_count - len(entry.mutated_slots)
     mutated_padded = [slot in entry.padded_slots for slot in entry.mutated_slots]
+    # a signature first met while fusing is recorded natively at once, and runs natively in strict
+    # mode once a Python call has compiled its program (csrc/dispatch.cpp checks `compiled`)
     return result, (program.jitted, program, entry.passed_slots, entry.random, returns, entry.mutated_slots, fresh,
-                    replay.lengths, mutated_padded, entry.checks or None)
+                    replay.lengths, mutated_padded, entry.checks or None, entry, program.compiled)
 
 
 def native_checks_issued(code: Any, issued_checks: tuple[checks.Check, ...]) -> None:
@@ -1022,15 +1022,16 @@ def register_native(module: Any, op: OpOverload, plan: OpPlan) -> None:
 
 def configure_native(module: Any) -> None:
     """Hand the native dispatch what its hit path reads: the storage class, jax's array type, the mode,
-    the counters it bumps, the device's newest outputs, the default random key source, and for padded
-    storages their layout class and what keeps a new padded result's lengths live, and where a
-    program's device-check code goes."""
+    the counters it bumps, the device's newest outputs, the default random key source, for padded
+    storages their layout class and what keeps a new padded result's lengths live, where a
+    program's device-check code goes, and for DEFER_AND_FUSE the fusion module (its pending graph,
+    its size cap and debug switch), the fused result type and the source of a checked op's user line."""
     jax = client.jax_module()
     array_type = type(jax.device_put(np.zeros((0,), np.float32), client.device_for(0)))
     module.configure_dispatch(native_miss, storage.DeviceStorage, array_type, modes.state, metrics.counter_table(),
                               metrics.op_counts, startup.newest_outputs(),
                               lambda index: rng.state(index).next_key(), storage.Padded, dynamic.note_padded,
-                              native_checks_issued)
+                              native_checks_issued, fusion, fusion.Deferred, checks.caller)
 
 
 def make_kernel(plan: OpPlan) -> Callable[..., Any]:

@@ -2,7 +2,8 @@
 
 Recording reuses strict eager's per-op work entirely: the same cache entry (meta kernel
 run, argument checks, the traceable per-op function) is looked up for each op, so errors
-are raised at the op that caused them. Instead of calling the op's program, its
+are raised at the op that caused them; a signature seen before is looked up and recorded by
+the native dispatch (csrc/dispatch.cpp) without Python code per op. Instead of calling the op's program, its
 function is appended to the pending graph and its results are `Deferred` placeholders.
 At a sync point (a value read to the host, `torch.pjrt.synchronize()`, an op that must
 run outside the graph, or the size cap) the pending graph runs as one program, cached by
@@ -83,6 +84,9 @@ class PendingGraph:
         return ("c", slot)
 
     def record(self, entry: Any, inputs: list[Any], outputs: int) -> tuple[Deferred, ...]:
+        """Append one op and return its results as placeholders. A signature the native dispatch has
+        seen is recorded by csrc/dispatch.cpp instead, the same way: under `lock`, into these lists,
+        with the same wiring refs; keep the two in step."""
         with self.lock:
             refs = tuple([self._ref(value) for value in inputs])
             node = len(self.nodes)

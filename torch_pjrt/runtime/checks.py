@@ -184,8 +184,9 @@ _pending: list[Issued] = []
 
 
 def caller() -> tuple[str, int] | None:
-    """The user's frame that issued the current op (file, line); cheap: no formatting."""
-    frame = sys._getframe(1)
+    """The user's frame that issued the current op (file, line); cheap: no formatting. None where no
+    Python frame issued it (a native call on autograd's backward thread)."""
+    frame = sys._getframe(0).f_back
     while frame is not None:
         name = frame.f_code.co_filename
         if not name.startswith(_LIBRARIES) and not name.startswith("<frozen"):
