@@ -54,6 +54,11 @@ HIT_CASES: dict[str, Callable[[dict], Callable[[float], object]]] = {
     "integer ops": lambda t: lambda s: (t["i"] * 3) >> 1,
     "tensor list (cat)": lambda t: lambda s: torch.cat([t["a"], t["b"]], dim=0),
     "multiple returns (max.dim)": lambda t: lambda s: t["a"].max(dim=0),
+    # (a factory's fill value is static: part of its program)
+    "factories on the device": lambda t: lambda s: (torch.full((4, 4), 2.5, device="pjrt"),
+                                                    torch.arange(7, device="pjrt"),
+                                                    torch.scalar_tensor(-1.5, device="pjrt:0")),
+    "a *_like factory": lambda t: lambda s: torch.ones_like(t["a"]) * s,
 }
 
 

@@ -14,11 +14,12 @@
 // keep their lengths live through Python's `note_padded`). A program with device-side checks hands
 // its code to Python's pending checks (`native_checks_issued`). Every call the cache cannot describe
 // (launch-blocking mode, bfloat16 or large CPU tensors, failed fused results, explicit generators,
-// factories) and every miss goes to Python's `native_miss`, which runs the op as before and hands
+// results placed on another device, factories of a live length's size) and every miss goes to Python's `native_miss`, which runs the op as before and hands
 // back what to install.
 // All state is guarded by the GIL, which every call holds (autograd's threads included), and the
 // pending graph by its own lock besides, as in Python.
 
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/Device.h>
 #include <torch/csrc/Dtype.h>
 #include <torch/csrc/Layout.h>
@@ -64,6 +65,7 @@ struct Runtime {
   PyObject* graph = nullptr;  // fusion.graph(): the process's one PendingGraph
   PyObject* deferred_type = nullptr;  // fusion.Deferred: one result of a recorded op
   PyObject* check_caller = nullptr;  // checks.caller(): the user line a recorded checked op reports
+  PyObject* live_lengths = nullptr;  // dynamic.live_lengths(): a dict keyed by the lengths marked lately
   PyObject* s_pjrt = nullptr;
   PyObject* s_array = nullptr;
   PyObject* s_dtype = nullptr;
@@ -214,7 +216,7 @@ struct OpState {
   std::vector<bool> return_is_tensor;  // a None result of a `Tensor` return is an undefined tensor
   bool static_scalars;
   bool allow_cpu;  // takes CPU tensors of any size (indices), not only 0-dim scalars
-  bool cacheable;
+  std::vector<size_t> length_args;  // a factory's sizes: one equal to a live length is padded by Python
   std::unordered_map<Key, Entry*, KeyHash> cache;
 };
 
@@ -491,9 +493,41 @@ bool add_static(const c10::IValue& value, std::vector<int64_t>& words) {
   return true;
 }
 
+// Whether a factory's size equals a length marked dynamic lately (Python then pads its result).
+bool sizes_are_live(const OpState& op, c10::ArrayRef<c10::IValue> arguments) {
+  PyObject* live = runtime().live_lengths;
+  if (op.length_args.empty() || PyDict_GET_SIZE(live) == 0) {
+    return false;
+  }
+  auto is_live = [live](int64_t size) {
+    py::object key = py::reinterpret_steal<py::object>(PyLong_FromLongLong(size));
+    const int found = PyDict_Contains(live, key.ptr());
+    if (found < 0) {
+      throw py::error_already_set();
+    }
+    return found == 1;
+  };
+  for (const size_t index : op.length_args) {
+    const c10::IValue& value = arguments[index];
+    if (value.isIntList()) {
+      for (const int64_t size : value.toIntList()) {
+        if (is_live(size)) {
+          return true;
+        }
+      }
+    } else if (value.isInt() && is_live(value.toInt())) {
+      return true;
+    } else if (!value.isIntList() && !value.isInt() && !value.isDouble() && !value.isNone()) {
+      return true;  // symbolic sizes: Python decides
+    }
+  }
+  return false;
+}
+
 bool describe(const OpState& op, c10::ArrayRef<c10::IValue> arguments, Signature& sig) {
   auto& words = sig.key.words;
   words.reserve(64);
+  c10::DeviceIndex target = -1;  // an explicit pjrt device argument: where the results go
   for (size_t i = 0; i < arguments.size(); ++i) {
     const c10::IValue& value = arguments[i];
     switch (op.kinds[i]) {
@@ -560,13 +594,30 @@ bool describe(const OpState& op, c10::ArrayRef<c10::IValue> arguments, Signature
         words.push_back(0);
         break;
       case Kind::Device:
-        return false;
+        if (value.isNone()) {
+          words.push_back(0);
+        } else if (!value.isDevice() || value.toDevice().type() != c10::DeviceType::PrivateUse1) {
+          return false;  // a result placed on another device: Python runs it there
+        } else {
+          const c10::Device device = value.toDevice();
+          target = device.has_index() ? device.index()
+                                      : c10::impl::getDeviceGuardImpl(c10::DeviceType::PrivateUse1)->getDevice().index();
+          words.push_back(8);
+          words.push_back(target);
+        }
+        break;
       case Kind::Static:
         if (!add_static(value, words)) {
           return false;
         }
         break;
     }
+  }
+  if (target >= 0) {
+    if (sig.device >= 0 && sig.device != target) {
+      return false;  // a copy between pjrt devices: Python moves it
+    }
+    sig.device = target;
   }
   if (sig.device < 0) {
     return false;
@@ -1053,9 +1104,10 @@ struct Kernel final : public c10::OperatorKernel {
     OpState& op = *state_;
     const size_t n = op.kinds.size();
     Signature sig;
-    const Path path = op.cacheable ? fast_path() : Path::Python;
+    const Path path = fast_path();
     sig.fusing = path == Path::Fused;
-    if (path != Path::Python && describe(op, torch::jit::last(*stack, n), sig)) {
+    const auto arguments = torch::jit::last(*stack, n);
+    if (path != Path::Python && !sizes_are_live(op, arguments) && describe(op, arguments, sig)) {
       auto found = op.cache.find(sig.key);
       if (found == op.cache.end()) {
         sig.traced.clear();
@@ -1115,7 +1167,7 @@ Convert convert_of(const c10::Argument& argument) {
 
 // Registers the native kernel of aten::name.overload, whose Python plan (eager/dispatch.OpPlan) runs misses.
 void register_kernel(const std::string& name, const std::string& overload, py::object plan,
-                     std::vector<int> kinds, bool static_scalars, bool allow_cpu, bool cacheable) {
+                     std::vector<int> kinds, bool static_scalars, bool allow_cpu, std::vector<size_t> length_args) {
   const auto handle = c10::Dispatcher::singleton().findSchemaOrThrow(("aten::" + name).c_str(), overload.c_str());
   const auto& arguments = handle.schema().arguments();
   TORCH_CHECK(kinds.size() == arguments.size(), "torch_pjrt native dispatch: ", name, ".", overload,
@@ -1134,7 +1186,7 @@ void register_kernel(const std::string& name, const std::string& overload, py::o
   }
   state->static_scalars = static_scalars;
   state->allow_cpu = allow_cpu;
-  state->cacheable = cacheable;
+  state->length_args = std::move(length_args);
   library().impl(
       overload.empty() ? name.c_str() : (name + "." + overload).c_str(),
       torch::CppFunction::makeFromBoxedFunctor(std::make_unique<Kernel>(state)));
@@ -1153,7 +1205,7 @@ PyObject* interned(const char* text) {
 void configure(py::object miss, py::object storage_type, py::object array_type, py::object modes,
                py::object counts, py::object op_counts, py::object last_output, py::object random_key,
                py::object padded_type, py::object note_padded, py::object checks_issued, py::object fusion,
-               py::object deferred_type, py::object check_caller) {
+               py::object deferred_type, py::object check_caller, py::object live_lengths) {
   auto& rt = runtime();
   rt.miss = miss.inc_ref().ptr();
   rt.storage_type = storage_type.inc_ref().ptr();
@@ -1170,6 +1222,7 @@ void configure(py::object miss, py::object storage_type, py::object array_type, 
   rt.graph = fusion.attr("graph")().release().ptr();
   rt.deferred_type = deferred_type.inc_ref().ptr();
   rt.check_caller = check_caller.inc_ref().ptr();
+  rt.live_lengths = live_lengths.inc_ref().ptr();
   rt.s_pjrt = interned("_pjrt");
   rt.s_array = interned("array");
   rt.s_dtype = interned("dtype");
@@ -1216,10 +1269,10 @@ void init_dispatch(py::module& m) {
   m.def("configure_dispatch", &configure, py::arg("miss"), py::arg("storage_type"), py::arg("array_type"),
         py::arg("modes"), py::arg("counts"), py::arg("op_counts"), py::arg("last_output"), py::arg("random_key"),
         py::arg("padded_type"), py::arg("note_padded"), py::arg("checks_issued"), py::arg("fusion"),
-        py::arg("deferred_type"), py::arg("check_caller"),
+        py::arg("deferred_type"), py::arg("check_caller"), py::arg("live_lengths"),
         "Hand the native dispatch the Python objects it reads and calls, and turn it on.");
   m.def("register_kernel", &register_kernel, py::arg("name"), py::arg("overload"), py::arg("plan"),
-        py::arg("kinds"), py::arg("static_scalars"), py::arg("allow_cpu"), py::arg("cacheable"),
+        py::arg("kinds"), py::arg("static_scalars"), py::arg("allow_cpu"), py::arg("length_args"),
         "Register the native PrivateUse1 kernel of aten::name.overload.");
   m.def("register_metadata_kernel", &register_metadata_kernel, py::arg("name"), py::arg("overload"),
         "Register aten::name.overload (a view or metadata-only op) to run PyTorch's CPU kernel natively.");

@@ -854,8 +854,8 @@ def native_miss(plan: OpPlan, args: tuple, kwargs: dict) -> tuple[Any, tuple | N
     if replay is None:
         return result, None
     entry = replay.entry
-    if entry.resized or not plan.native_returns:
-        return result, None
+    if entry.resized or not plan.native_returns or (plan.factory and replay.lengths):
+        return result, None  # (a factory padded for a live length: the native key cannot tell that apart)
     program = entry.program
     specs = iter(replay.specs)
     returns = []
@@ -1014,24 +1014,29 @@ def _returns(plan: OpPlan, values: list[Any], arrays: Any, specs: list[Any], dev
 
 def register_native(module: Any, op: OpOverload, plan: OpPlan) -> None:
     """Give `op` the native kernel (csrc/dispatch.cpp): cache hits run there, misses come to `native_miss`.
-    Factories and ops with a device argument are never cached natively (their device is chosen here)."""
+    A factory's sizes (`Scan.sizes`: its `size`, arange's `end`) that equal a live length send the call
+    here, where it is padded."""
     schema = op._schema
+    length_args = [] if not plan.factory or plan.lowering.random else [
+        index for index, name in enumerate(plan.names)
+        if name == "size" or (name == "end" and op is torch.ops.aten.arange.default)]
     module.register_kernel(schema.name.split("::")[-1], schema.overload_name, plan, [k.value for k in plan.kinds],
-                           plan.static_scalars, plan.allow_cpu, not plan.factory and not plan.has_device_arg)
+                           plan.static_scalars, plan.allow_cpu, length_args)
 
 
 def configure_native(module: Any) -> None:
     """Hand the native dispatch what its hit path reads: the storage class, jax's array type, the mode,
     the counters it bumps, the device's newest outputs, the default random key source, for padded
     storages their layout class and what keeps a new padded result's lengths live, where a
-    program's device-check code goes, and for DEFER_AND_FUSE the fusion module (its pending graph,
-    its size cap and debug switch), the fused result type and the source of a checked op's user line."""
+    program's device-check code goes, for DEFER_AND_FUSE the fusion module (its pending graph, its size
+    cap and debug switch), the fused result type and the source of a checked op's user line, and the
+    table of live lengths (a factory of such a size is padded here)."""
     jax = client.jax_module()
     array_type = type(jax.device_put(np.zeros((0,), np.float32), client.device_for(0)))
     module.configure_dispatch(native_miss, storage.DeviceStorage, array_type, modes.state, metrics.counter_table(),
                               metrics.op_counts, startup.newest_outputs(),
                               lambda index: rng.state(index).next_key(), storage.Padded, dynamic.note_padded,
-                              native_checks_issued, fusion, fusion.Deferred, checks.caller)
+                              native_checks_issued, fusion, fusion.Deferred, checks.caller, dynamic.live_lengths())
 
 
 def make_kernel(plan: OpPlan) -> Callable[..., Any]:

@@ -805,6 +805,12 @@ def has_live_lengths() -> bool:
     return bool(_LIVE_LENGTHS)
 
 
+def live_lengths() -> collections.OrderedDict[int, tuple[Bound, float, weakref.ref]]:
+    """The table of lengths marked dynamic lately, by length (the native dispatch sends a factory whose
+    size is one of them here, to be padded)."""
+    return _LIVE_LENGTHS
+
+
 def warn_unmaskable(name: str, reason: str, where: str) -> None:
     """Count an op that ran at true sizes on padded tensors; warn once per op (each time under
     TORCH_PJRT_DEBUG_RECOMPILE)."""
