@@ -135,7 +135,8 @@ def test_host_round_trips_keep_the_bytes(float8: torch.dtype) -> None:
     assert repr(on_device.cpu()) == repr(every)
 
 
-def test_what_cpu_runs_on_float8_runs_on_pjrt(generator: torch.Generator) -> None:
+@pytest.mark.parametrize("mode", ["strict", "fused"])
+def test_what_cpu_runs_on_float8_runs_on_pjrt(mode: str, generator: torch.Generator) -> None:
     x = (torch.randn(4, 6, generator=generator) * 200).to(torch.float8_e4m3fn)
     y = (torch.randn(4, 6, generator=generator) * 200).to(torch.float8_e4m3fn)
     mask = torch.randn(4, 6, generator=generator) > 0
@@ -151,10 +152,13 @@ def test_what_cpu_runs_on_float8_runs_on_pjrt(generator: torch.Generator) -> Non
                 x.view(torch.uint8), x.to(torch.float8_e5m2)]
 
     expected = ops(x, y, mask, index)
-    actual = ops(*to_device((x, y, mask, index)))
+    with MODES[mode]():
+        outputs = ops(*to_device((x, y, mask, index)))
+        assert {t.device.type for t in outputs} == {"pjrt"}
+        actual = [t.cpu() for t in outputs]
     for a, e in zip(actual, expected):
-        assert a.dtype == e.dtype and a.device.type == "pjrt"
-        assert torch.equal(_bytes(a), _bytes(e)), (a.cpu(), e)
+        assert a.dtype == e.dtype
+        assert torch.equal(_bytes(a), _bytes(e)), (a, e)
     assert x.to("pjrt")[1, 2].item() == x[1, 2].item()
     assert x.to("pjrt").tolist() == x.tolist()
 
