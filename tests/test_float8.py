@@ -135,7 +135,8 @@ def test_host_round_trips_keep_the_bytes(float8: torch.dtype) -> None:
     assert repr(on_device.cpu()) == repr(every)
 
 
-def test_what_cpu_runs_on_float8_runs_on_pjrt(generator: torch.Generator) -> None:
+@pytest.mark.parametrize("mode", ["strict", "fused"])
+def test_what_cpu_runs_on_float8_runs_on_pjrt(mode: str, generator: torch.Generator) -> None:
     x = (torch.randn(4, 6, generator=generator) * 200).to(torch.float8_e4m3fn)
     y = (torch.randn(4, 6, generator=generator) * 200).to(torch.float8_e4m3fn)
     mask = torch.randn(4, 6, generator=generator) > 0
@@ -151,13 +152,47 @@ def test_what_cpu_runs_on_float8_runs_on_pjrt(generator: torch.Generator) -> Non
                 x.view(torch.uint8), x.to(torch.float8_e5m2)]
 
     expected = ops(x, y, mask, index)
-    actual = ops(*to_device((x, y, mask, index)))
+    with MODES[mode]():
+        outputs = ops(*to_device((x, y, mask, index)))
+        assert {t.device.type for t in outputs} == {"pjrt"}
+        actual = [t.cpu() for t in outputs]
     for a, e in zip(actual, expected):
-        assert a.dtype == e.dtype and a.device.type == "pjrt"
-        assert torch.equal(_bytes(a), _bytes(e)), (a.cpu(), e)
+        assert a.dtype == e.dtype
+        assert torch.equal(_bytes(a), _bytes(e)), (a, e)
     assert x.to("pjrt")[1, 2].item() == x[1, 2].item()
     assert x.to("pjrt").tolist() == x.tolist()
 
+
+
+# Ops CPU has no float8 kernel for, each with its own kernel name in CPU's message.
+REFUSED: dict[str, Callable[[torch.Tensor, torch.Tensor], object]] = {
+    "add": lambda x, y: x + y, "sub": lambda x, y: x - y, "div": lambda x, y: x / y,
+    "scalar mul": lambda x, y: x * 2, "add_": lambda x, y: x.clone().add_(y), "neg": lambda x, y: -x,
+    "sum": lambda x, y: x.sum(), "mean": lambda x, y: x.mean(), "max": lambda x, y: x.max(),
+    "argmax": lambda x, y: x.argmax(), "cumsum": lambda x, y: x.cumsum(0), "exp": lambda x, y: x.exp(),
+    "sqrt": lambda x, y: x.sqrt(), "pow": lambda x, y: x**2, "lt": lambda x, y: x < y,
+    "maximum": lambda x, y: torch.maximum(x, y), "clamp": lambda x, y: x.clamp(0, 1),
+    "relu": lambda x, y: torch.relu(x), "gelu": lambda x, y: torch.nn.functional.gelu(x),
+    "softmax": lambda x, y: x.softmax(-1), "bmm": lambda x, y: torch.bmm(x[None], y.t()[None]),
+    "sort": lambda x, y: x.sort(), "tril": lambda x, y: x.tril(), "sign": lambda x, y: x.sign(),
+    "masked_fill": lambda x, y: x.masked_fill(x == y, 1.0), "nonzero": lambda x, y: x.nonzero(),
+    "unique": lambda x, y: torch.unique(x),
+}
+
+
+@pytest.mark.parametrize("mode", ["strict", "fused"])
+@pytest.mark.parametrize("float8", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
+@pytest.mark.parametrize("name", list(REFUSED))
+def test_what_cpu_refuses_on_float8_pjrt_refuses(name: str, float8: torch.dtype, mode: str,
+                                                 generator: torch.Generator) -> None:
+    """CPU's NotImplementedError, with its message, rather than a value computed anyway."""
+    x, y = ((torch.randn(4, 6, generator=generator) * 20).to(float8) for _ in range(2))
+    with pytest.raises(NotImplementedError) as on_cpu:
+        REFUSED[name](x, y)
+    assert "not implemented for 'Float8" in str(on_cpu.value)
+    with MODES[mode](), pytest.raises(NotImplementedError) as on_pjrt:
+        REFUSED[name](*to_device((x, y)))
+    assert str(on_pjrt.value) == str(on_cpu.value)
 
 def _scaled_mm_operands(generator: torch.Generator, rows: int = 32, inner: int = 64, cols: int = 48) -> tuple:
     a = (torch.randn(rows, inner, generator=generator) * 4).to(torch.float8_e4m3fn)

@@ -79,6 +79,22 @@ def test_topk_kthvalue():
     check(lambda x: torch.topk(x.long(), 2), (x * 100))
 
 
+
+@pytest.mark.parametrize("largest", [True, False])
+def test_topk_ties_keep_the_first_of_equal_values(largest: bool) -> None:
+    """Among tied values pjrt's topk takes the lowest indices first: the prefix of CPU's stable sort.
+
+    CPU's own topk breaks ties by its partial-sort internals (of four equal values it returns
+    indices 2 and 3); PyTorch leaves the choice unspecified, so the stable order is the contract here.
+    """
+    x = torch.randint(0, 4, (6, 16)).float()  # many ties per row
+    x[0] = 0.5  # a whole row tied, as a zero-initialised MoE router gives
+    values, indices = torch.topk(x.to("pjrt"), 5, dim=1, largest=largest)
+    expected_values, expected_indices = torch.sort(x, dim=1, descending=largest, stable=True)
+    torch.testing.assert_close(values.cpu(), torch.topk(x, 5, dim=1, largest=largest).values, rtol=0, atol=0)
+    torch.testing.assert_close(values.cpu(), expected_values[:, :5], rtol=0, atol=0)
+    torch.testing.assert_close(indices.cpu(), expected_indices[:, :5], rtol=0, atol=0)
+
 def test_median_nanmedian_mode():
     x, y = _distinct(5, 6), _with_specials(_distinct(5, 6))
     check(torch.median, x)

@@ -158,6 +158,43 @@ def test_grad_scaler_steps_and_skips_overflow() -> None:
     assert scaler.get_scale() == 1024.0
 
 
+@pytest.mark.parametrize("poison", [None, float("inf"), float("nan")])
+def test_grad_scaler_unscale_op_matches_cpu(poison: float | None) -> None:
+    """aten::_amp_foreach_non_finite_check_and_unscale_ on pjrt: CPU's unscaled values and found_inf."""
+    generator = torch.Generator().manual_seed(11)
+    grads = [torch.randn(shape, generator=generator, dtype=torch.float64).to(dtype) * 1000
+             for shape, dtype in (((5, 3), torch.float32), ((7,), torch.float16), ((2, 2), torch.bfloat16),
+                                  ((), torch.float64))]
+    if poison is not None:
+        grads[1][3] = poison
+    inv_scale = torch.rand(1, generator=generator) / 100
+    results = {}
+    for device in ("cpu", "pjrt"):
+        local = [g.to(device, copy=True) for g in grads]
+        found_inf = torch.zeros(1, device=device)
+        torch._amp_foreach_non_finite_check_and_unscale_(local, found_inf, inv_scale.to(device))
+        results[device] = ([g.cpu() for g in local], found_inf.cpu())
+    assert results["pjrt"][1].item() == (0.0 if poison is None else 1.0)
+    torch.testing.assert_close(results["pjrt"], results["cpu"], rtol=0, atol=0, equal_nan=True)
+
+
+def test_grad_scaler_update_op_matches_cpu() -> None:
+    """aten::_amp_update_scale_ on pjrt follows CPU's scale and growth tracker through clean and overflowed steps."""
+    generator = torch.Generator().manual_seed(12)
+    overflows = (torch.rand(12, generator=generator) < 0.3).tolist()
+    states = {}
+    for device in ("cpu", "pjrt"):
+        scale = torch.full((1,), 2.0 ** 16, device=device)
+        tracker = torch.zeros(1, dtype=torch.int32, device=device)
+        history = []
+        for overflow in overflows:
+            found_inf = torch.full((1,), float(overflow), device=device)
+            torch._amp_update_scale_(scale, tracker, found_inf, 2.0, 0.5, 3)
+            history.append((scale.item(), tracker.item()))
+        states[device] = history
+    assert states["pjrt"] == states["cpu"]
+
+
 def test_backward_on_second_device() -> None:
     code = """
         import torch

@@ -50,3 +50,18 @@ def test_filters_select_by_family_task_and_name(capsys: pytest.CaptureFixture) -
     assert capsys.readouterr().out.split() == ["mistral/causal-lm", "MistralForCausalLM",
                                                "mistral/token-classification", "MistralForTokenClassification"]
     assert main(["zoo", "--task", "no-such-task"]) == 2
+
+
+def test_constant_matrices_get_random_values() -> None:
+    """A zero router gate would tie every expert (topk's choice among ties is unspecified); vectors stay as built."""
+    import torch
+
+    from torch_pjrt.cli import zoo_catalog
+
+    router = torch.nn.Linear(8, 4)
+    torch.nn.init.zeros_(router.weight)
+    torch.nn.init.zeros_(router.bias)
+    norm = torch.nn.LayerNorm(8)
+    model = torch.nn.Sequential(norm, router)
+    assert zoo_catalog.randomize_constant_matrices(model, 0.02) == ["1.weight"]
+    assert router.weight.std() > 0.005 and bool((router.bias == 0).all()) and bool((norm.weight == 1).all())

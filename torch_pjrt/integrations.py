@@ -12,8 +12,8 @@ accelerate (and so `transformers.Trainer`) looks for an accelerator in a fixed l
 types and trains on the CPU when none is found. `accelerator_device` is the one answer to "is pjrt
 the accelerator": where accelerate (or Trainer) would settle on the CPU without being asked to,
 it gets pjrt instead, and a launched process group uses the c10d backend "pjrt". Autocast follows
-the device type; RNG checkpoints gain the pjrt generator states. `cpu=True`, `use_cpu=True` and
-`TORCH_PJRT_ACCELERATE=0` keep the CPU.
+the device type; fp16 gets a GradScaler on pjrt; RNG checkpoints gain the pjrt generator states.
+`cpu=True`, `use_cpu=True` and `TORCH_PJRT_ACCELERATE=0` keep the CPU.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import importlib.machinery
 import inspect
 import os
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -134,6 +135,39 @@ def _patch_accelerate_state(module: Any) -> None:
         original_set_device(self)
 
     state_class.set_device = set_device
+
+
+# accelerate's list of the devices fp16 mixed precision may run on: a literal inside
+# Accelerator.__init__, read by nothing else, so the code object's constant is the one place to add pjrt.
+_FP16_DEVICES = ("xpu", "cuda", "npu", "xla", "mlu", "musa", "hpu", "sdaa", "mps")
+
+
+def _patch_accelerator(module: Any) -> None:
+    """`mixed_precision="fp16"` on pjrt: accepted, with a GradScaler on pjrt instead of a disabled CUDA one."""
+    accelerator_class = module.Accelerator
+    init_code = accelerator_class.__init__.__code__
+    if _FP16_DEVICES in init_code.co_consts:
+        constants = tuple((*c, "pjrt") if c == _FP16_DEVICES else c for c in init_code.co_consts)
+        accelerator_class.__init__.__code__ = init_code.replace(co_consts=constants)
+
+    original_scaler = module.get_grad_scaler
+    if getattr(original_scaler, "_pjrt_aware", False):
+        return
+
+    @functools.wraps(original_scaler)
+    def get_grad_scaler(distributed_type: Any = None, **kwargs: Any) -> Any:
+        # accelerate's last resort is a CUDA scaler, which disables itself (warning) without CUDA: an unscaled fp16 run.
+        with warnings.catch_warnings():
+            if accelerator_device() is not None:
+                warnings.filterwarnings("ignore", "torch.cuda.amp.GradScaler is enabled, but CUDA is not available")
+            scaler = original_scaler(distributed_type, **kwargs)
+        if (getattr(scaler, "_device", None) == "cuda" and not torch.cuda.is_available()
+                and accelerator_device() is not None):
+            return torch.amp.GradScaler("pjrt", **kwargs)
+        return scaler
+
+    get_grad_scaler._pjrt_aware = True
+    module.get_grad_scaler = get_grad_scaler
 
 
 def _rng_file(folder: Any, process_index: int | None) -> Path:
@@ -247,6 +281,7 @@ PATCHES = {
     "safetensors.torch": _patch_safetensors,
     "transformers.generation.utils": _patch_generate,
     "accelerate.state": _patch_accelerate_state,
+    "accelerate.accelerator": _patch_accelerator,
     "accelerate.checkpointing": _patch_accelerate_checkpointing,
     "transformers.training_args": _patch_training_args,
     "transformers.trainer": _patch_trainer,

@@ -421,7 +421,8 @@ def markdown(record: dict[str, Any]) -> str:
         + (f" Rows replaced by a later run: {record['replaced']}." if record.get("replaced") else ""),
         "",
         "Each architecture is built from its config class's defaults shrunk to a small size (hidden 32, "
-        "2 layers, 4 heads, vocabulary 96, images 32x32; dropout 0) with random float32 weights (seed 0), "
+        "2 layers, 4 heads, vocabulary 96, images 32x32; dropout 0) with random float32 weights (seed 0; "
+        "a weight matrix the model's init leaves constant gets random values too, so no ties decide routing), "
         "nothing downloaded; it runs in eval mode on CPU and, deep-copied, on pjrt, with the same synthetic "
         f"inputs (batch {zoo_catalog.BATCH}, {zoo_catalog.SEQUENCE} tokens, labels). "
         "**match**: every forward output within "

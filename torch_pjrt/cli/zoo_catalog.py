@@ -291,7 +291,27 @@ def build_hf(case: Case) -> tuple[nn.Module, dict[str, torch.Tensor]]:
         raise Skip(f"needs a package not installed: {first_line(error)}") from None
     except Exception as error:
         raise Skip(f"the shrunk model does not build on CPU: {first_line(error)}") from None
+    randomize_constant_matrices(model, getattr(config, "initializer_range", 0.02))
     return model.float().eval(), TASKS[case.task].inputs(config)
+
+
+def randomize_constant_matrices(model: nn.Module, std: float) -> list[str]:
+    """Give every parameter of 2+ dimensions that the model's init left constant normal(0, std) values.
+
+    A constant matrix ties every output feature of its matmul: a zero-initialised MoE router gate
+    (afmoe's, ernie4_5_moe's) gives every expert the same score, and topk's choice among tied values is
+    unspecified (CPU's comes from its partial-sort internals: experts 2 and 3 of 4), so CPU and pjrt
+    would pick different experts for reasons no device controls. It also hides the matrix from the
+    comparison (a lowering that dropped a zero position table would still match). Returns their names.
+    """
+    names = []
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            flat = parameter.reshape(-1)
+            if parameter.dim() >= 2 and flat.numel() > 1 and bool((flat == flat[0]).all()):
+                parameter.normal_(0.0, std)
+                names.append(name)
+    return names
 
 
 def _load_module(source: str) -> Any:

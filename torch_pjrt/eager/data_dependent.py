@@ -19,7 +19,7 @@ from jax import lax
 
 from torch_pjrt import storage
 from torch_pjrt.eager import dispatch, modes
-from torch_pjrt.ops import indexing
+from torch_pjrt.ops import arguments, indexing
 from torch_pjrt.ops.factories import scalar_type_name
 from torch_pjrt.runtime import checks, client
 
@@ -31,10 +31,22 @@ KERNELS: dict[Any, Any] = {}
 def kernel(*ops: Any) -> Callable:
     def decorate(fn: Callable) -> Callable:
         for op in ops:
-            KERNELS[op] = fn
+            KERNELS[op] = _refusing_float8_like_cpu(op, fn)
         return fn
 
     return decorate
+
+
+def _refusing_float8_like_cpu(op: Any, fn: Callable) -> Callable:
+    """These kernels skip the dispatcher's argument checks: CPU's float8 refusals are made here."""
+    names = [argument.name for argument in op._schema.arguments]
+
+    @functools.wraps(fn)
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        arguments.refuse_float8_like_cpu(op, {**dict(zip(names, args)), **kwargs})
+        return fn(*args, **kwargs)
+
+    return checked
 
 
 # --- shared helpers ----------------------------------------------------------------------------

@@ -14,12 +14,18 @@ aten = torch.ops.aten
 
 @register(aten._amp_foreach_non_finite_check_and_unscale.default)
 def _amp_foreach_non_finite_check_and_unscale(self: list[Any], found_inf: Any, inv_scale: Any) -> Any:
-    """Every gradient is multiplied by inv_scale; found_inf becomes 1 if any holds an inf or NaN."""
+    """Every gradient is multiplied by inv_scale; found_inf becomes 1 if any holds an inf or NaN.
+
+    The product is taken in the gradient's opmath type, as CPU and CUDA do: float32 for the half
+    types, float64 for float64 gradients (a float32 detour would round them).
+    """
     found = found_inf
     unscaled = []
     for grad in self:
         found = jnp.where(jnp.all(jnp.isfinite(grad)), found, jnp.ones_like(found))
-        unscaled.append((grad.astype(jnp.float32) * inv_scale).astype(grad.dtype))
+        opmath = jnp.promote_types(grad.dtype, jnp.float32)
+        product = grad.astype(opmath) * inv_scale.reshape(()).astype(opmath)
+        unscaled.append(product.astype(grad.dtype))
     return unscaled, found
 
 

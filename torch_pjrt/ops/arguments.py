@@ -11,12 +11,14 @@ dtype is not CPU's.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch._ops import OpOverload
 
+from torch_pjrt import storage
 from torch_pjrt.ops.factories import scalar_type_name
 
 # overload packet name (in-place and out= variants share it) -> its checks
@@ -38,6 +40,50 @@ def check(op: OpOverload, arguments: dict[str, Any]) -> None:
     found = _CHECKS.get(name)
     if found is not None:
         found(name, **arguments)
+    refuse_float8_like_cpu(op, arguments)
+
+
+def _holds_float8(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value.dtype in storage.FLOAT8_DTYPES
+    return isinstance(value, (list, tuple)) and any(_holds_float8(v) for v in value)
+
+
+def _small_zeros(value: Any) -> Any:
+    """A CPU stand-in for a tensor argument: zeros of its dtype, each dimension cut to at most 2."""
+    if isinstance(value, torch.Tensor):
+        return torch.zeros([min(size, 2) for size in value.shape], dtype=value.dtype)
+    if isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value):
+        return [None if v is None else _small_zeros(v) for v in value]
+    if isinstance(value, torch.device):
+        return torch.device("cpu")
+    return value
+
+
+def refuse_float8_like_cpu(op: OpOverload, arguments: dict[str, Any]) -> None:
+    """CPU's NotImplementedError for an op on float8 tensors that CPU has no float8 kernel for.
+
+    CPU runs few ops on float8 (copies, indexing, `cat`, `where`, `mul`, `mm`, `abs`, `==`, ...), and
+    which ones, with which message, is its kernels' business: the op runs once on small CPU zeros of
+    the same dtypes (CPU's random state kept) and its float8 refusal, if any, is raised here. Ops that
+    take a size (factories) are not tried: they fill, which CPU does for float8, and a size is not cut.
+    Other failures of the stand-ins (a size argument no longer fitting) say nothing and are ignored.
+    """
+    if op.namespace != "aten" or not any(_holds_float8(v) for v in arguments.values()):
+        return
+    if any(argument.name == "size" for argument in op._schema.arguments):
+        return
+    # type(value) is object: a keyword-only argument the caller left at its default
+    stand_ins = {name: _small_zeros(value) for name, value in arguments.items() if type(value) is not object}
+    with warnings.catch_warnings(), torch.random.fork_rng(devices=[]):
+        warnings.simplefilter("ignore")
+        try:
+            op(**stand_ins)
+        except NotImplementedError as error:
+            if "not implemented for 'Float8" in str(error):
+                raise NotImplementedError(str(error)) from None
+        except Exception:  # noqa: BLE001, S110  (a stand-in that does not fit says nothing about float8)
+            pass
 
 
 def _sizes(t: torch.Tensor) -> list[int]:
