@@ -280,28 +280,36 @@ def test_a_slice_of_a_static_cache_by_a_marked_length_is_read_padded() -> None:
     assert per_length[2] == 0, per_length
 
 
-def test_a_window_from_a_marked_length_to_the_end_runs_at_the_rows_size() -> None:
+@pytest.mark.parametrize("mode", ["strict", "fused"])
+def test_a_window_from_a_marked_length_to_the_end_runs_at_the_rows_size(mode: str) -> None:
     """`mask[:, T:]` of a mask padded to a fixed length (transformers' static-cache check that the
     cache's future slots are masked): the window is read from a traced start, so a new length in a
     seen bucket compiles nothing, and its size E - T is dynamic, bucketed at E."""
     torch.manual_seed(15)
     per_length = []
-    for length in (21, 27, 24):
-        mask, x = torch.rand(2, length) > 0.4, torch.randn(2, 64, 3)
-        dmask, dx = marked(mask, max=64), x.to("pjrt")
-        before = compiles()
-        padded, want_padded = F.pad(dmask, (0, 64 - length)), F.pad(mask, (0, 64 - length))
-        tail, want_tail = ~padded[:, length:], ~want_padded[:, length:]
-        assert torch.equal(tail.cpu(), want_tail)
-        assert torch_pjrt.get_dynamism_info(tail)["dims"] == {1: {"size": 64 - length, "bucket": 64}}
-        assert tail.sum().item() == want_tail.sum().item()
-        assert torch.equal((padded[:, length:] | padded[:, :length].any(1, keepdim=True)).cpu(),
-                           want_padded[:, length:] | want_padded[:, :length].any(1, keepdim=True))
-        got = dx[:, length:] * 2 + 1  # a float tensor, three dims: the window of the middle dim
-        torch.testing.assert_close(got.cpu(), x[:, length:] * 2 + 1)
-        torch.testing.assert_close(got.softmax(1).cpu(), (x[:, length:] * 2 + 1).softmax(1))
-        per_length.append(compiles() - before)
+    with torch.pjrt.set_eager_mode(FUSE if mode == "fused" else torch_pjrt.EagerMode.DEFER_NEVER):
+        for length in (21, 27, 24):
+            per_length.append(_window_to_the_end(length))
     assert per_length[1:] == [0, 0], per_length
+
+
+def _window_to_the_end(length: int) -> float:
+    """Ops on windows from `length` to the end of a padded mask and of a fixed tensor, checked against
+    CPU; the programs they compiled."""
+    mask, x = torch.rand(2, length) > 0.4, torch.randn(2, 64, 3)
+    dmask, dx = marked(mask, max=64), x.to("pjrt")
+    before = compiles()
+    padded, want_padded = F.pad(dmask, (0, 64 - length)), F.pad(mask, (0, 64 - length))
+    tail, want_tail = ~padded[:, length:], ~want_padded[:, length:]
+    assert torch.equal(tail.cpu(), want_tail)
+    assert torch_pjrt.get_dynamism_info(tail)["dims"] == {1: {"size": 64 - length, "bucket": 64}}
+    assert tail.sum().item() == want_tail.sum().item()
+    assert torch.equal((padded[:, length:] | padded[:, :length].any(1, keepdim=True)).cpu(),
+                       want_padded[:, length:] | want_padded[:, :length].any(1, keepdim=True))
+    got = dx[:, length:] * 2 + 1  # a float tensor, three dims: the window of the middle dim
+    torch.testing.assert_close(got.cpu(), x[:, length:] * 2 + 1)
+    torch.testing.assert_close(got.softmax(1).cpu(), (x[:, length:] * 2 + 1).softmax(1))
+    return compiles() - before
 
 
 def test_a_window_from_a_marked_length_that_stops_short_of_the_end_stays_exact() -> None:
