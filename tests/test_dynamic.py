@@ -323,6 +323,21 @@ def test_a_window_from_a_marked_length_that_stops_short_of_the_end_stays_exact()
         assert torch.equal((~window).cpu(), ~want[:, length:length + 5])
 
 
+def test_a_plain_view_that_cannot_be_read_padded_adds_no_length_to_the_call() -> None:
+    """A plain tensor whose size is a live length but whose storage ends there is read as it is; the
+    length it was checked for must not join the call's traced sizes (a new program per such call)."""
+    torch.manual_seed(17)
+    x, plain = torch.randn(2, 20), torch.randn(2, 27)
+    dplain = plain.to("pjrt")
+    torch.testing.assert_close(torch.cat([marked(x), dplain], 1).cpu(), torch.cat([x, plain], 1))
+    other = marked(torch.randn(2, 27))  # 27 is now a live length too
+    x = torch.randn(2, 21)  # a new length in the same bucket: not replayed natively, no new program
+    before = compiles()
+    torch.testing.assert_close(torch.cat([marked(x), dplain], 1).cpu(), torch.cat([x, plain], 1))
+    assert compiles() == before
+    del other
+
+
 def test_hugging_face_generate_with_a_static_cache_compiles_little_per_new_length() -> None:
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(14)

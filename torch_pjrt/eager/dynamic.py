@@ -446,28 +446,29 @@ def read_padded(st: storage.DeviceStorage, slot: int, view: View, symbols: Symbo
     if view.dtype != st.dtype or view.conj or view.neg or 0 in view.sizes:
         return None
     sizes, offset = list(view.sizes), view.offset
-    dims: list[Any] = [None] * len(view.sizes)
-    starts = []
+    bounds: list[Bound | None] = [None] * len(view.sizes)  # of each dim read padded
+    start = None  # (dim, length, its bound) of the window read from a traced start
     for d, size in enumerate(view.sizes):
         if not view.strides[d]:
             continue
-        window = None if starts else _window_from_length(view, d, st.numel)
+        window = None if start else _window_from_length(view, d, st.numel)
         if window is not None:
-            start, upper, end = window
-            offset -= start * view.strides[d]
-            starts.append((0, symbols.of(start, upper), 0, view.strides[d]))
-            sizes[d], dims[d] = end, ((symbols.of(size, (end,)), 0),)
+            length, upper, end = window
+            offset -= length * view.strides[d]
+            start, sizes[d], bounds[d] = (d, length, upper), end, (end,)
             continue
         upper = live_bound(size)
         padded_size = None if upper is None else bucket(size, upper)
         if padded_size is not None and padded_size > size:
-            sizes[d], dims[d] = padded_size, ((symbols.of(size, upper), 0),)
-    if all(d is None for d in dims):
+            sizes[d], bounds[d] = padded_size, upper
+    if all(b is None for b in bounds):
         return None
     if offset + sum((n - 1) * stride for n, stride in zip(sizes, view.strides)) >= st.numel:
         return None
-    return PaddedLeaf(slot, st.dtype, (st.numel,), view._replace(sizes=tuple(sizes), offset=offset), tuple(dims),
-                      (), tuple(starts))
+    starts = () if start is None else ((0, symbols.of(start[1], start[2]), 0, view.strides[start[0]]),)
+    dims = tuple(None if b is None else ((symbols.of(n, b), 0),) for n, b in zip(view.sizes, bounds))
+    return PaddedLeaf(slot, st.dtype, (st.numel,), view._replace(sizes=tuple(sizes), offset=offset), dims, (),
+                      starts)
 
 
 def _window_from_length(view: View, dim: int, numel: int) -> tuple[int, Bound, int] | None:
