@@ -389,7 +389,9 @@ class PaddedLeaf(NamedTuple):
     # per view dim: None, or its true size as factors: int, or (symbol class, offset)
     dims: tuple[tuple[Factor, ...] | None, ...]
     relayouts: tuple[int, ...]
-    starts: tuple[tuple[int, int, int], ...]  # (storage dim, symbol class, window length)
+    # (storage axis, symbol class, length, scale): read from (true size - length) * scale along the axis:
+    # a window of fixed length at the true end, or one that starts at a length (scale: its stride)
+    starts: tuple[tuple[int, int, int, int], ...]
 
 
 class Symbols:
@@ -430,28 +432,58 @@ def describe(tensor: torch.Tensor, st: storage.DeviceStorage, slot: int, symbols
         return f if isinstance(f, int) else (symbols.of(layout.shape[f[0]], layout.bounds[f[0]]), f[1])
 
     dims = tuple(None if d is None else tuple(factor(f) for f in d) for d in found.dims)
-    starts = tuple((k, symbols.of(layout.shape[k], layout.bounds[k]), n) for k, n in found.starts)
+    starts = tuple((k, symbols.of(layout.shape[k], layout.bounds[k]), n, 1) for k, n in found.starts)
     return PaddedLeaf(slot, st.dtype, layout.padded, found.view, dims, found.relayouts, starts)
 
 
 def read_padded(st: storage.DeviceStorage, slot: int, view: View, symbols: Symbols) -> PaddedLeaf | None:
-    """A view of a plain storage whose dims have a length marked lately, read padded to its bucket where
-    the storage extends that far (a slice `cache[:, :, :T]` of a static KV cache): the ops on it then
-    run their bucket's program. None when no dim qualifies."""
+    """A view of a plain storage along which a length marked lately bounds a dim, read padded so that
+    the ops on it run their bucket's program. Per dim: a size that is such a length is read at its
+    bucket where the storage extends that far (`cache[:, :, :T]` of a static KV cache); a window that
+    starts at such a length and runs to the end of its row (`mask[:, T:]` of a mask padded to a fixed
+    length E) is read from the traced start, its size E - T a symbol of its own bucketed at E. None
+    when no dim qualifies."""
     if view.dtype != st.dtype or view.conj or view.neg or 0 in view.sizes:
         return None
-    sizes, uppers = list(view.sizes), [None] * len(view.sizes)
+    sizes, offset = list(view.sizes), view.offset
+    bounds: list[Bound | None] = [None] * len(view.sizes)  # of each dim read padded
+    start = None  # (dim, length, its bound) of the window read from a traced start
     for d, size in enumerate(view.sizes):
-        upper = live_bound(size) if view.strides[d] else None
+        if not view.strides[d]:
+            continue
+        window = None if start else _window_from_length(view, d, st.numel)
+        if window is not None:
+            length, upper, end = window
+            offset -= length * view.strides[d]
+            start, sizes[d], bounds[d] = (d, length, upper), end, (end,)
+            continue
+        upper = live_bound(size)
         padded_size = None if upper is None else bucket(size, upper)
         if padded_size is not None and padded_size > size:
-            sizes[d], uppers[d] = padded_size, upper
-    if all(u is None for u in uppers):
+            sizes[d], bounds[d] = padded_size, upper
+    if all(b is None for b in bounds):
         return None
-    if view.offset + sum((n - 1) * stride for n, stride in zip(sizes, view.strides)) >= st.numel:
+    if offset + sum((n - 1) * stride for n, stride in zip(sizes, view.strides)) >= st.numel:
         return None
-    dims = tuple(None if u is None else ((symbols.of(n, u), 0),) for n, u in zip(view.sizes, uppers))
-    return PaddedLeaf(slot, st.dtype, (st.numel,), view._replace(sizes=tuple(sizes)), dims, (), ())
+    starts = () if start is None else ((0, symbols.of(start[1], start[2]), 0, view.strides[start[0]]),)
+    dims = tuple(None if b is None else ((symbols.of(n, b), 0),) for n, b in zip(view.sizes, bounds))
+    return PaddedLeaf(slot, st.dtype, (st.numel,), view._replace(sizes=tuple(sizes), offset=offset), dims, (),
+                      starts)
+
+
+def _window_from_length(view: View, dim: int, numel: int) -> tuple[int, Bound, int] | None:
+    """(start, its bound, row end) when the view's dim starts at a length marked lately and runs to the
+    end of its row: the next larger stride of the view (or the storage's end) over this dim's stride."""
+    stride = view.strides[dim]
+    larger = [s for s in view.strides if s > stride]
+    outer = min(larger) if larger else numel
+    if outer % stride:
+        return None
+    start, end = view.offset % outer // stride, outer // stride
+    upper = live_bound(start)
+    if upper is None or start + view.sizes[dim] != end or bucket(view.sizes[dim], (end,)) is None:
+        return None
+    return start, upper, end
 
 
 def padded_factor(f: Factor, buckets: Sequence[int]) -> int:
@@ -466,10 +498,10 @@ def true_factor(f: Factor, true: Sequence[Any]) -> Any:
 
 
 def _shifted(x: Any, leaf: PaddedLeaf, true: Sequence[Any], sign: int) -> Any:
-    """Roll each window that ends at the true end to the front (sign -1) or back (+1)."""
+    """Roll each window that starts at a traced offset to the front (sign -1) or back (+1)."""
     jnp = client.jax_module().numpy
-    for k, symbol, length in leaf.starts:
-        x = jnp.roll(x, sign * (true[symbol] - length), axis=k)
+    for k, symbol, length, scale in leaf.starts:
+        x = jnp.roll(x, sign * (true[symbol] - length) * scale, axis=k)
     return x
 
 
