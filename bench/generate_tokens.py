@@ -1,7 +1,7 @@
-"""Hugging Face generate() tokens/s on pjrt strict eager, native hit path on and off, against torch CPU eager.
+"""Hugging Face generate() tokens/s on pjrt, native hit path on and off, strict eager and DEFER_AND_FUSE, against torch CPU eager.
 
 A 4-layer Llama (width 128) from a small config, greedy, 64 new tokens after a 16-token prompt, in
-one process per row (TORCH_PJRT_NATIVE_DISPATCH=1 or 0), each with its own torch CPU eager run on the
+one process per row (TORCH_PJRT_NATIVE_DISPATCH=1 or 0, TORCH_PJRT_EAGER_MODE), each with its own torch CPU eager run on the
 same weights: after one warm-up generate (the compiles), the best of a few timed generates, rounds
 interleaved between CPU and pjrt. Tokens must equal CPU's.
 Run: .venv/bin/python bench/generate_tokens.py [--repeats N]
@@ -46,8 +46,8 @@ GENERATE = textwrap.dedent(
 )
 
 
-def run(native: str, repeats: int) -> dict:
-    env = {**os.environ, "TORCH_PJRT_CACHE_DIR": "0", "TORCH_PJRT_NATIVE_DISPATCH": native}
+def run(native: str, mode: str, repeats: int) -> dict:
+    env = {**os.environ, "TORCH_PJRT_CACHE_DIR": "0", "TORCH_PJRT_NATIVE_DISPATCH": native, "TORCH_PJRT_EAGER_MODE": mode}
     result = subprocess.run([sys.executable, "-c", GENERATE.format(repeats=repeats, bench=BENCH)], capture_output=True,
                             text=True, env=env)
     if result.returncode:
@@ -59,11 +59,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     repeats = parser.parse_args().repeats
-    print("generate(): 4-layer Llama (width 128), greedy, 16-token prompt, 64 new tokens, strict eager")
-    print(f"{'pjrt dispatch':<22}{'pjrt tokens/s':>15}{'torch CPU tokens/s':>20}{'pjrt / CPU':>12}  tokens equal")
-    for label, native in (("Python (native off)", "0"), ("native hit path", "1")):
-        row = run(native, repeats)
-        print(f"{label:<22}{row['pjrt_tokens_per_s']:>15.1f}{row['cpu_tokens_per_s']:>20.1f}"
+    print("generate(): 4-layer Llama (width 128), greedy, 16-token prompt, 64 new tokens")
+    print(f"{'pjrt mode, dispatch':<34}{'pjrt tokens/s':>15}{'torch CPU tokens/s':>20}{'pjrt / CPU':>12}  tokens equal")
+    for label, native, mode in (("strict, Python (native off)", "0", "defer_never"),
+                                ("strict, native hit path", "1", "defer_never"),
+                                ("DEFER_AND_FUSE, Python (native off)", "0", "defer_and_fuse"),
+                                ("DEFER_AND_FUSE, native", "1", "defer_and_fuse")):
+        row = run(native, mode, repeats)
+        print(f"{label:<34}{row['pjrt_tokens_per_s']:>15.1f}{row['cpu_tokens_per_s']:>20.1f}"
               f"{row['pjrt_tokens_per_s'] / row['cpu_tokens_per_s']:>12.2f}  {row['equal']}", flush=True)
 
 
