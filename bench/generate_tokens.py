@@ -1,7 +1,8 @@
-"""Hugging Face generate() tokens/s on pjrt, native hit path on and off, strict eager and DEFER_AND_FUSE, against torch CPU eager.
+"""Hugging Face generate() tokens/s on pjrt (native path on and off, strict and fused) against torch CPU eager.
 
 A 4-layer Llama (width 128) from a small config, greedy, 64 new tokens after a 16-token prompt, in
-one process per row (TORCH_PJRT_NATIVE_DISPATCH=1 or 0, TORCH_PJRT_EAGER_MODE), each with its own torch CPU eager run on the
+one process per row (TORCH_PJRT_NATIVE_DISPATCH=1 or 0, TORCH_PJRT_EAGER_MODE strict or
+DEFER_AND_FUSE), each with its own torch CPU eager run on the
 same weights: after one warm-up generate (the compiles), the best of a few timed generates, rounds
 interleaved between CPU and pjrt. Tokens must equal CPU's.
 Run: .venv/bin/python bench/generate_tokens.py [--repeats N]
@@ -47,7 +48,8 @@ GENERATE = textwrap.dedent(
 
 
 def run(native: str, mode: str, repeats: int) -> dict:
-    env = {**os.environ, "TORCH_PJRT_CACHE_DIR": "0", "TORCH_PJRT_NATIVE_DISPATCH": native, "TORCH_PJRT_EAGER_MODE": mode}
+    env = {**os.environ, "TORCH_PJRT_CACHE_DIR": "0", "TORCH_PJRT_NATIVE_DISPATCH": native,
+           "TORCH_PJRT_EAGER_MODE": mode}
     result = subprocess.run([sys.executable, "-c", GENERATE.format(repeats=repeats, bench=BENCH)], capture_output=True,
                             text=True, env=env)
     if result.returncode:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 from torch.utils import _pytree as pytree
 
@@ -32,3 +33,14 @@ def check(fn: Any, *args: Any, **tolerances: Any) -> Any:
     actual = fn(*to_device(args))
     assert_same(actual, expected, **tolerances)
     return actual
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerate_state() -> Any:
+    """accelerate keeps one process-wide state; each test builds its own (modules that use accelerate
+    import this fixture)."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)

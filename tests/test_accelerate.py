@@ -15,18 +15,11 @@ transformers = pytest.importorskip("transformers")
 from accelerate import Accelerator, PartialState  # noqa: E402
 from accelerate.state import AcceleratorState  # noqa: E402
 from accelerate.utils import DistributedType  # noqa: E402
+from support import fresh_accelerate_state  # noqa: E402, F401
 
 STEPS = 3
 SEQUENCE = 8
 VOCAB = 64
-
-
-@pytest.fixture(autouse=True)
-def fresh_accelerate_state() -> Any:
-    """accelerate keeps one process-wide state; each test builds its own."""
-    AcceleratorState._reset_state(reset_partial_state=True)
-    yield
-    AcceleratorState._reset_state(reset_partial_state=True)
 
 
 def tiny_llama(seed: int = 0, **overrides: Any) -> Any:

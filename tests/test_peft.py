@@ -13,18 +13,11 @@ peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
 from accelerate.state import AcceleratorState  # noqa: E402
+from support import fresh_accelerate_state  # noqa: E402, F401
 
 VOCAB = 64
 SEQUENCE = 8
 STEPS = 3
-
-
-@pytest.fixture(autouse=True)
-def fresh_accelerate_state() -> Any:
-    """accelerate keeps one process-wide state; each test builds its own."""
-    AcceleratorState._reset_state(reset_partial_state=True)
-    yield
-    AcceleratorState._reset_state(reset_partial_state=True)
 
 
 @pytest.fixture(scope="module")
