@@ -99,8 +99,9 @@ def test_half_products_round_like_cpu(dtype):
     x, y = (torch.randn(5, 5, 5) * 3).to(dtype), (torch.randn(5, 5, 10) * 3).to(dtype)
     check(lambda c, x, y: torch.addbmm(c, x, y, beta=0.6, alpha=0.2), torch.randn(1).to(dtype), x, y)
     check(lambda c, x, y: torch.addbmm(c, x, y), torch.randn(5, 10).to(dtype), x, y)
-    v, w = (torch.randn(5) * 3).to(dtype), (torch.randn(10) * 3).to(dtype)
-    check(lambda c, v, w: torch.addr(c, v, w, beta=0.6, alpha=0.2), torch.randn(5, 10).to(dtype), v, w)
+    for _ in range(20):  # one element in a few draws rounds differently where XLA keeps excess precision
+        v, w = (torch.randn(5) * 3).to(dtype), (torch.randn(10) * 3).to(dtype)
+        check(lambda c, v, w: torch.addr(c, v, w, beta=0.6, alpha=0.2), torch.randn(5, 10).to(dtype), v, w)
 
 
 def test_vector_products():

@@ -21,6 +21,7 @@ import torch
 from jax import lax
 
 from torch_pjrt import storage
+from torch_pjrt.ops.pointwise import rounded_like
 from torch_pjrt.ops.registry import LOWERINGS, Lowering, decomposed, register
 
 aten = torch.ops.aten
@@ -254,6 +255,17 @@ def addr(self: Any, vec1: Any, vec2: Any, *, beta: Any = 1, alpha: Any = 1) -> A
     if vec1.dtype == jnp.bool_:
         return _scaled_sum(self, jnp.logical_and(vec1[:, None], vec2[None, :]), beta, alpha)
     beta, alpha = _integral_scalars(self.dtype, beta, alpha)
+    if jnp.issubdtype(self.dtype, jnp.floating) and jnp.finfo(self.dtype).bits < 32:
+        # half precision: each step rounded explicitly (XLA may keep excess precision inside a fusion),
+        # the scalars too, as CPU converts them to the dtype first
+        def rounded(x: Any) -> Any:
+            return rounded_like(x, self.dtype)
+
+        wide = jnp.float32
+        beta, alpha = rounded(jnp.asarray(beta, wide)), rounded(jnp.asarray(alpha, wide))
+        outer = rounded(rounded(vec1.astype(wide) * alpha)[:, None] * vec2.astype(wide)[None, :])
+        scaled = jnp.where(beta == 0, jnp.zeros((), wide), rounded(beta * self.astype(wide)))
+        return (scaled + outer).astype(self.dtype)
     outer = (vec1 * alpha)[:, None] * vec2[None, :]
     return jnp.where(beta == 0, jnp.zeros((), outer.dtype), beta * self) + outer
 
