@@ -136,6 +136,15 @@ void bump(PyObject* counter, PyObject* name) {
   }
 }
 
+// `object.name`, raising Python's error when it has none.
+py::object attribute_of(PyObject* object, PyObject* name) {
+  PyObject* found = PyObject_GetAttr(object, name);
+  if (found == nullptr) {
+    throw py::error_already_set();
+  }
+  return py::reinterpret_steal<py::object>(found);
+}
+
 struct OutSpec {
   c10::ScalarType dtype;
   std::vector<int64_t> sizes;
@@ -290,10 +299,7 @@ bool usable_array(py::object& array, bool fusing) {
   if (rt.deferred_type == nullptr || type != reinterpret_cast<PyTypeObject*>(rt.deferred_type)) {
     return false;
   }
-  py::object value = py::reinterpret_steal<py::object>(PyObject_GetAttr(array.ptr(), rt.s_value));
-  if (!value) {
-    throw py::error_already_set();
-  }
+  py::object value = attribute_of(array.ptr(), rt.s_value);
   if (!value.is_none()) {
     array = std::move(value);
     return Py_TYPE(array.ptr()) == reinterpret_cast<PyTypeObject*>(rt.array_type);
@@ -322,17 +328,10 @@ bool add_ints(PyObject* items, std::vector<int64_t>& words) {
 // int, or a ladder of sizes), and its bucket-size array; false when that array cannot be used yet.
 bool add_layout(PyObject* layout, std::vector<int64_t>& words, py::object& inner, bool fusing) {
   auto& rt = runtime();
-  auto attribute = [layout](PyObject* name) {
-    PyObject* found = PyObject_GetAttr(layout, name);
-    if (found == nullptr) {
-      throw py::error_already_set();
-    }
-    return py::reinterpret_steal<py::object>(found);
-  };
-  py::object shape = attribute(rt.s_shape);
-  py::object padded = attribute(rt.s_padded);
-  py::object bounds = attribute(rt.s_bounds);
-  inner = attribute(rt.s_array);
+  py::object shape = attribute_of(layout, rt.s_shape);
+  py::object padded = attribute_of(layout, rt.s_padded);
+  py::object bounds = attribute_of(layout, rt.s_bounds);
+  inner = attribute_of(layout, rt.s_array);
   if (!usable_array(inner, fusing)) {
     return false;
   }
@@ -515,9 +514,11 @@ bool sizes_are_live(const OpState& op, c10::ArrayRef<c10::IValue> arguments) {
           return true;
         }
       }
-    } else if (value.isInt() && is_live(value.toInt())) {
-      return true;
-    } else if (!value.isIntList() && !value.isInt() && !value.isDouble() && !value.isNone()) {
+    } else if (value.isInt()) {
+      if (is_live(value.toInt())) {
+        return true;
+      }
+    } else if (!value.isDouble() && !value.isNone()) {
       return true;  // symbolic sizes: Python decides
     }
   }
@@ -640,14 +641,6 @@ bool describe(const OpState& op, c10::ArrayRef<c10::IValue> arguments, Signature
 
 // Where a call may go: Python only, the native strict hit, or native recording into the fused graph.
 enum class Path { Python, Strict, Fused };
-
-py::object attribute_of(PyObject* object, PyObject* name) {
-  PyObject* found = PyObject_GetAttr(object, name);
-  if (found == nullptr) {
-    throw py::error_already_set();
-  }
-  return py::reinterpret_steal<py::object>(found);
-}
 
 Path fast_path() {
   auto& rt = runtime();

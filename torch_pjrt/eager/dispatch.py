@@ -77,6 +77,9 @@ class OpPlan:
     allow_cpu: bool
     # every return is a tensor, an optional tensor or a tensor list (what the native cache can wrap)
     native_returns: bool
+    # a factory's sizes that are padded when they equal a length marked lately (`Scan.sizes`): its `size`,
+    # arange's `end`; none for random factories, whose draws would change with the padding
+    length_args: tuple[int, ...]
 
     def normalize(self, args: tuple, kwargs: dict) -> list[Any]:
         values = list(args)
@@ -108,6 +111,8 @@ def plan_for(op: OpOverload) -> OpPlan | None:
     arguments = schema.arguments
     kinds = [_arg_kind(a.type) for a in arguments]
     mutated = registry.mutated_arguments(op)
+    factory = not any(k in (Arg.TENSOR, Arg.TENSOR_LIST) for k in kinds)
+    names = [a.name for a in arguments]
     aliases: list[int | None] = []
     for ret in schema.returns:
         index = None
@@ -118,19 +123,22 @@ def plan_for(op: OpOverload) -> OpPlan | None:
         aliases.append(index)
     return OpPlan(
         op=op,
-        names=[a.name for a in arguments],
+        names=names,
         kinds=kinds,
         kwarg_only=[a.kwarg_only for a in arguments],
         defaults=[_default(a) for a in arguments],
         mutated=mutated,
         return_aliases=aliases,
         lowering=lowering,
-        factory=not any(k in (Arg.TENSOR, Arg.TENSOR_LIST) for k in kinds),
-        static_scalars=lowering.static_scalars or not any(k in (Arg.TENSOR, Arg.TENSOR_LIST) for k in kinds),
+        factory=factory,
+        static_scalars=lowering.static_scalars or factory,
         has_device_arg=Arg.DEVICE in kinds,
         name=str(op),
         allow_cpu=op in CPU_TENSORS_ALLOWED,
         native_returns=all(str(r.type) in ("Tensor", "Optional[Tensor]", "List[Tensor]") for r in schema.returns),
+        length_args=() if not factory or lowering.random else tuple(
+            i for i, name in enumerate(names)
+            if name == "size" or (name == "end" and op is torch.ops.aten.arange.default)),
     )
 
 
@@ -215,12 +223,13 @@ class Scan:
     def sizes(self, described: list[Any]) -> None:
         """A factory's sizes that equal a length marked dynamic lately become symbols: its result is
         padded, like the tensors it will meet (their length reached it as a plain int)."""
-        names = self.plan.names
-        for index, name in enumerate(names):
+        for index in self.plan.length_args:
             value = described[index]
-            if name == "size" and isinstance(value, tuple):
+            if not isinstance(value, tuple):
+                continue
+            if self.plan.names[index] == "size":
                 described[index] = tuple(self.size(v) for v in value)
-            elif name == "end" and self.plan.op is torch.ops.aten.arange.default and isinstance(value, tuple):
+            else:  # arange's end
                 size = self.size(value[1])
                 described[index] = size if isinstance(size, dynamic.SizeSymbol) else value
 
@@ -774,7 +783,7 @@ def cache_key(scan: Scan, described: list[Any]) -> tuple:
 def _describe(plan: OpPlan, values: list[Any], plain: bool) -> tuple[Scan, list[Any]]:
     scan = Scan(plan, plain)
     described = [scan.value(k, v) for k, v in zip(plan.kinds, values)]
-    if plan.factory and not plain and not plan.lowering.random and dynamic.has_live_lengths():
+    if plan.length_args and not plain and dynamic.has_live_lengths():
         scan.sizes(described)
     elif plan.op is _CONSTANT_PAD and scan.symbols is not None:
         scan.pads_to_buckets(described)
@@ -1017,11 +1026,8 @@ def register_native(module: Any, op: OpOverload, plan: OpPlan) -> None:
     A factory's sizes (`Scan.sizes`: its `size`, arange's `end`) that equal a live length send the call
     here, where it is padded."""
     schema = op._schema
-    length_args = [] if not plan.factory or plan.lowering.random else [
-        index for index, name in enumerate(plan.names)
-        if name == "size" or (name == "end" and op is torch.ops.aten.arange.default)]
     module.register_kernel(schema.name.split("::")[-1], schema.overload_name, plan, [k.value for k in plan.kinds],
-                           plan.static_scalars, plan.allow_cpu, length_args)
+                           plan.static_scalars, plan.allow_cpu, list(plan.length_args))
 
 
 def configure_native(module: Any) -> None:
