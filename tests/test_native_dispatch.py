@@ -215,6 +215,32 @@ def test_checked_programs_hit_natively_and_raise_at_the_host_wait() -> None:
         looked_up.cpu()
 
 
+def test_advanced_indexing_hits_natively_unless_a_mask_needs_its_count() -> None:
+    """Reads and writes with integer indices (and a mask write that is a `where`) replay natively, handing
+    only their bounds checks to Python; a mask whose true count makes the shape runs the Python kernel
+    on every call, since its result shape is not in the key."""
+    torch.manual_seed(8)
+    a, c, values, mask = torch.randn(16, 16), torch.randn(16, 16), torch.randn(16), torch.randn(16, 16) > 0
+    ids = torch.tensor([0, 5, -1])
+    on = {name: t.to("pjrt") for name, t in {"a": a, "c": c, "values": values, "ids": ids, "mask": mask}.items()}
+
+    def calls(t: dict) -> list[torch.Tensor]:
+        t["c"][2:10].index_put_((t["ids"],), t["values"], accumulate=True)
+        t["c"][t["mask"]] = 0.5
+        return [t["a"][t["ids"], 1:], t["c"] * 1]
+
+    expected = calls({"a": a, "c": c.clone(), "values": values, "ids": ids, "mask": mask})
+    cpu_twice = calls({"a": a, "c": expected[1].clone(), "values": values, "ids": ids, "mask": mask})
+    calls(on)
+    got: list[torch.Tensor] = []
+    entered = python_calls_of_ours(lambda: got.extend(calls(on)))
+    assert {name.rsplit(":", 1)[1] for name in entered if "/eager/" in name} == {"native_checks_issued"}
+    for e, r in zip(cpu_twice, got, strict=True):
+        torch.testing.assert_close(r.cpu(), e)
+    selected = on["a"][on["mask"]]
+    assert torch.equal(on["a"][on["mask"]].cpu(), a[mask]) and selected.shape == a[mask].shape
+
+
 def test_memory_figures_follow_native_results() -> None:
     a = pjrt(64, 64)
     a * 2

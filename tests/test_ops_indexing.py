@@ -102,6 +102,70 @@ def test_index_put_and_accumulate_duplicates():
     check(iadd, x, torch.tensor([4, 1]))
 
 
+VIEWS = {
+    "row": lambda b: b[1],
+    "column": lambda b: b[:, 2],
+    "transposed": lambda b: b.transpose(1, 2)[0],
+    "strided box": lambda b: b[::2, 1:5],
+}
+
+
+
+def _along_last(v, i):
+    """index_put_'s index list selecting `i` along v's last dim."""
+    return [None] * (v.dim() - 1) + [i]
+
+
+def _source(v, i, s):
+    """Values for the selected positions of v's last dim (fresh random numbers, broadcast over the rest)."""
+    return s[: i.numel()].expand(*v.shape[:-1], i.numel()) * 1
+
+
+SCATTERS = {
+    "index_put_": lambda v, i, s: torch.ops.aten.index_put_(v, _along_last(v, i), _source(v, i, s)),
+    "index_put_ accumulate": lambda v, i, s: torch.ops.aten.index_put_(v, _along_last(v, i), _source(v, i, s), True),
+    "setitem": lambda v, i, s: v.__setitem__((..., i), s[: i.numel()]),
+    "index_copy_": lambda v, i, s: v.index_copy_(-1, i.unique(), _source(v, i.unique(), s)),
+    "index_add_": lambda v, i, s: v.index_add_(-1, i, _source(v, i, s), alpha=0.5),
+    "index_fill_": lambda v, i, s: v.index_fill_(-1, i, -2.0),
+    "put_ accumulate": lambda v, i, s: v.put_(i, s[: i.numel()], accumulate=True),
+}
+
+
+@pytest.mark.parametrize("mode", ["strict", "fused"])
+@pytest.mark.parametrize("view", VIEWS)
+@pytest.mark.parametrize("op", SCATTERS)
+def test_scatters_into_a_view_write_only_its_elements(op, view, mode, monkeypatch):
+    """An in-place scatter into a view of part of a storage scatters into the storage itself (a KV-cache write
+    into one large buffer must not copy it): the program takes that path, and the whole storage, read through
+    another view, equals CPU's."""
+    from torch_pjrt.ops import indexing
+
+    through = []
+    monkeypatch.setattr(indexing, "scatter_through", lambda *a, f=indexing.scatter_through: through.append(1) or f(*a))
+    base, source = torch.randn(3, 6, 8), torch.randn(8)
+    index = torch.tensor([0, -1, 2, 2])
+
+    def write(base, index, source):
+        whole = base.clone()
+        SCATTERS[op](VIEWS[view](whole), index.remainder(6) if op in ("index_copy_", "index_add_") else index, source)
+        return whole.view(-1) * 1
+
+    expected = write(base, index, source)
+    mode_name = torch.pjrt.EagerMode.DEFER_AND_FUSE if mode == "fused" else torch.pjrt.EagerMode.DEFER_NEVER
+    with torch.pjrt.set_eager_mode(mode_name):
+        actual = write(*(t.to("pjrt") for t in (base, index, source)))
+    torch.testing.assert_close(actual.cpu(), expected)
+    assert through, "the write read and rewrote the whole view"
+
+
+def test_a_bad_index_into_a_view_raises_like_cpu():
+    base = torch.randn(3, 6, 8, device="pjrt")
+    with pytest.raises(RuntimeError, match="index_put: index 9 is out of bounds for dimension 0 with size 6"):
+        base[1].index_put_((torch.tensor([9], device="pjrt"),), torch.zeros(8, device="pjrt"))
+        base.cpu()
+
+
 def test_index_put_into_an_expanded_tensor_writes_through_its_shared_elements():
     """CPU writes each selected element's one address (with a deprecation warning): accumulate adds every value
     into the element that the expanded rows share, and an assignment reaches every row."""

@@ -412,6 +412,17 @@ def _gather_indices(view: View, dims: list[int]) -> Any:
     return index
 
 
+def positions(view: View) -> Any:
+    """The storage index of each of the view's elements (traced iota arithmetic, which XLA fuses into the
+    gather or scatter that uses it)."""
+    lax = client.jax_module().lax
+    index = lax.full(view.sizes, view.offset, np.int64)
+    for axis, stride in enumerate(view.strides):
+        if stride and view.sizes[axis] > 1:
+            index = index + lax.broadcasted_iota(np.int64, view.sizes, axis) * stride
+    return index
+
+
 def _block(flat: Any, offset: int, length: int) -> Any:
     jnp = client.jax_module().numpy
     end = offset + length

@@ -409,3 +409,27 @@ def _put_into_expanded(op: Any, self: torch.Tensor, indices: list[Any], values: 
 
 for _op in (aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default):
     KERNELS[_op] = _index_put_kernel(_op)
+
+
+def _plain_index(self: torch.Tensor, indices: list[Any]) -> bool:
+    return all(not isinstance(i, torch.Tensor) or i.dtype in INDEX_DTYPES for i in indices) and not _needs_conversion(
+        self, indices, None)
+
+
+def _plain_index_put(op: Any) -> Callable[..., bool]:
+    def plain(self: torch.Tensor, indices: list[Any], values: torch.Tensor, *args: Any, **kwargs: Any) -> bool:
+        return (all(not isinstance(i, torch.Tensor) or i.dtype in INDEX_DTYPES for i in indices)
+                and not _needs_conversion(self, indices, values)
+                and (op is aten.index_put.default or not storage.view_of(self).has_internal_overlap()))
+
+    return plain
+
+
+# Calls for which the kernels above only run `dispatch.execute`: these ops take the native hit path, and a
+# native miss that is not such a call runs the kernel (csrc/dispatch.cpp keys each call by its dtypes,
+# shapes and strides, which decide it).
+PLAIN_CALLS: dict[Any, Callable[..., bool]] = {
+    aten.index.Tensor: _plain_index,
+    **{op: _plain_index_put(op) for op in (aten.index_put.default, aten.index_put_.default,
+                                           aten._index_put_impl_.default)},
+}

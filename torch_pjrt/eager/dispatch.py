@@ -23,7 +23,7 @@ from torch._ops import OpOverload
 
 from torch_pjrt import _torch_private, storage
 from torch_pjrt.eager import dynamic, fusion, modes
-from torch_pjrt.ops import arguments, graph, linalg, padding, registry
+from torch_pjrt.ops import arguments, graph, indexing, linalg, padding, registry
 from torch_pjrt.runtime import checks, client, metrics, programs, rng, startup
 from torch_pjrt.storage import View
 
@@ -519,6 +519,7 @@ def _build(plan: OpPlan, scan: Scan, values: list[Any], described: list[Any], fo
     mutated_slots = sorted({v[0] for views in mutated_views for v in views if v is not None and v[2] != "resized"})
     slot_info = {leaf.slot: (leaf.numel if isinstance(leaf, Leaf) else math.prod(leaf.padded), leaf.storage_dtype,
                              isinstance(leaf, Leaf) and leaf.uninitialised) for leaf in _leaves(described)}
+    through = _written_through(plan, mutated_views, slot_info, n_fresh)
     padded_slots = frozenset(leaf.slot for leaf in _leaves(described) if isinstance(leaf, dynamic.PaddedLeaf)
                              and type(scan.storages[leaf.slot].array) is storage.Padded)
     passed_slots = [s for s in range(len(scan.storages)) if not slot_info[s][2]]
@@ -590,6 +591,13 @@ def _build(plan: OpPlan, scan: Scan, values: list[Any], described: list[Any], fo
             key = client.jax_module().random.wrap_key_data(key, impl="threefry2x32")
         positional = [v for v, kw in zip(resolved, kwarg_only) if not kw]
         keywords = {n: v for n, v, kw in zip(names, resolved, kwarg_only) if kw and n not in dropped}
+        if through is not None:
+            scatter = lowering.scatter(*positional, **keywords)
+            if scatter is not None:  # self's whole view is never read: XLA drops that read
+                slot, view = through
+                flats[slot] = indexing.scatter_through(storage.flat_array(flats[slot]), storage.positions(view),
+                                                       scatter).reshape(flats[slot].shape)
+                return tuple(flats[s] for s in mutated_slots)
         if form is not None:
             sizes = padding.Sizes(dict(zip(form.symbols, buckets)), dict(zip(form.symbols, true)))
             fed = [dynamic.pick(path, positional, keywords) for path in form.feeds]
@@ -648,6 +656,22 @@ def _build(plan: OpPlan, scan: Scan, values: list[Any], described: list[Any], fo
     entry = Entry(compiled, program, fresh_specs, mutated_slots, resized, passed_slots, random, output_count,
                   form, padded_positions, padded_slots, out_padded)
     return entry
+
+
+def _written_through(plan: OpPlan, mutated_views: list[list[Any]], slot_info: dict[int, Any],
+                     n_fresh: int) -> tuple[int, View] | None:
+    """(slot, view) when the op writes into a view of part of its self's storage and has a scatter form:
+    its program then scatters into the storage in place (copying only what it writes)."""
+    if plan.lowering.scatter is None or plan.mutated != [0] or n_fresh or len(mutated_views[0]) != 1:
+        return None
+    found = mutated_views[0][0]
+    if found is None or found[2] is not None:
+        return None
+    slot, view, _ = found
+    numel, storage_dtype, _ = slot_info[slot]
+    if view.covers(numel) or view.dtype != storage_dtype or view.conj or view.neg or not math.prod(view.sizes):
+        return None
+    return slot, view
 
 
 def _output_factors(form: Any, out_padded: tuple[int, ...]) -> list[tuple[list[list[int]], list[list[Any]], Any]]:
@@ -859,6 +883,9 @@ def _execute(plan: OpPlan, args: tuple, kwargs: dict) -> tuple[Any, Replay | Non
 def native_miss(plan: OpPlan, args: tuple, kwargs: dict) -> tuple[Any, tuple | None]:
     """A call the native hit path (csrc/dispatch.cpp) did not have: run it here, and hand back what
     the native cache needs to run the same signature itself next time (None: it cannot)."""
+    special = _UNLESS_PLAIN.get(plan.op)
+    if special is not None and not special[0](*args, **kwargs):
+        return special[1](*args, **kwargs), None
     result, replay = _execute(plan, args, kwargs)
     if replay is None:
         return result, None
@@ -1021,10 +1048,19 @@ def _returns(plan: OpPlan, values: list[Any], arrays: Any, specs: list[Any], dev
     return results[0] if len(results) == 1 else tuple(results)
 
 
-def register_native(module: Any, op: OpOverload, plan: OpPlan) -> None:
+# Natively registered ops whose Python kernel is more than `execute` for some calls: (whether a call is plain
+# execution, the kernel for the others).
+_UNLESS_PLAIN: dict[OpOverload, tuple[Callable[..., bool], Callable[..., Any]]] = {}
+
+
+def register_native(module: Any, op: OpOverload, plan: OpPlan,
+                    unless_plain: tuple[Callable[..., bool], Callable[..., Any]] | None = None) -> None:
     """Give `op` the native kernel (csrc/dispatch.cpp): cache hits run there, misses come to `native_miss`.
     A factory's sizes (`Scan.sizes`: its `size`, arange's `end`) that equal a live length send the call
-    here, where it is padded."""
+    here, where it is padded. With `unless_plain`, a miss that is not plain execution runs that kernel
+    and is not installed."""
+    if unless_plain is not None:
+        _UNLESS_PLAIN[op] = unless_plain
     schema = op._schema
     module.register_kernel(schema.name.split("::")[-1], schema.overload_name, plan, [k.value for k in plan.kinds],
                            plan.static_scalars, plan.allow_cpu, list(plan.length_args))

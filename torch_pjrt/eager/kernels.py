@@ -294,7 +294,10 @@ def register_all() -> list[torch.library.Library]:
         name = op.name()
         if _torch_private.has_kernel(name, "CompositeImplicitAutograd") and op not in COMPOSITE_REPLACED:
             continue
-        if op in special:
+        if op in data_dependent.PLAIN_CALLS and native_dispatch is not None and dispatch.plan_for(op) is not None:
+            dispatch.register_native(native_dispatch, op, dispatch.plan_for(op),
+                                     unless_plain=(data_dependent.PLAIN_CALLS[op], special[op]))
+        elif op in special:
             library.impl(op, special[op], KEY)
         elif _is_view(op) or op in METADATA_OPS:
             if _torch_private.has_kernel(name, "CompositeExplicitAutograd"):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
@@ -108,10 +108,10 @@ def _masked_write(self: Any, indices: Sequence[Any], values: Any, accumulate: bo
     return jnp.where(mask, values.astype(self.dtype), self)
 
 
-def _source_shape(data: Any, axis: int, index: Any) -> tuple[int, ...]:
-    """index_add/copy/reduce's source: data's shape with one slice per index along axis (an explicit size:
+def _source_shape(shape: tuple[int, ...], axis: int, index: Any) -> tuple[int, ...]:
+    """index_add/copy/reduce's source: the data's shape with one slice per index along axis (an explicit size:
     a -1 cannot be solved when another dim is 0)."""
-    return data.shape[:axis] + (int(np.size(index)),) + data.shape[axis + 1:]
+    return shape[:axis] + (int(np.size(index)),) + shape[axis + 1:]
 
 
 def _along(dim: int, index: Any) -> tuple:
@@ -161,6 +161,32 @@ def _combine_at(array: Any, where: Any, values: Any, how: str = "add") -> Any:
     return getattr(array.at[where], how)(values)
 
 
+class Scatter(NamedTuple):
+    """An op as `self.reshape(shape).at[where].set(values)` (or `.add`, duplicates adding up): the form in
+    which an in-place call on a view writes only the elements it changes (`scatter_through`)."""
+
+    shape: tuple[int, ...]
+    where: Any
+    values: Any
+    how: str  # "set" or "add"
+
+
+def scatter_into(data: Any, scatter: Scatter) -> Any:
+    """`data` (the op's self) with the scatter applied."""
+    target = data.reshape(scatter.shape)
+    values = jnp.asarray(scatter.values).astype(target.dtype)
+    if scatter.how == "add":
+        return _combine_at(target, scatter.where, values).reshape(data.shape)
+    return target.at[scatter.where].set(values).reshape(data.shape)
+
+
+def scatter_through(flat: Any, positions: Any, scatter: Scatter) -> Any:
+    """A storage's 1-D array after the scatter, `positions` holding the address of each of the view's elements."""
+    written = positions.reshape(scatter.shape)[scatter.where]
+    values = jnp.asarray(scatter.values).astype(flat.dtype)
+    return _combine_at(flat, written, values) if scatter.how == "add" else flat.at[written].set(values)
+
+
 def _reduce_into(self: Any, where: tuple, src: Any, reduce: str, include_self: bool) -> Any:
     """self with src reduced into the positions `where` names (duplicates combine)."""
     reduce = _REDUCE_NAMES[reduce]
@@ -199,26 +225,36 @@ def index(self: Any, indices: list[Any]) -> Any:
     return self[_index_tuple(indices)]
 
 
-@register(aten._unsafe_index_put.default)
-def unsafe_index_put(self: Any, indices: list[Any], values: Any, accumulate: bool = False) -> Any:
-    return _index_put(self, indices, values, accumulate)
-
-
-@register(aten.index_put.default, aten._index_put_impl.default)
-def index_put(self: Any, indices: list[Any], values: Any, accumulate: bool = False, unsafe: bool = False) -> Any:
+def _index_put_scatter(self: Any, indices: list[Any], values: Any, accumulate: bool = False,
+                       unsafe: bool = False) -> Scatter | None:
     _check_indices(self, indices, "aten::index_put")
-    return _index_put(self, indices, values, accumulate)
+    return _put_scatter(self, indices, values, accumulate)
 
 
-def _index_put(self: Any, indices: list[Any], values: Any, accumulate: bool) -> Any:
-    """Duplicates: accumulate adds every one; otherwise one of them wins (as on CUDA)."""
+def _put_scatter(self: Any, indices: list[Any], values: Any, accumulate: bool = False) -> Scatter | None:
+    """None for a mask write that needs no count (a `where`, not a scatter). Duplicates: accumulate adds every
+    one; otherwise one of them wins (as on CUDA)."""
     values = jnp.asarray(values)
     position = _single_mask(indices)
     if position is not None and mask_write_ok(self.shape, position, indices[position].shape, values.shape):
-        return _masked_write(self, indices, values, accumulate)
-    where = _index_tuple(indices)
-    values = values.astype(self.dtype)
-    return _combine_at(self, where, values) if accumulate else self.at[where].set(values)
+        return None
+    return Scatter(self.shape, _index_tuple(indices), values, "add" if accumulate else "set")
+
+
+@register(aten._unsafe_index_put.default, scatter=_put_scatter)
+def unsafe_index_put(self: Any, indices: list[Any], values: Any, accumulate: bool = False) -> Any:
+    return _index_put(self, _put_scatter(self, indices, values, accumulate), indices, values, accumulate)
+
+
+@register(aten.index_put.default, aten._index_put_impl.default, scatter=_index_put_scatter)
+def index_put(self: Any, indices: list[Any], values: Any, accumulate: bool = False, unsafe: bool = False) -> Any:
+    return _index_put(self, _index_put_scatter(self, indices, values, accumulate), indices, values, accumulate)
+
+
+def _index_put(self: Any, scatter: Scatter | None, indices: list[Any], values: Any, accumulate: bool) -> Any:
+    if scatter is None:
+        return _masked_write(self, indices, jnp.asarray(values), accumulate)
+    return scatter_into(self, scatter)
 
 
 @register(aten._unsafe_masked_index.default)
@@ -240,7 +276,7 @@ def index_select_backward(grad: Any, self_sizes: list[int], dim: int, index: Any
     size = self_sizes[_dim(dim, len(self_sizes))] if self_sizes else 1
     check_index(index, size, "aten::index_select_backward", OUT_OF_RANGE)
     zeros = jnp.zeros(tuple(self_sizes), grad.dtype)
-    return _index_update(zeros, dim, index, grad, "add")
+    return scatter_into(zeros, _along_scatter(zeros, dim, index, grad, "add"))
 
 
 @register(aten.index_select.default)
@@ -256,8 +292,7 @@ def take(self: Any, index: Any) -> Any:
     return self.reshape(-1)[index]
 
 
-@register(aten.put.default)
-def put(self: Any, index: Any, source: Any, accumulate: bool = False) -> Any:
+def _put_flat_scatter(self: Any, index: Any, source: Any, accumulate: bool = False) -> Scatter:
     """CPU's checks of the index's dtype and of one source element per index (PyTorch's meta kernel makes neither)."""
     if index.dtype != jnp.int64:
         raise RuntimeError(f"put_(): Expected a long tensor for index, but got {scalar_type_name(dtype_of(index))}")
@@ -265,9 +300,12 @@ def put(self: Any, index: Any, source: Any, accumulate: bool = False) -> Any:
         raise IndexError("put_(): Expected source and index to have the same number of elements, but got "
                          f"source.numel() = {source.size}, index.numel() = {index.size}")
     check_index(index, self.size, "aten::put", TAKE_OUT_OF_RANGE, negative=True)
-    flat, where = self.reshape(-1), index.reshape(-1)
-    source = source.reshape(-1).astype(self.dtype)
-    return (_combine_at(flat, where, source) if accumulate else flat.at[where].set(source)).reshape(self.shape)
+    return Scatter((self.size,), index.reshape(-1), source.reshape(-1), "add" if accumulate else "set")
+
+
+@register(aten.put.default, scatter=_put_flat_scatter)
+def put(self: Any, index: Any, source: Any, accumulate: bool = False) -> Any:
+    return scatter_into(self, _put_flat_scatter(self, index, source, accumulate))
 
 
 @register(aten.nonzero_static.default)
@@ -339,45 +377,54 @@ def scatter_reduce(self: Any, dim: int, index: Any, src: Any, reduce: str, *, in
 # --- index_* along one dim ---------------------------------------------------------------------
 
 
-def _index_update(self: Any, dim: int, index: Any, source: Any, how: str) -> Any:
-    data = _as_vector(self)
-    axis = _dim(dim, data.ndim)
+def _along_scatter(self: Any, dim: int, index: Any, source: Any, how: str) -> Scatter:
+    """index_add/copy/fill: `source` at `index` along `dim` (a 0-d self is a vector of one)."""
+    shape = tuple(self.shape) or (1,)
+    axis = _dim(dim, len(shape))
     source = jnp.asarray(source)
     if source.ndim:
-        source = source.reshape(_source_shape(data, axis, index))
-    where = _along(axis, _as_vector(index))
-    source = source.astype(data.dtype)
-    return (_combine_at(data, where, source) if how == "add" else data.at[where].set(source)).reshape(self.shape)
+        source = source.reshape(_source_shape(shape, axis, index))
+    return Scatter(shape, _along(axis, _as_vector(index)), source, how)
 
 
-@register(aten.index_add.default)
-def index_add(self: Any, dim: int, index: Any, source: Any, *, alpha: Any = 1) -> Any:
+def _index_add_scatter(self: Any, dim: int, index: Any, source: Any, *, alpha: Any = 1) -> Scatter:
     """CPU checks no index when self is empty (also index_fill)."""
     axis = _dim(dim, self.ndim)
     if self.size and self.ndim <= 1:
         check_index(index, _as_vector(self).shape[0], "aten::index_add", OUT_OF_RANGE)
     elif self.size:
         check_index(index, self.shape[axis], "aten::index_add", OUT_OF_BOUNDS, RuntimeError, dim=axis)
-    if self.dtype == jnp.bool_:
-        return _index_update(self.astype(jnp.int8), dim, index, source, "add") != 0
-    return _index_update(self, dim, index, jnp.asarray(source) * alpha, "add")
+    return _along_scatter(self, dim, index, jnp.asarray(source) * alpha, "add")
 
 
-@register(aten.index_copy.default)
-def index_copy(self: Any, dim: int, index: Any, source: Any) -> Any:
+@register(aten.index_add.default, scatter=_index_add_scatter)
+def index_add(self: Any, dim: int, index: Any, source: Any, *, alpha: Any = 1) -> Any:
+    return scatter_into(self, _index_add_scatter(self, dim, index, source, alpha=alpha))
+
+
+def _index_copy_scatter(self: Any, dim: int, index: Any, source: Any) -> Scatter:
     axis = _dim(dim, self.ndim)
     if jnp.size(source):  # CPU checks no index when nothing is copied
         check_index(index, _as_vector(self).shape[axis], "aten::index_copy", "index_copy_(): " + OUT_OF_BOUNDS,
                     dim=axis)
-    return _index_update(self, dim, index, source, "set")
+    return _along_scatter(self, dim, index, source, "set")
 
 
-@register(aten.index_fill.int_Scalar, aten.index_fill.int_Tensor)
-def index_fill(self: Any, dim: int, index: Any, value: Any) -> Any:
+@register(aten.index_copy.default, scatter=_index_copy_scatter)
+def index_copy(self: Any, dim: int, index: Any, source: Any) -> Any:
+    return scatter_into(self, _index_copy_scatter(self, dim, index, source))
+
+
+def _index_fill_scatter(self: Any, dim: int, index: Any, value: Any) -> Scatter:
     axis = _dim(dim, self.ndim)
     if self.size:
         check_index(index, _as_vector(self).shape[axis], "aten::index_fill", OUT_OF_BOUNDS, negative=True, dim=axis)
-    return _index_update(self, dim, index, value, "set")
+    return _along_scatter(self, dim, index, value, "set")
+
+
+@register(aten.index_fill.int_Scalar, aten.index_fill.int_Tensor, scatter=_index_fill_scatter)
+def index_fill(self: Any, dim: int, index: Any, value: Any) -> Any:
+    return scatter_into(self, _index_fill_scatter(self, dim, index, value))
 
 
 @register(aten.index_reduce.default)
@@ -385,7 +432,7 @@ def index_reduce(self: Any, dim: int, index: Any, source: Any, reduce: str, *, i
     data = _as_vector(self)
     axis = _dim(dim, data.ndim)
     check_index(index, data.shape[axis], "aten::index_reduce", OUT_OF_RANGE)
-    source = _as_vector(source).reshape(_source_shape(data, axis, index))
+    source = _as_vector(source).reshape(_source_shape(data.shape, axis, index))
     return _reduce_into(data, _along(axis, _as_vector(index)), source, reduce, include_self).reshape(self.shape)
 
 

@@ -41,6 +41,11 @@ class Lowering:
     # What the traced program depends on beyond this package's source (a custom op's kernel code):
     # part of the persistent cache key of a compiled graph that contains the op.
     fingerprint: str = ""
+    # The op as a scatter into its first argument (`(*args) -> Scatter | None`, ops/indexing.py): an
+    # in-place call on a view then writes only the scattered elements of the storage, in place,
+    # instead of reading the whole view and writing it back (a KV-cache write into a view of one
+    # large buffer would copy the view on every step).
+    scatter: Callable[..., Any] | None = None
 
 
 LOWERINGS: dict[OpOverload, Lowering] = {}
@@ -64,11 +69,12 @@ def _overloads(target: OpOverload | OpOverloadPacket) -> list[OpOverload]:
 
 
 def register(*targets: OpOverload | OpOverloadPacket, random: bool = False,
-             static_scalars: bool = False, wants_meta: bool = False, fingerprint: str = "") -> Callable:
+             static_scalars: bool = False, wants_meta: bool = False, fingerprint: str = "",
+             scatter: Callable[..., Any] | None = None) -> Callable:
     """Decorator: register a lowering for overloads (a packet means its functional overloads)."""
 
     def decorate(fn: Callable) -> Callable:
-        entry = Lowering(fn, random, static_scalars, wants_meta, fingerprint=fingerprint)
+        entry = Lowering(fn, random, static_scalars, wants_meta, fingerprint=fingerprint, scatter=scatter)
         for target in targets:
             for overload in _overloads(target):
                 LOWERINGS[overload] = entry
