@@ -29,7 +29,7 @@
 #include <torch/csrc/utils/tensor_numpy.h>
 #include <torch/extension.h>
 #include <torch/library.h>
-#include <unistd.h>
+#include <pthread.h>
 
 #include <cstring>
 #include <memory>
@@ -103,7 +103,7 @@ struct Runtime {
   PyObject* s_ref_scalar = nullptr;
   PyObject* s_ref_input = nullptr;
   std::vector<PyObject*> devices;  // torch.device("pjrt", i), made on first use
-  pid_t pid = 0;
+  bool forked = false;  // set in a forked child (pthread_atfork): a syscall per call would cost more
   bool enabled = false;
 };
 
@@ -644,7 +644,7 @@ enum class Path { Python, Strict, Fused };
 
 Path fast_path() {
   auto& rt = runtime();
-  if (!rt.enabled || getpid() != rt.pid) {
+  if (!rt.enabled || rt.forked) {
     return Path::Python;  // a forked child: Python refuses with the clear message
   }
   if (attribute_of(rt.modes, rt.s_blocking).ptr() != Py_False) {
@@ -1252,7 +1252,8 @@ void configure(py::object miss, py::object storage_type, py::object array_type, 
   rt.s_ref_node = interned("n");
   rt.s_ref_scalar = interned("s");
   rt.s_ref_input = interned("c");
-  rt.pid = getpid();
+  static const int at_fork = pthread_atfork(nullptr, nullptr, [] { runtime().forked = true; });
+  (void)at_fork;
   rt.enabled = true;
 }
 

@@ -1096,9 +1096,22 @@ def _reader(view: View, storage_dtype: torch.dtype, numel: int) -> programs.Prog
 
 def read(tensor: torch.Tensor) -> Any:
     """The logical jax array of a pjrt tensor (zero-copy when it is its whole storage)."""
+    flat, view, reader = _flat_and_reader(tensor)
+    return flat.reshape(view.sizes) if reader is None else reader.call(flat)
+
+
+def read_to_host(tensor: torch.Tensor) -> np.ndarray:
+    """A pjrt tensor's logical contents on the host; a whole storage is moved as it is and shaped on the
+    host (a device reshape would be a program dispatch per read, e.g. per `.item()`)."""
+    flat, view, reader = _flat_and_reader(tensor)
+    return client.to_host(flat).reshape(view.sizes) if reader is None else client.to_host(reader.call(flat))
+
+
+def _flat_and_reader(tensor: torch.Tensor) -> tuple[Any, View, programs.Program | None]:
+    """A tensor's flat storage array, its view, and the program that reads the view (None: it is the whole)."""
     st = storage.storage_of(tensor)
     view = storage.view_of(tensor)
     flat = st.materialize()
     if view.covers(st.numel) and view.dtype == st.dtype:
-        return flat.reshape(view.sizes)
-    return _reader(view, st.dtype, st.numel).call(flat)
+        return flat, view, None
+    return flat, view, _reader(view, st.dtype, st.numel)

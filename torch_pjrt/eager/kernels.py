@@ -57,7 +57,7 @@ def to_cpu(tensor: torch.Tensor) -> torch.Tensor:
     if isinstance(st.array, storage.Padded):
         flat = storage.host_tensor(st.array.host()).view(tensor.dtype)
         return torch.as_strided(flat, tensor.shape, tensor.stride(), tensor.storage_offset()).clone()
-    return storage.host_tensor(client.to_host(dispatch.read(tensor)))
+    return storage.host_tensor(dispatch.read_to_host(tensor))
 
 
 def resolve_device(device: Any) -> torch.device:
@@ -128,6 +128,12 @@ def _to_copy(
     return dispatch.execute(
         dispatch.plan_for(aten._to_copy.default), (source,), {"dtype": dtype, "memory_format": memory_format}
     )
+
+
+def _plain_to_copy(self: torch.Tensor, *, device: Any = None, pin_memory: bool | None = None, **_: Any) -> bool:
+    """Whether `_to_copy` only converts on the tensor's own device (then it is `dispatch.execute`)."""
+    return (self.device.type == "pjrt" and not pin_memory
+            and (device is None or (torch.device(device).type == "pjrt" and resolve_device(device) == self.device)))
 
 
 def _laid_out_like(copy: torch.Tensor, source: torch.Tensor, memory_format: Any) -> torch.Tensor:
@@ -227,6 +233,10 @@ def native_batch_norm(
                                                              momentum, eps)
 
 
+# SPECIAL kernels that, for the calls a predicate accepts, only run `dispatch.execute`: they take the native
+# hit path like any lowered op, and a native miss the predicate refuses runs the kernel.
+PLAIN_CALLS: dict[Any, Any] = {aten._to_copy.default: _plain_to_copy}
+
 SPECIAL: dict[Any, Any] = {
     aten.native_batch_norm.default: native_batch_norm,
     aten.copy_.default: copy_,
@@ -286,6 +296,7 @@ def register_all() -> list[torch.library.Library]:
     from torch_pjrt.eager import data_dependent
 
     special = {**SPECIAL, **data_dependent.KERNELS}
+    plain_calls = {**PLAIN_CALLS, **data_dependent.PLAIN_CALLS}
     library = torch.library.Library("aten", "IMPL")
     native_dispatch = native.dispatch_module()
     if native_dispatch is not None:
@@ -294,9 +305,9 @@ def register_all() -> list[torch.library.Library]:
         name = op.name()
         if _torch_private.has_kernel(name, "CompositeImplicitAutograd") and op not in COMPOSITE_REPLACED:
             continue
-        if op in data_dependent.PLAIN_CALLS and native_dispatch is not None and dispatch.plan_for(op) is not None:
+        if op in plain_calls and native_dispatch is not None and dispatch.plan_for(op) is not None:
             dispatch.register_native(native_dispatch, op, dispatch.plan_for(op),
-                                     unless_plain=(data_dependent.PLAIN_CALLS[op], special[op]))
+                                     unless_plain=(plain_calls[op], special[op]))
         elif op in special:
             library.impl(op, special[op], KEY)
         elif _is_view(op) or op in METADATA_OPS:
