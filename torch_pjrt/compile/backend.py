@@ -525,13 +525,19 @@ def _layout_from_json(item: list | None) -> tuple | None:
 def _boundary_flat(tensor: torch.Tensor, padded_numel: int) -> Any:
     """The tensor's elements in row-major order at the front of a flat array of the padded count.
 
-    A graph's own padded outputs already are such arrays; any other tensor is copied into one
+    A graph's own padded outputs already are such arrays; a whole storage held padded by eager
+    (a saved tensor AOTAutograd hands the backward graph as a reshape, `(4 * s, 64)` of `(4, s, 64)`)
+    is repacked by one program per bucket, its true shape traced; any other tensor is copied into one
     by a small program compiled per true shape.
     """
     st = storage.storage_of(tensor)
     view = storage.view_of(tensor)
     if view.covers(math.prod(view.sizes)) and st.numel == padded_numel:
         return st.materialize()
+    if isinstance(st.array, storage.Padded) and view.covers(st.numel) and view.dtype == st.dtype:
+        layout = st.array
+        inner = layout.array.resolve() if isinstance(layout.array, storage.PendingArray) else layout.array
+        return _front_packer(layout.padded, padded_numel).call(inner, np.asarray(layout.shape, np.int64))
     key = (view, st.dtype, st.numel, padded_numel)
     program = _PAD_PROGRAMS.get(key)
     if program is None:
@@ -545,6 +551,27 @@ def _boundary_flat(tensor: torch.Tensor, padded_numel: int) -> Any:
 
 
 _PAD_PROGRAMS: dict[Any, programs.Program] = {}
+
+
+@functools.cache
+def _front_packer(padded: tuple[int, ...], padded_numel: int) -> programs.Program:
+    """The program that moves a padded array's true elements (true shape traced) to the front of a flat
+    array of `padded_numel`, in row-major order, zeros after them."""
+    jnp = client.jax_module().numpy
+
+    def pack(array: Any, true_shape: Any) -> Any:
+        position = jnp.arange(padded_numel)
+        rest, source = position, jnp.zeros_like(position)
+        scale = 1
+        for dim in reversed(range(len(padded))):
+            extent = jnp.maximum(true_shape[dim], 1)
+            source = source + (rest % extent) * scale
+            rest, scale = rest // extent, scale * padded[dim]
+        valid = position < jnp.prod(true_shape)
+        flat = array.reshape(-1)
+        return jnp.where(valid, flat[jnp.where(valid, source, 0)], jnp.zeros((), flat.dtype))
+
+    return programs.Program(pack, "pack_padded_input", counter="pad_compiles")
 
 
 def _constant(value: Any, values: dict[Any, int]) -> Any:

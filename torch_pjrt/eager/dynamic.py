@@ -132,7 +132,9 @@ def mark_dynamic(
         if sizes[-1] < max:
             raise ValueError(f"torch_pjrt.mark_dynamic: the largest bucket {sizes[-1]} is below max={max}.")
         padding.LADDERS[max] = sizes
-    torch._dynamo.mark_dynamic(tensor, dim, min=None if min is None else builtins.max(min, 2), max=max)
+    # (Dynamo's range needs a lower end once it has an upper one; 2 is where its dynamic sizes start)
+    lower = builtins.max(min, 2) if min is not None else (2 if max is not None else None)
+    torch._dynamo.mark_dynamic(tensor, dim, min=lower, max=max)
     mark_eager(tensor, dim, sizes or max or 0)
 
 
