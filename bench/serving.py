@@ -5,8 +5,11 @@ mixed prompt lengths submitted at once (`LLM.generate` on prompt token ids, gree
 Each row is its own process (vLLM picks its platform once per process: `VLLM_PLUGINS=` with no name
 leaves vLLM's CPU platform); after one warm-up batch (the compiles), the best of `--repeats` timed batches
 (the second batch meets new token buckets, as prefix caching shortens its prefills; the third compiles nothing).
-Output tokens must equal across rows. Needs the vLLM environment: `make test-serving` builds it.
-Run: .venv-vllm/bin/python bench/serving.py [--requests N] [--new-tokens T] [--repeats R] [--kv-cache-mib M]
+The rows run interleaved, `--rounds` times (a fresh process each), and each row keeps its best round, so a
+busy spell on a shared machine hits every row alike. Output tokens must equal across rows and rounds. Needs
+the vLLM environment: `make test-serving` builds it.
+Run: .venv-vllm/bin/python bench/serving.py [--requests N] [--new-tokens T] [--repeats R] [--rounds K]
+     [--kv-cache-mib M]
 """
 
 from __future__ import annotations
@@ -83,21 +86,34 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
-    # pjrt's step time grows with the cache size (docs/serving.md): each layer's cache write rewrites the buffer
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--kv-cache-mib", type=int, default=16)
     args = parser.parse_args()
+    names = {
+        ("cpu", "strict"): "vLLM CPU platform",
+        ("pjrt", "strict"): "pjrt plugin, strict eager",
+        ("pjrt", "fused"): "pjrt plugin, DEFER_AND_FUSE",
+    }
+    best: dict[tuple[str, str], dict] = {}
     with tempfile.TemporaryDirectory() as folder:
         _tiny_llama(folder)
-        rows = [
-            ("vLLM CPU platform", _run(folder, args, "cpu", "strict")),
-            ("pjrt plugin, strict eager", _run(folder, args, "pjrt", "strict")),
-            ("pjrt plugin, DEFER_AND_FUSE", _run(folder, args, "pjrt", "fused")),
-        ]
+        for _ in range(args.rounds):
+            for key in names:
+                row = _run(folder, args, *key)
+                if key in best and row["tokens"] != best[key]["tokens"]:
+                    raise RuntimeError(
+                        f"{names[key]}: tokens differ between rounds (a serving bug): report it with this command line"
+                    )
+                if key not in best or row["seconds"] < best[key]["seconds"]:
+                    best[key] = row
+    rows = [(names[key], best[key]) for key in names]
     reference = rows[0][1]["tokens"]
     output_tokens = args.requests * args.new_tokens
     longest = 8 + 9 * (args.requests - 1)
-    print(f"{args.requests} requests (prompts 8..{longest} tokens), {args.new_tokens} new tokens each, "
-          f"KV cache {args.kv_cache_mib} MiB")
+    print(
+        f"{args.requests} requests (prompts 8..{longest} tokens), {args.new_tokens} new tokens each, "
+        f"KV cache {args.kv_cache_mib} MiB; best of {args.rounds} interleaved rounds"
+    )
     print("| platform | seconds | output tokens/s | tokens equal CPU platform's |")
     print("|---|---|---|---|")
     for name, row in rows:

@@ -97,6 +97,15 @@ def test_the_plugin_picks_pjrt_and_holds_weights_and_cache_there(llm: Any) -> No
     assert runner.kv_caches and all(cache.device.type == "pjrt" for cache in runner.kv_caches)
 
 
+def test_kv_cache_views_share_one_buffer_of_their_own_dtype(llm: Any) -> None:
+    # vLLM allocates an int8 buffer; torch-pjrt writes into a view in place only when the dtypes match.
+    from torch_pjrt.storage import storage_of
+
+    caches = _worker(llm).model_runner.kv_caches
+    assert len({cache.untyped_storage()._cdata for cache in caches}) == 1
+    assert all(storage_of(cache).dtype == cache.dtype == torch.float32 for cache in caches)
+
+
 def test_greedy_tokens_equal_hugging_face_on_cpu_strict(llm: Any, reference_tokens: list[list[int]]) -> None:
     # One batch holds prompts of four lengths: prefills and decodes share steps.
     assert _serve(llm, _prompts()) == reference_tokens

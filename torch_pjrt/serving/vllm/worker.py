@@ -56,7 +56,9 @@ class PjrtModelRunner(CPUModelRunner):
 
     def initialize_kv_cache_tensors(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:
         with self._on_model_device():
-            return super().initialize_kv_cache_tensors(*args, **kwargs)
+            caches = super().initialize_kv_cache_tensors(*args, **kwargs)
+        _store_in_their_dtype(list(caches.values()))
+        return caches
 
     def _model_forward(
         self,
@@ -78,6 +80,26 @@ class PjrtModelRunner(CPUModelRunner):
         return super()._model_forward(
             to_device(input_ids), to_device(positions), intermediate_tensors, to_device(inputs_embeds), **model_kwargs
         )
+
+
+def _store_in_their_dtype(caches: list[torch.Tensor]) -> None:
+    """Moves the layers' cache views from vLLM's int8 backing buffer onto one buffer of their own dtype.
+
+    vLLM allocates one int8 buffer and views each layer's part of it as the cache dtype. torch-pjrt
+    scatters an `index_put_` into a view in place only when the view's dtype is its storage's; into a
+    reinterpreted view it rewrites the whole buffer, on every layer and step, so the step time grew with
+    the cache's size (docs/serving.md). The same tensors are re-pointed (`set_`), with the same layout, so
+    vLLM's bindings of them to the layers hold. Caches of several dtypes stay where they are.
+    """
+    if not caches or len({cache.dtype for cache in caches}) != 1:
+        return
+    backing = caches[0].untyped_storage()
+    dtype = caches[0].dtype
+    if any(cache.untyped_storage()._cdata != backing._cdata for cache in caches) or backing.nbytes() % dtype.itemsize:
+        return
+    buffer = torch.zeros(backing.nbytes() // dtype.itemsize, dtype=dtype, device=caches[0].device).untyped_storage()
+    for cache in caches:
+        cache.set_(buffer, cache.storage_offset(), cache.shape, cache.stride())
 
 
 class PjrtWorker(CPUWorker):
