@@ -8,8 +8,9 @@ leaves vLLM's CPU platform); after one warm-up batch (the compiles), the best of
 The rows run interleaved, `--rounds` times (a fresh process each), and each row keeps its best round, so a
 busy spell on a shared machine hits every row alike. Output tokens must equal across rows and rounds. Needs
 the vLLM environment: `make test-serving` builds it.
+With `--profile`, each pjrt row also prints torch.profiler's table of one more batch (docs/profiler.md).
 Run: .venv-vllm/bin/python bench/serving.py [--requests N] [--new-tokens T] [--repeats R] [--rounds K]
-     [--kv-cache-mib M]
+     [--kv-cache-mib M] [--profile]
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ SERVE = textwrap.dedent(
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
     if __name__ == "__main__":
-        folder, requests, new_tokens, repeats, kv_mib, mode = sys.argv[1], *map(int, sys.argv[2:6]), sys.argv[6]
+        folder, mode, profile = sys.argv[1], sys.argv[6], sys.argv[7]
+        requests, new_tokens, repeats, kv_mib = map(int, sys.argv[2:6])
         llm = LLM(model=folder, skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
                   max_model_len=256, max_num_seqs=requests, kv_cache_memory_bytes=kv_mib << 20)
         from vllm.platforms import current_platform
@@ -48,6 +50,11 @@ SERVE = textwrap.dedent(
             outputs = llm.generate(prompts, params, use_tqdm=False)
             best = min(best, time.perf_counter() - start)
         tokens = [list(o.outputs[0].token_ids) for o in outputs]
+        if profile == "1" and current_platform.device_type == "pjrt":
+            from torch.profiler import ProfilerActivity, profile as profiler
+            with profiler(activities=[ProfilerActivity.CPU, ProfilerActivity.PrivateUse1]) as window:
+                llm.generate(prompts, params, use_tqdm=False)
+            print(window.key_averages().table(sort_by="self_device_time_total", row_limit=12), file=sys.stderr)
         print("RESULT " + json.dumps({"platform": current_platform.device_type, "seconds": best, "tokens": tokens}))
     """
 )
@@ -72,12 +79,15 @@ def _run(folder: str, args: argparse.Namespace, platform: str, mode: str) -> dic
     with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as script:
         script.write(SERVE)
     counts = [args.requests, args.new_tokens, args.repeats, args.kv_cache_mib]
-    command = [sys.executable, script.name, folder, *map(str, counts), mode]
+    command = [sys.executable, script.name, folder, *map(str, counts), mode, str(int(args.profile))]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
     os.unlink(script.name)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if done.returncode or not lines:
         raise RuntimeError(f"{platform}/{mode} failed:\n{done.stderr[-3000:]}")
+    if args.profile and platform == "pjrt":
+        table = done.stderr[done.stderr.index("-" * 20) :]
+        print(f"{platform}/{mode}: one more batch under torch.profiler (device time in the Self PJRT column)\n{table}")
     return json.loads(lines[-1][len("RESULT ") :])
 
 
@@ -88,6 +98,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--kv-cache-mib", type=int, default=16)
+    parser.add_argument("--profile", action="store_true", help="print each pjrt row's device time per program")
     args = parser.parse_args()
     names = {
         ("cpu", "strict"): "vLLM CPU platform",
