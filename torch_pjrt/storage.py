@@ -160,16 +160,18 @@ class Padded(PendingArray):
         """The same layout over a new array (an in-place update of the storage)."""
         return Padded(array, self.shape, self.padded, self.bounds)
 
+    def bucket_array(self) -> Any:
+        """The bucket-size device array (a fused result is run for it first)."""
+        return self.array.resolve() if isinstance(self.array, PendingArray) else self.array
+
     def resolve(self) -> Any:
-        inner = self.array.resolve() if isinstance(self.array, PendingArray) else self.array
         metrics.bump("dynamic_compactions")
-        return compactor(self.shape, self.padded)[1].call(inner)
+        return compactor(self.shape, self.padded)[1].call(self.bucket_array())
 
     def host(self) -> np.ndarray:
         """The true elements on the host, flat (the padding is cut off there: no program per size)."""
-        inner = self.array.resolve() if isinstance(self.array, PendingArray) else self.array
         box = tuple(slice(0, n) for n in self.shape)
-        return np.asarray(client.to_host(inner)).reshape(self.padded)[box].reshape(-1)
+        return np.asarray(client.to_host(self.bucket_array())).reshape(self.padded)[box].reshape(-1)
 
 
 _compactors: dict[tuple, tuple[Any, Any]] = {}

@@ -331,9 +331,7 @@ class CompiledGraph:
                 if block is not None:
                     signature.append(("block", len(stores), *block))
                     stores.append(None)
-                    layout = storage.storage_of(value).array
-                    flats.append(layout.array.resolve() if isinstance(layout.array, storage.PendingArray)
-                                 else layout.array)
+                    flats.append(storage.storage_of(value).array.bucket_array())
                     continue
                 if padded is not None and padding.is_symbolic(meta):
                     signature.append(("padded", len(stores)))
@@ -536,8 +534,8 @@ def _boundary_flat(tensor: torch.Tensor, padded_numel: int) -> Any:
         return st.materialize()
     if isinstance(st.array, storage.Padded) and view.covers(st.numel) and view.dtype == st.dtype:
         layout = st.array
-        inner = layout.array.resolve() if isinstance(layout.array, storage.PendingArray) else layout.array
-        return _front_packer(layout.padded, padded_numel).call(inner, np.asarray(layout.shape, np.int64))
+        return _front_packer(layout.padded, padded_numel).call(layout.bucket_array(),
+                                                                np.asarray(layout.shape, np.int64))
     key = (view, st.dtype, st.numel, padded_numel)
     program = _PAD_PROGRAMS.get(key)
     if program is None:
