@@ -122,6 +122,29 @@ def _shape_but(t: torch.Tensor, dim: int) -> list[int]:
     return sizes[:dim] + sizes[dim + 1:] if sizes else sizes
 
 
+@_checks("add", "sub", "rsub")
+def _alpha(name: str, /, self: Any, other: Any, alpha: Any = 1, **_: Any) -> None:
+    """CPU's checks: no bool operand of a subtraction, and `alpha` against the result's dtype (the
+    reference kernels raise a ValueError of their own, or nothing)."""
+    if name != "add":
+        bools = [v.dtype == torch.bool if isinstance(v, torch.Tensor) else isinstance(v, bool) for v in (self, other)]
+        if all(bools):
+            raise RuntimeError("Subtraction, the `-` operator, with two bool tensors is not supported. "
+                               "Use the `^` or `logical_xor()` operator instead.")
+        if any(bools):
+            raise RuntimeError("Subtraction, the `-` operator, with a bool tensor is not supported. "
+                               "If you are trying to invert a mask, use the `~` or `logical_not()` operator instead.")
+    if type(alpha) is object:  # left at its default
+        return
+    dtype = torch.result_type(self, other)
+    if isinstance(alpha, bool) and dtype != torch.bool:
+        raise RuntimeError("Boolean alpha only supported for Boolean results.")
+    if isinstance(alpha, float) and not (dtype.is_floating_point or dtype.is_complex):
+        raise RuntimeError("For integral input tensors, argument alpha must not be a floating point number.")
+    if isinstance(alpha, complex) and not dtype.is_complex:
+        raise RuntimeError("For non-complex input tensors, argument alpha must not be a complex number.")
+
+
 @_checks("index_add", "index_reduce")
 def _index_add(name: str, /, self: torch.Tensor, dim: int, index: torch.Tensor, source: torch.Tensor, **_: Any) -> None:
     dim = _wrap(dim, self.dim())
