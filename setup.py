@@ -6,12 +6,16 @@ isolated build (no torch) the package installs without it and uses the pure-Pyth
 
 from setuptools import setup
 
+# torch_pjrt/csrc: the guard, hooks and tensors; the storages' DataPtrs and their link; the native dispatch
+CSRC_PARTS = ("hooks", "storage_link", "dispatch")
+
 try:
     from torch.utils.cpp_extension import BuildExtension, CppExtension
 except ImportError:
     setup()
 else:
     setup(
-        ext_modules=[CppExtension("torch_pjrt._hooks", ["torch_pjrt/csrc/hooks.cpp", "torch_pjrt/csrc/dispatch.cpp"], extra_compile_args=["-O2"])],
+        ext_modules=[CppExtension("torch_pjrt._hooks", [f"torch_pjrt/csrc/{part}.cpp" for part in CSRC_PARTS],
+                                  extra_compile_args=["-O2"])],
         cmdclass={"build_ext": BuildExtension},
     )

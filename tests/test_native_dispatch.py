@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import random
+import re
 import subprocess
 import sys
 import textwrap
@@ -72,8 +74,10 @@ def test_a_hit_enters_no_python_of_ours(case: str) -> None:
                "bias": pjrt(16), "i": torch.randint(-50, 50, (8, 8)).to("pjrt")}
     call = HIT_CASES[case](tensors)
     call(0.5)  # the miss: Python builds and installs the program
-    call(0.5)
+    for _ in range(2):
+        call(0.25)  # a number met again is made a device array once (client.scalar_array)
     assert python_calls_of_ours(lambda: call(0.25)) == []
+    assert python_calls_of_ours(lambda: call(random.uniform(2.0, 3.0))) == []  # a new number passes as it is
 
 
 @pytest.mark.parametrize("case", sorted(HIT_CASES))
@@ -292,6 +296,40 @@ def test_native_and_python_paths_give_identical_results(mode: torch_pjrt.EagerMo
         fast = [t.cpu() for t in workload()]
     for expected, got in zip(python, fast, strict=True):
         assert torch.equal(expected, got)
+
+
+# numbers a program takes as traced inputs (new, then met again: an array) or compiles in (0 and 1)
+NUMBERS = [1, 1.0, 0, 0.0, -0.0, True, False, 3, -7, 2.5, -1e-30, 3e38, 2**40 + 1, 1 + 2j]
+
+
+@pytest.mark.parametrize("native_on", [False, True], ids=["python", "native"])
+def test_numbers_give_cpus_results_however_they_reach_the_program(native_on: bool) -> None:
+    """Each number three times (passed as itself, made a device array, the array reused), into float,
+    int and complex tensors: values, dtypes and the sign of zero as on CPU."""
+    module = native.dispatch_module()
+    cpu = {torch.float32: torch.randn(5), torch.int64: torch.randint(-9, 9, (5,)),
+           torch.complex64: torch.randn(5, dtype=torch.complex64)}
+    module.set_dispatch_enabled(native_on)
+    try:
+        for number in NUMBERS:
+            for x in cpu.values():
+                if isinstance(number, complex) and not x.is_complex():
+                    continue
+                for _ in range(3):
+                    for op in (lambda t, n: t * n, lambda t, n: torch.add(t, t, alpha=n), lambda t, n: t - n):
+                        try:
+                            want = op(x, number)
+                        except RuntimeError as refused:  # a float alpha for an int tensor
+                            with pytest.raises(RuntimeError, match=re.escape(str(refused))):
+                                op(x.to("pjrt"), number)
+                            continue
+                        got = op(x.to("pjrt"), number).cpu()
+                        assert got.dtype == want.dtype
+                        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+                        if not want.is_complex():
+                            assert torch.equal(torch.signbit(got), torch.signbit(want)), (number, x.dtype)
+    finally:
+        module.set_dispatch_enabled(True)
 
 
 SCRIPT = textwrap.dedent(

@@ -30,6 +30,7 @@
 #include <torch/extension.h>
 #include <torch/library.h>
 #include <pthread.h>
+#include <structmember.h>
 
 #include <cstring>
 #include <memory>
@@ -66,12 +67,14 @@ struct Runtime {
   PyObject* deferred_type = nullptr;  // fusion.Deferred: one result of a recorded op
   PyObject* check_caller = nullptr;  // checks.caller(): the user line a recorded checked op reports
   PyObject* live_lengths = nullptr;  // dynamic.live_lengths(): a dict keyed by the lengths marked lately
-  PyObject* s_pjrt = nullptr;
+  PyObject* scalar_array = nullptr;  // client.scalar_array(number, device_index): its weakly typed device array
+  // where DeviceStorage's slots are in its objects (read and written without attribute lookups)
+  Py_ssize_t at_array = 0;
+  Py_ssize_t at_dtype = 0;
+  Py_ssize_t at_numel = 0;
+  Py_ssize_t at_device = 0;
+  Py_ssize_t at_nbytes = 0;
   PyObject* s_array = nullptr;
-  PyObject* s_dtype = nullptr;
-  PyObject* s_numel = nullptr;
-  PyObject* s_device = nullptr;
-  PyObject* s_nbytes = nullptr;
   PyObject* s_fusing = nullptr;
   PyObject* s_blocking = nullptr;
   PyObject* s_ops_executed = nullptr;
@@ -134,6 +137,29 @@ void bump(PyObject* counter, PyObject* name) {
   if (PyDict_SetItem(counter, name, next.ptr()) != 0) {
     throw py::error_already_set();
   }
+}
+
+// Where the __slots__ member `name` of `type` sits in its objects.
+Py_ssize_t slot_offset(PyObject* type, const char* name) {
+  py::object member = py::reinterpret_steal<py::object>(PyObject_GetAttrString(type, name));
+  if (!member) {
+    throw py::error_already_set();
+  }
+  TORCH_CHECK(Py_TYPE(member.ptr()) == &PyMemberDescr_Type, "torch_pjrt native dispatch: ", name,
+              " is not a __slots__ member of its class");
+  return reinterpret_cast<PyMemberDescrObject*>(member.ptr())->d_member->offset;
+}
+
+// A slot's value (borrowed; nullptr while unset).
+PyObject* slot_value(PyObject* object, Py_ssize_t offset) {
+  return *reinterpret_cast<PyObject**>(reinterpret_cast<char*>(object) + offset);
+}
+
+// Sets a slot to `value` (a new reference is taken), as `object.name = value` would.
+void set_slot(PyObject* object, Py_ssize_t offset, PyObject* value) {
+  auto** slot = reinterpret_cast<PyObject**>(reinterpret_cast<char*>(object) + offset);
+  Py_INCREF(value);
+  Py_XSETREF(*slot, value);
 }
 
 // `object.name`, raising Python's error when it has none.
@@ -201,10 +227,18 @@ struct Slot {
 };
 
 // One call's signature, as the arguments are read.
+// A traced Python number of a call: where it is in `traced`, and its type and bits (the key of its
+// device array, as client.scalar_array keeps them: -0.0 is not 0.0).
+struct Number {
+  size_t position;
+  int64_t words[4];  // tag, bits, imaginary bits, device
+};
+
 struct Signature {
   Key key;
   std::vector<Slot> slots;
   std::vector<py::object> traced;
+  std::vector<Number> numbers;
   c10::DeviceIndex device = -1;
   bool fusing = false;  // recording into the pending graph: storages may hold unresolved fused results
 };
@@ -231,6 +265,18 @@ struct OpState {
 
 c10::IValue none_of(bool is_tensor) {
   return is_tensor ? c10::IValue(at::Tensor()) : c10::IValue();
+}
+
+// 0 and 1 (int or float, not -0.0) are static, as eager/dispatch.py's `_is_unit` says why.
+bool is_unit(const c10::IValue& value) {
+  if (value.isInt()) {
+    return value.toInt() == 0 || value.toInt() == 1;
+  }
+  if (value.isDouble()) {
+    const int64_t bits = double_bits(value.toDouble());
+    return bits == double_bits(0.0) || bits == double_bits(1.0);
+  }
+  return false;
 }
 
 // A traced Python number, its type in the key (bool, int, float and complex programs differ).
@@ -266,10 +312,28 @@ bool add_number(const c10::IValue& value, bool is_static, Signature& sig) {
     words.push_back(bits[0]);
     words.push_back(bits[1]);
   } else {
+    sig.numbers.push_back(Number{sig.traced.size(), {tag, bits[0], bits[1], 0}});
     sig.traced.push_back(std::move(owned));
   }
   return true;
 }
+
+struct NumberKey {
+  int64_t words[4];
+  bool operator==(const NumberKey& other) const {
+    return std::memcmp(words, other.words, sizeof(words)) == 0;
+  }
+};
+
+struct NumberKeyHash {
+  size_t operator()(const NumberKey& key) const {
+    size_t hash = 0;
+    for (const int64_t word : key.words) {
+      hash = hash * 1000003u ^ std::hash<int64_t>()(word);
+    }
+    return hash;
+  }
+};
 
 // A CPU tensor where PyTorch accepts one (a 0-dim scalar, or an index of the ops that take CPU
 // indices): a traced host array of its own copy, its dtype and shape in the key.
@@ -365,7 +429,8 @@ bool add_tensor(const at::Tensor& tensor, Signature& sig, const OpState& op) {
   if (tensor.unsafeGetTensorImpl()->is_wrapped_number()) {
     // `x + 2`: Python kernels see the number itself, a weakly typed traced scalar
     words.push_back(-6);
-    return add_number(c10::IValue(tensor.item()), op.static_scalars, sig);
+    const c10::IValue number(tensor.item());
+    return add_number(number, op.static_scalars || is_unit(number), sig);
   }
   const c10::Device device = tensor.device();
   if (device.type() == c10::DeviceType::CPU) {
@@ -393,24 +458,22 @@ bool add_tensor(const at::Tensor& tensor, Signature& sig, const OpState& op) {
   words.push_back(static_cast<int64_t>(tensor.scalar_type()));
   if (slot < 0) {
     auto& rt = runtime();
-    py::object wrapped = py::reinterpret_steal<py::object>(THPStorage_Wrap(tensor.storage()));
-    PyObject* found = PyObject_GetAttr(wrapped.ptr(), rt.s_pjrt);
-    if (found == nullptr) {
-      PyErr_Clear();
+    PyObject* found = device_storage_of(impl);
+    if (found == nullptr || !PyObject_TypeCheck(found, reinterpret_cast<PyTypeObject*>(rt.storage_type))) {
       return false;
     }
-    py::object device_storage = py::reinterpret_steal<py::object>(found);
-    py::object array = py::reinterpret_steal<py::object>(PyObject_GetAttr(found, rt.s_array));
-    py::object dtype = py::reinterpret_steal<py::object>(PyObject_GetAttr(found, rt.s_dtype));
-    py::object numel = py::reinterpret_steal<py::object>(PyObject_GetAttr(found, rt.s_numel));
-    if (!array || !dtype || !numel || !THPDtype_Check(dtype.ptr())) {
-      PyErr_Clear();
+    py::object device_storage = py::reinterpret_borrow<py::object>(found);
+    PyObject* array_slot = slot_value(found, rt.at_array);
+    PyObject* dtype = slot_value(found, rt.at_dtype);
+    PyObject* numel = slot_value(found, rt.at_numel);
+    if (array_slot == nullptr || dtype == nullptr || numel == nullptr || !THPDtype_Check(dtype)) {
       return false;
     }
+    py::object array = py::reinterpret_borrow<py::object>(array_slot);
     const bool uninitialised = array.is_none();
     words.push_back(-2);  // a storage met for the first time: its own layout follows
-    words.push_back(static_cast<int64_t>(reinterpret_cast<THPDtype*>(dtype.ptr())->scalar_type));
-    words.push_back(PyLong_AsLongLong(numel.ptr()));
+    words.push_back(static_cast<int64_t>(reinterpret_cast<THPDtype*>(dtype)->scalar_type));
+    words.push_back(PyLong_AsLongLong(numel));
     words.push_back(uninitialised ? 1 : 0);
     py::object layout;
     if (!uninitialised && Py_TYPE(array.ptr()) == reinterpret_cast<PyTypeObject*>(rt.padded_type)) {
@@ -565,7 +628,7 @@ bool describe(const OpState& op, c10::ArrayRef<c10::IValue> arguments, Signature
       case Kind::Scalar:
         if (value.isNone()) {
           words.push_back(0);
-        } else if (!add_number(value, op.static_scalars, sig)) {
+        } else if (!add_number(value, op.static_scalars || is_unit(value), sig)) {
           return false;
         }
         break;
@@ -658,7 +721,7 @@ Path fast_path() {
 }
 
 // A DeviceStorage made as Python's __init__ would, without running Python code: its type's own
-// allocation, then its slots set.
+// allocation, then its slots written.
 py::object new_device_storage(PyObject* array, const OutSpec& spec, c10::DeviceIndex device, int64_t nbytes) {
   auto& rt = runtime();
   auto* type = reinterpret_cast<PyTypeObject*>(rt.storage_type);
@@ -668,13 +731,11 @@ py::object new_device_storage(PyObject* array, const OutSpec& spec, c10::DeviceI
   }
   py::object numel = py::reinterpret_steal<py::object>(PyLong_FromLongLong(spec.numel));
   py::object bytes = py::reinterpret_steal<py::object>(PyLong_FromLongLong(nbytes));
-  if (PyObject_SetAttr(created.ptr(), rt.s_array, array) != 0 ||
-      PyObject_SetAttr(created.ptr(), rt.s_dtype, spec.dtype_object) != 0 ||
-      PyObject_SetAttr(created.ptr(), rt.s_numel, numel.ptr()) != 0 ||
-      PyObject_SetAttr(created.ptr(), rt.s_device, device_object(device)) != 0 ||
-      PyObject_SetAttr(created.ptr(), rt.s_nbytes, bytes.ptr()) != 0) {
-    throw py::error_already_set();
-  }
+  set_slot(created.ptr(), rt.at_array, array);
+  set_slot(created.ptr(), rt.at_dtype, spec.dtype_object);
+  set_slot(created.ptr(), rt.at_numel, numel.ptr());
+  set_slot(created.ptr(), rt.at_device, device_object(device));
+  set_slot(created.ptr(), rt.at_nbytes, bytes.ptr());
   return created;
 }
 
@@ -711,17 +772,39 @@ at::Tensor wrap_output(const OutSpec& spec, PyObject* array, c10::DeviceIndex de
   auto& rt = runtime();
   const int64_t nbytes = spec.numel * static_cast<int64_t>(c10::elementSize(spec.dtype));
   at::Tensor tensor = make_tensor(device, spec.dtype, spec.sizes, spec.strides, new_address(nbytes), nbytes);
-  py::object wrapped = py::reinterpret_steal<py::object>(THPStorage_Wrap(tensor.storage()));
   py::object holder = spec.layout == nullptr ? py::reinterpret_borrow<py::object>(array)
                                              : padded_holder(spec.layout, array);
   py::object device_storage = new_device_storage(holder.ptr(), spec, device, nbytes);
-  if (PyObject_SetAttr(wrapped.ptr(), rt.s_pjrt, device_storage.ptr()) != 0) {
-    throw py::error_already_set();
-  }
+  link_device_storage(tensor.storage().unsafeGetStorageImpl(), device_storage.ptr());
   if (spec.layout != nullptr) {
     call_python(rt.note_padded, {device_storage.ptr()});
   }
   return tensor;
+}
+
+// Strict calls pass a traced number seen before as its device array (client.scalar_array, which
+// says why); one met for the first time is passed as it is and remembered (an empty object here).
+void numbers_as_arrays(Signature& sig) {
+  static auto* arrays = new std::unordered_map<NumberKey, py::object, NumberKeyHash>();  // holds Python objects
+  constexpr size_t kept = 1024;
+  for (const Number& number : sig.numbers) {
+    NumberKey key;
+    std::memcpy(key.words, number.words, sizeof(key.words));
+    key.words[3] = sig.device;
+    auto found = arrays->find(key);
+    if (found == arrays->end()) {
+      if (arrays->size() >= kept) {
+        arrays->clear();
+      }
+      arrays->emplace(key, py::object());
+      continue;
+    }
+    if (!found->second) {
+      found->second = call_python(runtime().scalar_array, {sig.traced[number.position].ptr(),
+                                                           py::int_(static_cast<int>(sig.device)).ptr()});
+    }
+    sig.traced[number.position] = found->second;
+  }
 }
 
 // Whether a strict hit may call `jitted` directly: only once Program.call has run it (an entry first
@@ -747,6 +830,7 @@ py::object run_program(const Entry& entry, Signature& sig) {
   if (entry.random) {
     inputs[position++] = random_key(sig.device);
   }
+  numbers_as_arrays(sig);
   for (auto& value : sig.traced) {
     inputs[position++] = std::move(value);
   }
@@ -947,9 +1031,7 @@ void finish_hit(const OpState& op, const Entry& entry, Signature& sig, PyObject*
     PyObject* array = PyTuple_GET_ITEM(outputs, entry.fresh + j);
     py::object holder = entry.mutated_padded[j] ? padded_holder(slot.layout.ptr(), array)
                                                 : py::reinterpret_borrow<py::object>(array);
-    if (PyObject_SetAttr(slot.device_storage.ptr(), rt.s_array, holder.ptr()) != 0) {
-      throw py::error_already_set();
-    }
+    set_slot(slot.device_storage.ptr(), rt.at_array, holder.ptr());
   }
   std::vector<c10::IValue> results;
   results.reserve(entry.returns.size());
@@ -1104,6 +1186,7 @@ struct Kernel final : public c10::OperatorKernel {
       auto found = op.cache.find(sig.key);
       if (found == op.cache.end()) {
         sig.traced.clear();
+        sig.numbers.clear();
         sig.slots.clear();
         run_miss(op, handle, stack, &sig);
         return;
@@ -1198,7 +1281,8 @@ PyObject* interned(const char* text) {
 void configure(py::object miss, py::object storage_type, py::object array_type, py::object modes,
                py::object counts, py::object op_counts, py::object last_output, py::object random_key,
                py::object padded_type, py::object note_padded, py::object checks_issued, py::object fusion,
-               py::object deferred_type, py::object check_caller, py::object live_lengths) {
+               py::object deferred_type, py::object check_caller, py::object live_lengths,
+               py::object scalar_array) {
   auto& rt = runtime();
   rt.miss = miss.inc_ref().ptr();
   rt.storage_type = storage_type.inc_ref().ptr();
@@ -1216,12 +1300,13 @@ void configure(py::object miss, py::object storage_type, py::object array_type, 
   rt.deferred_type = deferred_type.inc_ref().ptr();
   rt.check_caller = check_caller.inc_ref().ptr();
   rt.live_lengths = live_lengths.inc_ref().ptr();
-  rt.s_pjrt = interned("_pjrt");
+  rt.scalar_array = scalar_array.inc_ref().ptr();
+  rt.at_array = slot_offset(rt.storage_type, "array");
+  rt.at_dtype = slot_offset(rt.storage_type, "dtype");
+  rt.at_numel = slot_offset(rt.storage_type, "numel");
+  rt.at_device = slot_offset(rt.storage_type, "device");
+  rt.at_nbytes = slot_offset(rt.storage_type, "nbytes");
   rt.s_array = interned("array");
-  rt.s_dtype = interned("dtype");
-  rt.s_numel = interned("numel");
-  rt.s_device = interned("device");
-  rt.s_nbytes = interned("nbytes");
   rt.s_fusing = interned("fusing");
   rt.s_blocking = interned("blocking");
   rt.s_ops_executed = interned("ops_executed");
@@ -1263,7 +1348,7 @@ void init_dispatch(py::module& m) {
   m.def("configure_dispatch", &configure, py::arg("miss"), py::arg("storage_type"), py::arg("array_type"),
         py::arg("modes"), py::arg("counts"), py::arg("op_counts"), py::arg("last_output"), py::arg("random_key"),
         py::arg("padded_type"), py::arg("note_padded"), py::arg("checks_issued"), py::arg("fusion"),
-        py::arg("deferred_type"), py::arg("check_caller"), py::arg("live_lengths"),
+        py::arg("deferred_type"), py::arg("check_caller"), py::arg("live_lengths"), py::arg("scalar_array"),
         "Hand the native dispatch the Python objects it reads and calls, and turn it on.");
   m.def("register_kernel", &register_kernel, py::arg("name"), py::arg("overload"), py::arg("plan"),
         py::arg("kinds"), py::arg("static_scalars"), py::arg("allow_cpu"), py::arg("length_args"),

@@ -4,8 +4,7 @@
 // generators, so autograd gets a single device queue and torch.Generator(device="pjrt")
 // fails. These C++ versions are registered before the Python ones (which then skip
 // their own registration). Streams and events are trivial: pjrt ops are ordered by jax.
-// Storages sit at fake addresses from one allocator, and each counts its bytes in the device's
-// memory figures from when it is made until its DataPtr is freed.
+// Storages sit at fake addresses from one allocator; what their DataPtrs hold is storage_link.cpp's.
 
 #include <ATen/core/Generator.h>
 #include <c10/core/CPUAllocator.h>
@@ -421,43 +420,6 @@ constexpr int64_t kAddressBase = int64_t{1} << 52;
 constexpr int64_t kAlign = 64;
 std::atomic<int64_t> next_address{kAddressBase};
 
-// Bytes held by live pjrt storages per device (torch.pjrt.memory_allocated): counted when a storage
-// is made here and released by its DataPtr's deleter, on whichever thread frees it.
-struct DeviceBytes {
-  int64_t allocated = 0;
-  int64_t peak = 0;
-  int64_t allocations = 0;
-};
-std::mutex bytes_mutex;
-std::map<c10::DeviceIndex, DeviceBytes> bytes_by_device;
-
-struct HeldBytes {
-  c10::DeviceIndex index;
-  int64_t nbytes;
-};
-
-void release_bytes(void* context) {
-  auto* held = static_cast<HeldBytes*>(context);
-  {
-    std::lock_guard<std::mutex> lock(bytes_mutex);
-    bytes_by_device[held->index].allocated -= held->nbytes;
-  }
-  delete held;
-}
-
-c10::DataPtr counted_data_ptr(int64_t address, c10::Device device, int64_t nbytes) {
-  {
-    std::lock_guard<std::mutex> lock(bytes_mutex);
-    DeviceBytes& bytes = bytes_by_device[device.index()];
-    bytes.allocated += nbytes;
-    bytes.peak = std::max(bytes.peak, bytes.allocated);
-    bytes.allocations += nbytes > 0 ? 1 : 0;
-  }
-  return c10::DataPtr(
-      reinterpret_cast<void*>(static_cast<intptr_t>(address)), new HeldBytes{device.index(), nbytes}, &release_bytes,
-      device);
-}
-
 c10::Storage counted_storage(c10::Device device, int64_t address, int64_t nbytes) {
   return c10::Storage(
       c10::Storage::use_byte_size_t(),
@@ -471,19 +433,6 @@ c10::Storage counted_storage(c10::Device device, int64_t address, int64_t nbytes
 py::object new_storage(int64_t index, int64_t address, int64_t nbytes) {
   const c10::Device device(kPjrt, static_cast<c10::DeviceIndex>(index));
   return py::reinterpret_steal<py::object>(THPStorage_Wrap(counted_storage(device, address, nbytes)));
-}
-
-// (allocated, peak, allocations) of pjrt:index.
-std::tuple<int64_t, int64_t, int64_t> memory_counts(int64_t index) {
-  std::lock_guard<std::mutex> lock(bytes_mutex);
-  const DeviceBytes& bytes = bytes_by_device[static_cast<c10::DeviceIndex>(index)];
-  return {bytes.allocated, bytes.peak, bytes.allocations};
-}
-
-void reset_peak(int64_t index) {
-  std::lock_guard<std::mutex> lock(bytes_mutex);
-  DeviceBytes& bytes = bytes_by_device[static_cast<c10::DeviceIndex>(index)];
-  bytes.peak = bytes.allocated;
 }
 
 }  // namespace
@@ -524,9 +473,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "A fresh fake address for a storage of nbytes (unique for the process).");
   m.def("new_storage", &torch_pjrt::new_storage, py::arg("index"), py::arg("address"), py::arg("nbytes"),
         "A pjrt storage at a fake address, counted in the device's memory figures.");
-  m.def("memory_counts", &torch_pjrt::memory_counts, py::arg("index"),
-        "(allocated, peak, allocations) bytes and count of the live pjrt storages of a device.");
-  m.def("reset_peak", &torch_pjrt::reset_peak, py::arg("index"), "Set the device's peak to what it holds now.");
+  torch_pjrt::init_storage_link(m);
   torch_pjrt::init_dispatch(m);
   m.def("default_generator", &torch_pjrt::default_generator, py::arg("index"),
         "The default torch.Generator of pjrt:index.");

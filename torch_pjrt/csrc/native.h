@@ -1,5 +1,6 @@
-// What the parts of torch_pjrt._hooks share: pjrt tensors over fake addresses (hooks.cpp)
-// and the native dispatch's module set-up (dispatch.cpp).
+// What the parts of torch_pjrt._hooks share: pjrt tensors over fake addresses (hooks.cpp), the
+// storages' DataPtrs and their link to Python's DeviceStorage (storage_link.cpp) and the native
+// dispatch's module set-up (dispatch.cpp).
 #pragma once
 
 #include <torch/extension.h>
@@ -20,6 +21,19 @@ at::Tensor make_tensor(
     c10::IntArrayRef strides,
     int64_t address,
     int64_t nbytes);
+
+// A pjrt storage's DataPtr at a fake address: counts its bytes until freed, and holds the link.
+c10::DataPtr counted_data_ptr(int64_t address, c10::Device device, int64_t nbytes);
+
+// The DeviceStorage linked to a pjrt storage (borrowed), or nullptr: none set, or not a pjrt storage.
+PyObject* device_storage_of(const c10::StorageImpl* impl);
+
+// Links `device_storage` (a new reference is taken; nullptr unlinks); false where `impl` is not a
+// pjrt storage made here.
+bool link_device_storage(c10::StorageImpl* impl, PyObject* device_storage);
+
+// Adds torch.UntypedStorage's `_pjrt` descriptor and the memory figures to the module.
+void init_storage_link(py::module& m);
 
 // Adds the native dispatch's functions to the module.
 void init_dispatch(py::module& m);

@@ -273,9 +273,9 @@ class Scan:
         )
 
     def number(self, value: Any) -> Any:
-        """A Python number: traced (its type in the key), unless the op wants it static."""
-        if value is None or self.plan.static_scalars or isinstance(value, torch.SymInt):
-            return ("static", value)
+        """A Python number: traced (its type in the key), unless the op wants it static or it is 0 or 1."""
+        if value is None or self.plan.static_scalars or isinstance(value, torch.SymInt) or _is_unit(value):
+            return ("static", value, type(value))  # (1 and 1.0 are equal keys, and their programs differ)
         self.dynamic.append(value)
         return type(value)
 
@@ -298,6 +298,16 @@ class Scan:
         if kind is Arg.DEVICE:
             return None if value is None else torch.device(value)
         return _static(value)
+
+
+def _is_unit(value: Any) -> bool:
+    """0 and 1 (int or float, not -0.0) are compiled in rather than traced: `alpha=1` and `beta=1` are
+    in most calls, and a traced number is one more program input per call; a value that merely passes
+    through 0 or 1 (a learning rate schedule) makes at most two more programs."""
+    kind = type(value)
+    if kind is int:
+        return value == 0 or value == 1
+    return kind is float and (value == 1.0 or (value == 0.0 and math.copysign(1.0, value) > 0))
 
 
 def _static(value: Any) -> Any:
@@ -741,7 +751,10 @@ def _inputs(entry: Entry, scan: Scan, plan: OpPlan, values: list[Any]) -> list[A
         inputs = [_ready(a) for a in inputs]
     if entry.random:
         inputs.append(_random_key(plan, values, scan.device))
-    inputs.extend(scan.dynamic)
+    if modes.state.fusing:
+        inputs.extend(scan.dynamic)  # the pending graph wires numbers as its own traced inputs
+    else:
+        inputs.extend(client.traced_number(value, scan.device.index) for value in scan.dynamic)
     if entry.form is not None:
         inputs.extend(scan.symbols.values)
     return inputs
@@ -1071,14 +1084,15 @@ def configure_native(module: Any) -> None:
     the counters it bumps, the device's newest outputs, the default random key source, for padded
     storages their layout class and what keeps a new padded result's lengths live, where a
     program's device-check code goes, for DEFER_AND_FUSE the fusion module (its pending graph, its size
-    cap and debug switch), the fused result type and the source of a checked op's user line, and the
-    table of live lengths (a factory of such a size is padded here)."""
+    cap and debug switch), the fused result type and the source of a checked op's user line, the
+    table of live lengths (a factory of such a size is padded here) and the device arrays of traced numbers."""
     jax = client.jax_module()
     array_type = type(jax.device_put(np.zeros((0,), np.float32), client.device_for(0)))
     module.configure_dispatch(native_miss, storage.DeviceStorage, array_type, modes.state, metrics.counter_table(),
                               metrics.op_counts, startup.newest_outputs(),
                               lambda index: rng.state(index).next_key(), storage.Padded, dynamic.note_padded,
-                              native_checks_issued, fusion, fusion.Deferred, checks.caller, dynamic.live_lengths())
+                              native_checks_issued, fusion, fusion.Deferred, checks.caller, dynamic.live_lengths(),
+                              client.scalar_array)
 
 
 def make_kernel(plan: OpPlan) -> Callable[..., Any]:

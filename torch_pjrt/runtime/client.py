@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import os
 import re
 import threading
@@ -224,6 +225,58 @@ def to_device(value: np.ndarray, index: int) -> Any:
     metrics.bump("bytes_to_device", value.nbytes)
     with out_of_memory_translated((), index):
         return jax_module().device_put(value, device_for(index), may_alias=True)
+
+
+# Traced Python numbers by value: a program called with a number converts it on every call (about
+# 2 us, more than a small op's device work); with an uncommitted array of the same weakly typed kind
+# it does not, and runs the same compiled program (a committed one would compile another).
+# A value is made an array the second time it is seen: one seen once (a decaying learning rate)
+# costs a conversion per call, never an array per call. None marks a value seen once.
+_scalars: dict[tuple, Any] = {}
+_SCALARS_KEPT = 1024
+
+
+def _number_key(value: Any, index: int) -> tuple | None:
+    kind = type(value)
+    if kind is float:
+        return (index, kind, value, math.copysign(1.0, value))  # 0.0 == -0.0, and they differ
+    if kind is complex:
+        return (index, kind, value, math.copysign(1.0, value.real), math.copysign(1.0, value.imag))
+    if kind is int or kind is bool:
+        return (index, kind, value)
+    return None
+
+
+def scalar_array(value: Any, index: int) -> Any:
+    """The weakly typed device array of a traced Python number on pjrt:`index`, made once per value;
+    an int beyond int64 as it is."""
+    key = _number_key(value, index)
+    array = _scalars.get(key)
+    if array is None:
+        jax = jax_module()
+        try:
+            with jax.default_device(device_for(index)):
+                array = jax.device_put(value)
+        except OverflowError:
+            return value
+        if len(_scalars) >= _SCALARS_KEPT:
+            _scalars.clear()
+        _scalars[key] = array
+    return array
+
+
+def traced_number(value: Any, index: int) -> Any:
+    """What a program is called with for a traced value: a number seen before as its device array,
+    a new one as it is (remembered), anything else (a host array) as it is."""
+    key = _number_key(value, index)
+    if key is None:
+        return value
+    if key in _scalars:
+        return scalar_array(value, index)
+    if len(_scalars) >= _SCALARS_KEPT:
+        _scalars.clear()
+    _scalars[key] = None
+    return value
 
 
 def to_host(array: Any) -> np.ndarray:
