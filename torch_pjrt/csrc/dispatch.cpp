@@ -20,6 +20,7 @@
 // pending graph by its own lock besides, as in Python.
 
 #include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <c10/util/SmallVector.h>
 #include <torch/csrc/Device.h>
 #include <torch/csrc/Dtype.h>
 #include <torch/csrc/Layout.h>
@@ -54,8 +55,12 @@ struct Runtime {
   PyObject* miss = nullptr;  // dispatch.native_miss(plan, args, kwargs) -> (result, install or None)
   PyObject* storage_type = nullptr;  // storage.DeviceStorage (plain slots, no accounting of its own)
   PyObject* array_type = nullptr;  // the type of jax's device arrays
-  PyObject* modes = nullptr;  // eager.modes.state (.fusing, .blocking)
-  PyObject* counts = nullptr;  // metrics._counts
+  bool blocking = false;  // eager.modes.state's flags, handed over at each mode change (modes.on_change)
+  bool fusing = false;
+  // the counters a hit bumps, kept here (metrics reads them through `native_counts`)
+  int64_t ops_executed = 0;
+  int64_t cache_hits = 0;
+  int64_t dynamic_padded_ops = 0;
   PyObject* op_counts = nullptr;  // metrics.op_counts
   PyObject* last_output = nullptr;  // device._last_output
   PyObject* random_key = nullptr;  // random_key(device_index) -> key data
@@ -75,11 +80,6 @@ struct Runtime {
   Py_ssize_t at_device = 0;
   Py_ssize_t at_nbytes = 0;
   PyObject* s_array = nullptr;
-  PyObject* s_fusing = nullptr;
-  PyObject* s_blocking = nullptr;
-  PyObject* s_ops_executed = nullptr;
-  PyObject* s_cache_hits = nullptr;
-  PyObject* s_dynamic_padded_ops = nullptr;
   PyObject* s_shape = nullptr;
   PyObject* s_padded = nullptr;
   PyObject* s_bounds = nullptr;
@@ -178,6 +178,9 @@ struct OutSpec {
   int64_t numel;
   PyObject* dtype_object;
   PyObject* layout;  // a padded result's storage.Padded (its array unset), or nullptr
+  int64_t nbytes;
+  PyObject* numel_object;  // numel and nbytes as the Python ints every result's DeviceStorage holds
+  PyObject* nbytes_object;
 };
 
 // One schema return: an alias of argument `alias`, None, one new tensor, or a list of them.
@@ -241,6 +244,11 @@ struct Signature {
   std::vector<Number> numbers;
   c10::DeviceIndex device = -1;
   bool fusing = false;  // recording into the pending graph: storages may hold unresolved fused results
+
+  Signature() {
+    key.words.reserve(64);  // (a key grows word by word: one allocation, not one per doubling)
+    slots.reserve(4);
+  }
 };
 
 int64_t double_bits(double value) {
@@ -710,10 +718,10 @@ Path fast_path() {
   if (!rt.enabled || rt.forked) {
     return Path::Python;  // a forked child: Python refuses with the clear message
   }
-  if (attribute_of(rt.modes, rt.s_blocking).ptr() != Py_False) {
+  if (rt.blocking) {
     return Path::Python;
   }
-  if (attribute_of(rt.modes, rt.s_fusing).ptr() == Py_False) {
+  if (!rt.fusing) {
     return Path::Strict;
   }
   // TORCH_PJRT_DEBUG_RECOMPILE records each op's user line, which Python finds
@@ -722,20 +730,18 @@ Path fast_path() {
 
 // A DeviceStorage made as Python's __init__ would, without running Python code: its type's own
 // allocation, then its slots written.
-py::object new_device_storage(PyObject* array, const OutSpec& spec, c10::DeviceIndex device, int64_t nbytes) {
+py::object new_device_storage(PyObject* array, const OutSpec& spec, c10::DeviceIndex device) {
   auto& rt = runtime();
   auto* type = reinterpret_cast<PyTypeObject*>(rt.storage_type);
   py::object created = py::reinterpret_steal<py::object>(type->tp_alloc(type, 0));
   if (!created) {
     throw py::error_already_set();
   }
-  py::object numel = py::reinterpret_steal<py::object>(PyLong_FromLongLong(spec.numel));
-  py::object bytes = py::reinterpret_steal<py::object>(PyLong_FromLongLong(nbytes));
   set_slot(created.ptr(), rt.at_array, array);
   set_slot(created.ptr(), rt.at_dtype, spec.dtype_object);
-  set_slot(created.ptr(), rt.at_numel, numel.ptr());
+  set_slot(created.ptr(), rt.at_numel, spec.numel_object);
   set_slot(created.ptr(), rt.at_device, device_object(device));
-  set_slot(created.ptr(), rt.at_nbytes, bytes.ptr());
+  set_slot(created.ptr(), rt.at_nbytes, spec.nbytes_object);
   return created;
 }
 
@@ -770,11 +776,11 @@ py::object padded_holder(PyObject* layout, PyObject* array) {
 
 at::Tensor wrap_output(const OutSpec& spec, PyObject* array, c10::DeviceIndex device) {
   auto& rt = runtime();
-  const int64_t nbytes = spec.numel * static_cast<int64_t>(c10::elementSize(spec.dtype));
-  at::Tensor tensor = make_tensor(device, spec.dtype, spec.sizes, spec.strides, new_address(nbytes), nbytes);
+  at::Tensor tensor =
+      make_tensor(device, spec.dtype, spec.sizes, spec.strides, new_address(spec.nbytes), spec.nbytes);
   py::object holder = spec.layout == nullptr ? py::reinterpret_borrow<py::object>(array)
                                              : padded_holder(spec.layout, array);
-  py::object device_storage = new_device_storage(holder.ptr(), spec, device, nbytes);
+  py::object device_storage = new_device_storage(holder.ptr(), spec, device);
   link_device_storage(tensor.storage().unsafeGetStorageImpl(), device_storage.ptr());
   if (spec.layout != nullptr) {
     call_python(rt.note_padded, {device_storage.ptr()});
@@ -821,27 +827,32 @@ bool program_compiled(Entry& entry) {
 py::object run_program(const Entry& entry, Signature& sig) {
   auto& rt = runtime();
   const Py_ssize_t n_lengths = PyTuple_GET_SIZE(entry.lengths);
-  const size_t n_inputs = entry.passed.size() + (entry.random ? 1 : 0) + sig.traced.size() + n_lengths;
-  py::tuple inputs(n_inputs);
-  size_t position = 0;
+  // borrowed: the slots, the signature and the entry hold them through the call (vectorcall: no tuple)
+  c10::SmallVector<PyObject*, 8> inputs;
   for (const int slot : entry.passed) {
-    inputs[position++] = sig.slots[slot].array;
+    inputs.push_back(sig.slots[slot].array.ptr());
   }
+  py::object key;
   if (entry.random) {
-    inputs[position++] = random_key(sig.device);
+    key = random_key(sig.device);
+    inputs.push_back(key.ptr());
   }
   numbers_as_arrays(sig);
-  for (auto& value : sig.traced) {
-    inputs[position++] = std::move(value);
+  for (const auto& value : sig.traced) {
+    inputs.push_back(value.ptr());
   }
   for (Py_ssize_t i = 0; i < n_lengths; ++i) {
-    inputs[position++] = py::reinterpret_borrow<py::object>(PyTuple_GET_ITEM(entry.lengths, i));
+    inputs.push_back(PyTuple_GET_ITEM(entry.lengths, i));
   }
-  PyObject* called = PyObject_Call(entry.jitted, inputs.ptr(), nullptr);
+  PyObject* called = PyObject_Vectorcall(entry.jitted, inputs.data(), inputs.size(), nullptr);
   if (called == nullptr) {
     // Program.reraise translates a device allocation failure into torch.OutOfMemoryError.
     py::error_already_set failure;
-    py::handle(entry.program).attr("reraise")(failure.value(), inputs);
+    py::tuple arguments(inputs.size());
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      arguments[i] = py::reinterpret_borrow<py::object>(inputs[i]);
+    }
+    py::handle(entry.program).attr("reraise")(failure.value(), arguments);
     throw failure;
   }
   py::object outputs = py::reinterpret_steal<py::object>(called);
@@ -1016,11 +1027,11 @@ py::object record_call(const Entry& entry, Signature& sig) {
 void finish_hit(const OpState& op, const Entry& entry, Signature& sig, PyObject* outputs, torch::jit::Stack* stack,
                 size_t n_arguments) {
   auto& rt = runtime();
-  bump(rt.counts, rt.s_ops_executed);
-  bump(rt.counts, rt.s_cache_hits);
+  ++rt.ops_executed;
+  ++rt.cache_hits;
   bump(rt.op_counts, op.name_object);
   if (PyTuple_GET_SIZE(entry.lengths) > 0) {
-    bump(rt.counts, rt.s_dynamic_padded_ops);
+    ++rt.dynamic_padded_ops;
   }
   py::object index = py::reinterpret_steal<py::object>(PyLong_FromLong(sig.device));
   if (PyDict_SetItem(rt.last_output, index.ptr(), outputs) != 0) {
@@ -1074,13 +1085,18 @@ OutSpec read_spec(py::handle spec) {
   if (fields.size() > 4 && !fields[4].is_none()) {
     layout = py::object(fields[4]).release().ptr();
   }
-  return OutSpec{
-      reinterpret_cast<THPDtype*>(dtype)->scalar_type,
-      fields[1].cast<std::vector<int64_t>>(),
-      fields[2].cast<std::vector<int64_t>>(),
-      fields[3].cast<int64_t>(),
-      dtype,
-      layout};
+  const auto scalar_type = reinterpret_cast<THPDtype*>(dtype)->scalar_type;
+  const auto numel = fields[3].cast<int64_t>();
+  const int64_t nbytes = numel * static_cast<int64_t>(c10::elementSize(scalar_type));
+  return OutSpec{scalar_type,
+                 fields[1].cast<std::vector<int64_t>>(),
+                 fields[2].cast<std::vector<int64_t>>(),
+                 numel,
+                 dtype,
+                 layout,
+                 nbytes,
+                 PyLong_FromLongLong(numel),
+                 PyLong_FromLongLong(nbytes)};
 }
 
 // install = (jitted, program, passed_slots, random, returns, mutated_slots, n_fresh_outputs, lengths,
@@ -1278,8 +1294,8 @@ PyObject* interned(const char* text) {
   return PyUnicode_InternFromString(text);
 }
 
-void configure(py::object miss, py::object storage_type, py::object array_type, py::object modes,
-               py::object counts, py::object op_counts, py::object last_output, py::object random_key,
+void configure(py::object miss, py::object storage_type, py::object array_type,
+               py::object op_counts, py::object last_output, py::object random_key,
                py::object padded_type, py::object note_padded, py::object checks_issued, py::object fusion,
                py::object deferred_type, py::object check_caller, py::object live_lengths,
                py::object scalar_array) {
@@ -1287,8 +1303,6 @@ void configure(py::object miss, py::object storage_type, py::object array_type, 
   rt.miss = miss.inc_ref().ptr();
   rt.storage_type = storage_type.inc_ref().ptr();
   rt.array_type = array_type.inc_ref().ptr();
-  rt.modes = modes.inc_ref().ptr();
-  rt.counts = counts.inc_ref().ptr();
   rt.op_counts = op_counts.inc_ref().ptr();
   rt.last_output = last_output.inc_ref().ptr();
   rt.random_key = random_key.inc_ref().ptr();
@@ -1307,11 +1321,6 @@ void configure(py::object miss, py::object storage_type, py::object array_type, 
   rt.at_device = slot_offset(rt.storage_type, "device");
   rt.at_nbytes = slot_offset(rt.storage_type, "nbytes");
   rt.s_array = interned("array");
-  rt.s_fusing = interned("fusing");
-  rt.s_blocking = interned("blocking");
-  rt.s_ops_executed = interned("ops_executed");
-  rt.s_cache_hits = interned("cache_hits");
-  rt.s_dynamic_padded_ops = interned("dynamic_padded_ops");
   rt.s_shape = interned("shape");
   rt.s_padded = interned("padded");
   rt.s_bounds = interned("bounds");
@@ -1344,9 +1353,43 @@ void configure(py::object miss, py::object storage_type, py::object array_type, 
 
 }  // namespace
 
+// The counters the hit path keeps: {"ops_executed": n, "cache_hits": n, "dynamic_padded_ops": n}.
+py::dict native_counts() {
+  const auto& rt = runtime();
+  py::dict counts;
+  counts["ops_executed"] = rt.ops_executed;
+  counts["cache_hits"] = rt.cache_hits;
+  counts["dynamic_padded_ops"] = rt.dynamic_padded_ops;
+  return counts;
+}
+
+int64_t native_count(const std::string& name) {
+  const auto& rt = runtime();
+  return name == "ops_executed" ? rt.ops_executed
+         : name == "cache_hits" ? rt.cache_hits
+         : name == "dynamic_padded_ops" ? rt.dynamic_padded_ops
+                                        : 0;
+}
+
+void reset_native_counts() {
+  auto& rt = runtime();
+  rt.ops_executed = rt.cache_hits = rt.dynamic_padded_ops = 0;
+}
+
+void set_eager_mode_flags(bool blocking, bool fusing) {
+  auto& rt = runtime();
+  rt.blocking = blocking;
+  rt.fusing = fusing;
+}
+
 void init_dispatch(py::module& m) {
+  m.def("native_counts", &native_counts, "The counters the hit path bumps (metrics adds them to its own).");
+  m.def("native_count", &native_count, py::arg("name"), "One of native_counts (0 for a name it does not keep).");
+  m.def("reset_native_counts", &reset_native_counts, "Zero the hit path's counters (metrics.reset).");
+  m.def("set_eager_mode_flags", &set_eager_mode_flags, py::arg("blocking"), py::arg("fusing"),
+        "The eager mode's flags, which every native call reads (eager.modes hands them over at each change).");
   m.def("configure_dispatch", &configure, py::arg("miss"), py::arg("storage_type"), py::arg("array_type"),
-        py::arg("modes"), py::arg("counts"), py::arg("op_counts"), py::arg("last_output"), py::arg("random_key"),
+ py::arg("op_counts"), py::arg("last_output"), py::arg("random_key"),
         py::arg("padded_type"), py::arg("note_padded"), py::arg("checks_issued"), py::arg("fusion"),
         py::arg("deferred_type"), py::arg("check_caller"), py::arg("live_lengths"), py::arg("scalar_array"),
         "Hand the native dispatch the Python objects it reads and calls, and turn it on.");

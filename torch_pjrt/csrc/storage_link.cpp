@@ -11,9 +11,8 @@
 #include <torch/csrc/Storage.h>
 #include <torch/extension.h>
 
-#include <algorithm>
-#include <map>
-#include <mutex>
+#include <atomic>
+#include <cstdint>
 #include <tuple>
 
 #include "native.h"
@@ -21,13 +20,17 @@
 namespace torch_pjrt {
 namespace {
 
+// Per device, lock-free: every op's results are counted, on whichever thread.
 struct DeviceBytes {
-  int64_t allocated = 0;
-  int64_t peak = 0;
-  int64_t allocations = 0;
+  std::atomic<int64_t> allocated{0};
+  std::atomic<int64_t> peak{0};
+  std::atomic<int64_t> allocations{0};
 };
-std::mutex bytes_mutex;
-std::map<c10::DeviceIndex, DeviceBytes> bytes_by_device;
+DeviceBytes bytes_by_device[256];  // a DeviceIndex is 8 bits
+
+DeviceBytes& bytes_of(c10::DeviceIndex index) {
+  return bytes_by_device[static_cast<uint8_t>(index)];
+}
 
 struct StorageLink {
   c10::DeviceIndex index;
@@ -45,10 +48,7 @@ bool interpreter_running() {
 
 void release_link(void* context) {
   auto* link = static_cast<StorageLink*>(context);
-  {
-    std::lock_guard<std::mutex> lock(bytes_mutex);
-    bytes_by_device[link->index].allocated -= link->nbytes;
-  }
+  bytes_of(link->index).allocated.fetch_sub(link->nbytes, std::memory_order_relaxed);
   if (link->device_storage != nullptr && interpreter_running()) {
     const PyGILState_STATE state = PyGILState_Ensure();
     Py_DECREF(link->device_storage);
@@ -87,26 +87,25 @@ PyGetSetDef device_storage_descriptor = {
 
 // (allocated, peak, allocations) of pjrt:index.
 std::tuple<int64_t, int64_t, int64_t> memory_counts(int64_t index) {
-  std::lock_guard<std::mutex> lock(bytes_mutex);
-  const DeviceBytes& bytes = bytes_by_device[static_cast<c10::DeviceIndex>(index)];
-  return {bytes.allocated, bytes.peak, bytes.allocations};
+  const DeviceBytes& bytes = bytes_of(static_cast<c10::DeviceIndex>(index));
+  return {bytes.allocated.load(), bytes.peak.load(), bytes.allocations.load()};
 }
 
 void reset_peak(int64_t index) {
-  std::lock_guard<std::mutex> lock(bytes_mutex);
-  DeviceBytes& bytes = bytes_by_device[static_cast<c10::DeviceIndex>(index)];
-  bytes.peak = bytes.allocated;
+  DeviceBytes& bytes = bytes_of(static_cast<c10::DeviceIndex>(index));
+  bytes.peak.store(bytes.allocated.load());
 }
 
 }  // namespace
 
 c10::DataPtr counted_data_ptr(int64_t address, c10::Device device, int64_t nbytes) {
-  {
-    std::lock_guard<std::mutex> lock(bytes_mutex);
-    DeviceBytes& bytes = bytes_by_device[device.index()];
-    bytes.allocated += nbytes;
-    bytes.peak = std::max(bytes.peak, bytes.allocated);
-    bytes.allocations += nbytes > 0 ? 1 : 0;
+  DeviceBytes& bytes = bytes_of(device.index());
+  const int64_t now = bytes.allocated.fetch_add(nbytes, std::memory_order_relaxed) + nbytes;
+  int64_t peak = bytes.peak.load(std::memory_order_relaxed);
+  while (now > peak && !bytes.peak.compare_exchange_weak(peak, now, std::memory_order_relaxed)) {
+  }
+  if (nbytes > 0) {
+    bytes.allocations.fetch_add(1, std::memory_order_relaxed);
   }
   return c10::DataPtr(reinterpret_cast<void*>(static_cast<intptr_t>(address)),
                       new StorageLink{device.index(), nbytes}, &release_link, device);

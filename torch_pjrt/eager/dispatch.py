@@ -1080,19 +1080,22 @@ def register_native(module: Any, op: OpOverload, plan: OpPlan,
 
 
 def configure_native(module: Any) -> None:
-    """Hand the native dispatch what its hit path reads: the storage class, jax's array type, the mode,
-    the counters it bumps, the device's newest outputs, the default random key source, for padded
-    storages their layout class and what keeps a new padded result's lengths live, where a
-    program's device-check code goes, for DEFER_AND_FUSE the fusion module (its pending graph, its size
-    cap and debug switch), the fused result type and the source of a checked op's user line, the
-    table of live lengths (a factory of such a size is padded here) and the device arrays of traced numbers."""
+    """Hand the native dispatch what its hit path reads: the storage class, jax's array type, the mode's
+    flags, the op counts it bumps (its other counters it keeps: metrics adds them), the device's newest
+    outputs, the default random key source, for padded storages their layout class and what keeps a
+    new padded result's lengths live, where a program's device-check code goes, for DEFER_AND_FUSE the
+    fusion module (its pending graph, its size cap and debug switch), the fused result type and the
+    source of a checked op's user line, the table of live lengths (a factory of such a size is padded
+    here) and the device arrays of traced numbers."""
     jax = client.jax_module()
     array_type = type(jax.device_put(np.zeros((0,), np.float32), client.device_for(0)))
-    module.configure_dispatch(native_miss, storage.DeviceStorage, array_type, modes.state, metrics.counter_table(),
-                              metrics.op_counts, startup.newest_outputs(),
-                              lambda index: rng.state(index).next_key(), storage.Padded, dynamic.note_padded,
-                              native_checks_issued, fusion, fusion.Deferred, checks.caller, dynamic.live_lengths(),
-                              client.scalar_array)
+    module.configure_dispatch(native_miss, storage.DeviceStorage, array_type, metrics.op_counts,
+                              startup.newest_outputs(), lambda index: rng.state(index).next_key(), storage.Padded,
+                              dynamic.note_padded, native_checks_issued, fusion, fusion.Deferred, checks.caller,
+                              dynamic.live_lengths(), client.scalar_array)
+    modes.on_change(module.set_eager_mode_flags)
+    metrics.count_elsewhere(
+        metrics.KeptElsewhere(module.native_counts, module.native_count, module.reset_native_counts))
 
 
 def make_kernel(plan: OpPlan) -> Callable[..., Any]:

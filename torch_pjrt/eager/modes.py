@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import os
+from collections.abc import Callable
 
 
 class EagerMode(enum.Enum):
@@ -41,6 +42,14 @@ class _State:
 
 
 state = _State()
+# who is told the flags at each change, (blocking, fusing): the native dispatch reads them per call
+_listeners: list[Callable[[bool, bool], None]] = []
+
+
+def on_change(listener: Callable[[bool, bool], None]) -> None:
+    """Call `listener(blocking, fusing)` now and at every mode change."""
+    _listeners.append(listener)
+    listener(state.blocking, state.fusing)
 
 
 def current() -> EagerMode:
@@ -56,6 +65,8 @@ def _apply(mode: EagerMode) -> None:
     state.mode = mode
     state.blocking = mode is EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING
     state.fusing = mode is EagerMode.DEFER_AND_FUSE
+    for listener in _listeners:
+        listener(state.blocking, state.fusing)
 
 
 class set_eager_mode(contextlib.AbstractContextManager):  # noqa: N801 (a function to users)

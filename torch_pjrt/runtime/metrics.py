@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
+from typing import NamedTuple
 
 COUNTER_NAMES = (
     "compiles",
@@ -48,29 +50,48 @@ fallback_ops: Counter = Counter()
 unmaskable_ops: Counter = Counter()
 
 
+# Counters kept outside this table, added to it when read: the native dispatch's hit path counts its
+# ops in C++ (a dict update per op costs more than the count is worth).
+class KeptElsewhere(NamedTuple):
+    read_all: Callable[[], dict[str, int]]
+    read_one: Callable[[str], int]
+    reset: Callable[[], None]
+
+
+_kept_elsewhere: list[KeptElsewhere] = []
+
+
 def bump(name: str, amount: float = 1) -> None:
     _counts[name] += amount
 
 
-def counter_table() -> Counter:
-    """The live table behind `bump` (the native dispatch bumps it directly)."""
-    return _counts
+def count_elsewhere(counters_kept: KeptElsewhere) -> None:
+    """Add the counters kept there to every reading of these, and zero them on `reset`."""
+    _kept_elsewhere.append(counters_kept)
 
 
 def counters_now(name: str) -> float:
-    """One counter's value (cheap: for code that reads it per op)."""
-    return _counts[name]
+    """One counter's value (for code that reads it per op)."""
+    value = _counts[name]
+    for kept in _kept_elsewhere:
+        value += kept.read_one(name)
+    return value
 
 
 def counters() -> dict[str, float]:
     """The current value of every counter (all names always present)."""
     values = {name: 0 for name in COUNTER_NAMES}
     values.update(_counts)
+    for kept in _kept_elsewhere:
+        for name, value in kept.read_all().items():
+            values[name] = values.get(name, 0) + value
     return values
 
 
 def reset() -> None:
     _counts.clear()
+    for kept in _kept_elsewhere:
+        kept.reset()
     op_counts.clear()
     fallback_ops.clear()
     unmaskable_ops.clear()
