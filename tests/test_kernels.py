@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import torch_pjrt
-from torch_pjrt import kernels
+from torch_pjrt import kernels, storage
 from torch_pjrt.kernels import jax_ops
 from torch_pjrt.runtime.metrics import op_counts
 
@@ -41,6 +41,12 @@ def scaled_pair(x: jax.Array, y: jax.Array, labels: jax.Array, *, scale: float) 
 def arange_like(x: jax.Array) -> jax.Array:
     """Python numbers and jnp.arange take jax's default dtypes: what the kernel sees as its mode."""
     return jnp.arange(x.shape[0]) + 1.5
+
+
+@kernels.jax_op("kernels_test::accumulate", donate_argnums=0, vjp="auto")
+def accumulate(total: jax.Array, x: jax.Array) -> jax.Array:
+    """An update of its first argument, as in-place kernels written for TorchTPU donate it."""
+    return total + x * 2
 
 
 def swish_cpu(x: torch.Tensor, beta: float = 1.0) -> torch.Tensor:
@@ -329,3 +335,34 @@ def test_the_environment_variable_switches_sdpa_for_the_whole_process() -> None:
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["1"]
+
+
+def test_a_donated_argument_gives_its_buffer_to_the_result_and_is_consumed() -> None:
+    total, x = torch.randn(64, 32), torch.randn(64, 32)
+    for _ in range(2):  # the first call builds the program, the second replays it
+        on_device = total.to("pjrt")
+        buffer = storage.storage_of(on_device).array
+        got = accumulate(on_device, x.to("pjrt"))
+        torch.testing.assert_close(got.cpu(), total + x * 2)
+        assert buffer.is_deleted()  # the donated buffer went to the program
+        with pytest.raises(RuntimeError, match="donated to kernels_test::accumulate"):
+            on_device.cpu()
+        with pytest.raises(RuntimeError, match="donated to kernels_test::accumulate"):
+            on_device + 1
+
+
+def test_nothing_is_donated_where_the_argument_must_stay_readable() -> None:
+    total, x = torch.randn(8, 4), torch.randn(8, 4)
+    want = total + x * 2
+    with torch.pjrt.set_eager_mode(FUSE):  # the fused program reuses buffers itself
+        on_device = total.to("pjrt")
+        got = accumulate(on_device, x.to("pjrt"))
+        torch.testing.assert_close(got.cpu(), want)
+        torch.testing.assert_close(on_device.cpu(), total)
+    # autograd keeps the inputs of a derived backward (which reruns the forward)
+    leaf = total.to("pjrt").requires_grad_()
+    got = accumulate(leaf, x.to("pjrt"))
+    got.sum().backward()
+    torch.testing.assert_close(got.detach().cpu(), want)
+    torch.testing.assert_close(leaf.grad.cpu(), torch.ones(8, 4))
+    torch.testing.assert_close(leaf.detach().cpu(), total)

@@ -174,6 +174,19 @@ class Padded(PendingArray):
         return np.asarray(client.to_host(self.bucket_array())).reshape(self.padded)[box].reshape(-1)
 
 
+class Consumed(PendingArray):
+    """A storage whose buffer an op took (a custom op's donate_argnums): reading it raises."""
+
+    __slots__ = ("op",)
+
+    def __init__(self, op: str) -> None:
+        self.op = op
+
+    def resolve(self) -> Any:
+        raise RuntimeError(f"this pjrt tensor was donated to {self.op} (donate_argnums), which took its buffer; "
+                           f"pass a clone() to the op if you read the tensor afterwards.")
+
+
 _compactors: dict[tuple, tuple[Any, Any]] = {}
 
 

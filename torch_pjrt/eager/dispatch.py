@@ -166,7 +166,8 @@ class Leaf(NamedTuple):
 class Scan:
     """Storages, key and traced values gathered from one call's arguments."""
 
-    __slots__ = ("storages", "slots", "dynamic", "device", "plan", "allow_cpu", "symbols", "plain", "live_reads")
+    __slots__ = ("storages", "slots", "dynamic", "device", "plan", "allow_cpu", "symbols", "plain", "live_reads",
+                 "donating")
 
     def __init__(self, plan: OpPlan, plain: bool = False) -> None:
         self.storages: list[storage.DeviceStorage] = []
@@ -181,6 +182,8 @@ class Scan:
         # a plain storage read padded because its length was marked lately: the call depends on
         # more than its arguments, so the native cache must not replay it
         self.live_reads = False
+        # the call gives its program the storages of its donated arguments (lowering.donated)
+        self.donating = False
 
     def tensor(self, t: torch.Tensor) -> Any:
         if t.is_cpu:
@@ -201,6 +204,8 @@ class Scan:
             self.storages.append(st)
         if type(st.array) is storage.Padded and not self.plain:
             return self.padded(t, st, slot)
+        if type(st.array) is storage.Consumed:
+            st.array.resolve()  # raises: another op took this buffer
         view = storage.view_of(t) if t.is_complex() else View(t.dtype, tuple(t.shape), t.stride(),
                                                                      t.storage_offset())
         if st.array is not None and not self.plain and dynamic.has_live_lengths() and not self.plan.mutated:
@@ -339,6 +344,8 @@ class Entry:
     # the device-side checks its lowering made (known once traced); when any, the program's last
     # output is their code (runtime/checks.py), not counted in output_count
     checks: tuple[checks.Check, ...] = ()
+    # storages donated to the program (a custom op's donate_argnums): their tensors are consumed
+    consumed_slots: tuple[int, ...] = ()
 
 
 def _meta_tensor(view: View) -> torch.Tensor:
@@ -533,7 +540,9 @@ def _build(plan: OpPlan, scan: Scan, values: list[Any], described: list[Any], fo
     padded_slots = frozenset(leaf.slot for leaf in _leaves(described) if isinstance(leaf, dynamic.PaddedLeaf)
                              and type(scan.storages[leaf.slot].array) is storage.Padded)
     passed_slots = [s for s in range(len(scan.storages)) if not slot_info[s][2]]
-    donate = tuple(i for i, s in enumerate(passed_slots) if s in mutated_slots)
+    consumed = sorted({described[i].slot for i in plan.lowering.donated
+                       if scan.donating and isinstance(described[i], Leaf)} - set(mutated_slots))
+    donate = tuple(i for i, s in enumerate(passed_slots) if s in mutated_slots or s in consumed)
     n_passed = len(passed_slots)
     kinds = plan.kinds
     lowering = plan.lowering
@@ -664,7 +673,7 @@ def _build(plan: OpPlan, scan: Scan, values: list[Any], described: list[Any], fo
     padded_positions = tuple(i for i, s in enumerate(passed_slots) if s in padded_slots)
     # named: `program` fills in its checks when traced
     entry = Entry(compiled, program, fresh_specs, mutated_slots, resized, passed_slots, random, output_count,
-                  form, padded_positions, padded_slots, out_padded)
+                  form, padded_positions, padded_slots, out_padded, consumed_slots=tuple(consumed))
     return entry
 
 
@@ -814,11 +823,21 @@ def _run(entry: Entry, inputs: list[Any]) -> tuple[Any, ...]:
 def cache_key(scan: Scan, described: list[Any]) -> tuple:
     """Everything a program depends on: op, views, static arguments, device, default dtype, matmul precision."""
     return (scan.plan.name, tuple(described), scan.device, torch.get_default_dtype(),
-            linalg.global_float32_matmul_precision())
+            linalg.global_float32_matmul_precision(), scan.donating)
+
+
+def _donating(values: list[Any]) -> bool:
+    """Whether a call of an op with donated arguments gives their buffers away: in strict eager, and
+    not where autograd may keep its inputs for the backward (a derived backward reruns the forward;
+    an autograd.Function's forward runs without grad mode, so an input requiring grad decides)."""
+    if modes.state.fusing:
+        return False  # the fused program reuses buffers itself; the tensors stay readable
+    return not any(isinstance(v, torch.Tensor) and v.requires_grad for v in values)
 
 
 def _describe(plan: OpPlan, values: list[Any], plain: bool) -> tuple[Scan, list[Any]]:
     scan = Scan(plan, plain)
+    scan.donating = bool(plan.lowering.donated) and _donating(values)
     described = [scan.value(k, v) for k, v in zip(plan.kinds, values)]
     if plan.length_args and not plain and dynamic.has_live_lengths():
         scan.sizes(described)
@@ -945,6 +964,8 @@ def _complete(plan: OpPlan, values: list[Any], scan: Scan, entry: Entry, outputs
     for slot, array in zip(entry.mutated_slots, outputs[n_fresh + n_resized:]):
         st = scan.storages[slot]
         st.array = st.array.holding(array) if slot in entry.padded_slots else array
+    for slot in entry.consumed_slots:
+        scan.storages[slot].array = storage.Consumed(plan.op._schema.name)
     if n_resized:
         _apply_resizes(plan, values, entry, outputs[n_fresh:n_fresh + n_resized])
     return _returns(plan, values, iter(outputs[:n_fresh]), specs, scan.device)

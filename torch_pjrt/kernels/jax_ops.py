@@ -45,9 +45,11 @@ def jax_op(name: str, fn: Callable | None = None, /, *, donate_argnums: int | tu
     Tensor parameters (annotated `jax.Array` or `torch.Tensor`) arrive as jax arrays; every other
     parameter is static (part of the program's cache key). Returns the op's `CustomOpDef`; without
     `fn` it is a decorator. `vjp="auto"` derives the backward with `jax.vjp`, recomputing the forward.
-    `donate_argnums` (TorchTPU's spelling) names tensor arguments the caller will not read again; it
-    is checked and accepted so such kernels run here, and the buffers are not donated (XLA reuses
-    buffers inside fused and compiled programs on its own).
+    `donate_argnums` (TorchTPU's spelling) names tensor arguments the caller will not read again: in
+    strict eager their buffers are donated to the program (XLA writes a result into one where shape
+    and dtype allow, as an in-place kernel's `input_output_aliases` needs) and the tensors are
+    consumed, a later read raising. Where autograd may keep the inputs (an input that requires grad)
+    and in fused or compiled programs (which reuse buffers themselves) nothing is donated.
     """
     if fn is None:
         return lambda function: jax_op(name, function, donate_argnums=donate_argnums, vjp=vjp)
@@ -64,11 +66,11 @@ def define(name: str, fn: Callable, donate_argnums: Any = None, vjp: str | None 
                          f"backward with jax.vjp, or leave it None and call register_autograd.")
     signature = schema_signature(name, fn)
     tensor_names = [p.name for p in signature.parameters.values() if _holds_tensor(p.annotation)]
-    _check_donated(name, signature, donate_argnums)
+    donated = _check_donated(name, signature, donate_argnums)
     op_def = torch.library.custom_op(name, _refuse_host(name), mutates_args=(), schema=_schema(signature))
     overload = _overload(name)
     fingerprint = fingerprint or _fingerprint(fn)
-    registry.register(overload, fingerprint=fingerprint)(_lowering(name, fn))
+    registry.register(overload, fingerprint=fingerprint, donated=donated)(_lowering(name, fn))
     op_def.register_kernel("pjrt")(dispatch.make_kernel(dispatch.plan_for(overload)))
     op_def.register_fake(fake or _eval_shape_fake(name, fn, signature))
     if vjp == "auto":
@@ -147,14 +149,17 @@ def _schema(signature: inspect.Signature) -> str:
     return torch.library.infer_schema(prototype, mutates_args=())
 
 
-def _check_donated(name: str, signature: inspect.Signature, donate_argnums: Any) -> None:
+def _check_donated(name: str, signature: inspect.Signature, donate_argnums: Any) -> tuple[int, ...]:
+    """The donated parameters' positions (the schema's argument positions too)."""
     if donate_argnums is None:
-        return
+        return ()
     parameters = list(signature.parameters.values())
-    for index in (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums):
+    donated = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
+    for index in donated:
         if not 0 <= index < len(parameters) or parameters[index].annotation is not torch.Tensor:
             raise ValueError(f"torch_pjrt.kernels.jax_op: {name}'s donate_argnums names argument {index}, which is "
                              f"not a tensor parameter; name positions of tensor parameters.")
+    return tuple(sorted(set(donated)))
 
 
 def _overload(name: str) -> torch._ops.OpOverload:

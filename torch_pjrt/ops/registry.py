@@ -46,6 +46,10 @@ class Lowering:
     # instead of reading the whole view and writing it back (a KV-cache write into a view of one
     # large buffer would copy the view on every step).
     scatter: Callable[..., Any] | None = None
+    # Argument positions whose storages a strict call may donate to its program (a custom op's
+    # donate_argnums): their buffers become the results' where XLA can alias them, and the tensors
+    # are consumed (reading one again raises).
+    donated: tuple[int, ...] = ()
 
 
 LOWERINGS: dict[OpOverload, Lowering] = {}
@@ -70,11 +74,12 @@ def _overloads(target: OpOverload | OpOverloadPacket) -> list[OpOverload]:
 
 def register(*targets: OpOverload | OpOverloadPacket, random: bool = False,
              static_scalars: bool = False, wants_meta: bool = False, fingerprint: str = "",
-             scatter: Callable[..., Any] | None = None) -> Callable:
+             scatter: Callable[..., Any] | None = None, donated: tuple[int, ...] = ()) -> Callable:
     """Decorator: register a lowering for overloads (a packet means its functional overloads)."""
 
     def decorate(fn: Callable) -> Callable:
-        entry = Lowering(fn, random, static_scalars, wants_meta, fingerprint=fingerprint, scatter=scatter)
+        entry = Lowering(fn, random, static_scalars, wants_meta, fingerprint=fingerprint, scatter=scatter,
+                         donated=donated)
         for target in targets:
             for overload in _overloads(target):
                 LOWERINGS[overload] = entry
