@@ -40,9 +40,16 @@ def leaf_copies(args: Any, device: str) -> Any:
     return pytree.tree_map(copy_leaf, args)
 
 
+# float32 through two implementations of the recurrence (see above): sums in other orders, whose
+# differences the backward accumulates over the steps and layers (seen: 1.3e-5 on a gradient of 1.2)
+FLOAT32_TOLERANCES = {"rtol": 1e-5, "atol": 2e-5}
+
+
 def check_run(module: nn.Module, forward: Any, *args: Any, **tolerances: Any) -> None:
     """forward(module, *args) on pjrt matches CPU: every output, then the gradients of every floating
     input and parameter for random cotangents on all outputs."""
+    if not tolerances and all(p.dtype == torch.float32 for p in module.parameters()):
+        tolerances = FLOAT32_TOLERANCES
     device_module = copy.deepcopy(module).to("pjrt")
     cpu_args, device_args = leaf_copies(args, "cpu"), leaf_copies(args, "pjrt")
     expected = pytree.tree_leaves(forward(module, *cpu_args))
