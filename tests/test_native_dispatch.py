@@ -391,3 +391,20 @@ def test_backward_on_autograds_thread_matches_cpu(mode: torch_pjrt.EagerMode) ->
         torch.pjrt.synchronize()
     (torch.relu(x_cpu @ w_cpu) * 0.5 + torch.nn.functional.embedding(ids_cpu, w_cpu)).sum().backward()
     assert torch.allclose(w.grad.cpu(), w_cpu.grad, atol=1e-6)
+
+
+def test_storages_reach_their_device_storage_through_the_data_ptr() -> None:
+    """A native result's storage has no Python wrapper until asked; `_pjrt` reads the DataPtr's link,
+    which only torch_pjrt's storages have."""
+    a, b = pjrt(4, 4), pjrt(4, 4)
+    for _ in range(2):
+        result = a + b  # the second call is a native hit
+    st = result.untyped_storage()._pjrt
+    assert st.numel == 16 and st.dtype == torch.float32 and st.device == torch.device("pjrt:0")
+    assert st is result.view(16).untyped_storage()._pjrt  # the same link from every view
+    torch.testing.assert_close(result.cpu(), a.cpu() + b.cpu())
+    cpu_storage = torch.randn(3).untyped_storage()
+    with pytest.raises(AttributeError, match="torch_pjrt did not make it"):
+        _ = cpu_storage._pjrt
+    with pytest.raises(AttributeError, match="only a pjrt storage made by torch_pjrt"):
+        cpu_storage._pjrt = st
