@@ -315,7 +315,9 @@ def test_numbers_give_cpus_results_however_they_reach_the_program(native_on: boo
             for x in cpu.values():
                 if isinstance(number, complex) and not x.is_complex():
                     continue
-                for _ in range(3):
+                for repeat in range(3):
+                    if repeat == 1:
+                        compiles = torch_pjrt.metrics.counters()["compiles"]
                     for op in (lambda t, n: t * n, lambda t, n: torch.add(t, t, alpha=n), lambda t, n: t - n):
                         try:
                             want = op(x, number)
@@ -328,6 +330,8 @@ def test_numbers_give_cpus_results_however_they_reach_the_program(native_on: boo
                         torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
                         if not want.is_complex():
                             assert torch.equal(torch.signbit(got), torch.signbit(want)), (number, x.dtype)
+                # the number as itself, then as a device array: one compiled program
+                assert torch_pjrt.metrics.counters()["compiles"] == compiles, (number, x.dtype)
     finally:
         module.set_dispatch_enabled(True)
 
