@@ -229,7 +229,6 @@ struct Slot {
   py::object layout;
 };
 
-// One call's signature, as the arguments are read.
 // A traced Python number of a call: where it is in `traced`, and its type and bits (the key of its
 // device array, as client.scalar_array keeps them: -0.0 is not 0.0).
 struct Number {
@@ -237,6 +236,7 @@ struct Number {
   int64_t words[4];  // tag, bits, imaginary bits, device
 };
 
+// One call's signature, as the arguments are read.
 struct Signature {
   Key key;
   std::vector<Slot> slots;
@@ -1353,27 +1353,37 @@ void configure(py::object miss, py::object storage_type, py::object array_type,
 
 }  // namespace
 
-// The counters the hit path keeps: {"ops_executed": n, "cache_hits": n, "dynamic_padded_ops": n}.
+// The counters the hit path keeps, by their names in metrics.
+constexpr std::pair<const char*, int64_t Runtime::*> kNativeCounters[] = {
+    {"ops_executed", &Runtime::ops_executed},
+    {"cache_hits", &Runtime::cache_hits},
+    {"dynamic_padded_ops", &Runtime::dynamic_padded_ops},
+};
+
 py::dict native_counts() {
   const auto& rt = runtime();
   py::dict counts;
-  counts["ops_executed"] = rt.ops_executed;
-  counts["cache_hits"] = rt.cache_hits;
-  counts["dynamic_padded_ops"] = rt.dynamic_padded_ops;
+  for (const auto& [name, counter] : kNativeCounters) {
+    counts[name] = rt.*counter;
+  }
   return counts;
 }
 
 int64_t native_count(const std::string& name) {
   const auto& rt = runtime();
-  return name == "ops_executed" ? rt.ops_executed
-         : name == "cache_hits" ? rt.cache_hits
-         : name == "dynamic_padded_ops" ? rt.dynamic_padded_ops
-                                        : 0;
+  for (const auto& [counter_name, counter] : kNativeCounters) {
+    if (name == counter_name) {
+      return rt.*counter;
+    }
+  }
+  return 0;
 }
 
 void reset_native_counts() {
   auto& rt = runtime();
-  rt.ops_executed = rt.cache_hits = rt.dynamic_padded_ops = 0;
+  for (const auto& [name, counter] : kNativeCounters) {
+    rt.*counter = 0;
+  }
 }
 
 void set_eager_mode_flags(bool blocking, bool fusing) {
@@ -1389,7 +1399,7 @@ void init_dispatch(py::module& m) {
   m.def("set_eager_mode_flags", &set_eager_mode_flags, py::arg("blocking"), py::arg("fusing"),
         "The eager mode's flags, which every native call reads (eager.modes hands them over at each change).");
   m.def("configure_dispatch", &configure, py::arg("miss"), py::arg("storage_type"), py::arg("array_type"),
- py::arg("op_counts"), py::arg("last_output"), py::arg("random_key"),
+        py::arg("op_counts"), py::arg("last_output"), py::arg("random_key"),
         py::arg("padded_type"), py::arg("note_padded"), py::arg("checks_issued"), py::arg("fusion"),
         py::arg("deferred_type"), py::arg("check_caller"), py::arg("live_lengths"), py::arg("scalar_array"),
         "Hand the native dispatch the Python objects it reads and calls, and turn it on.");

@@ -24,9 +24,7 @@
 #include <atomic>
 #include <cstring>
 #include <limits>
-#include <map>
 #include <mutex>
-#include <tuple>
 #include <unordered_set>
 
 namespace torch_pjrt {

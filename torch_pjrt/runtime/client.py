@@ -234,6 +234,7 @@ def to_device(value: np.ndarray, index: int) -> Any:
 # costs a conversion per call, never an array per call. None marks a value seen once.
 _scalars: dict[tuple, Any] = {}
 _SCALARS_KEPT = 1024
+_UNSEEN = object()
 
 
 def _number_key(value: Any, index: int) -> tuple | None:
@@ -247,22 +248,30 @@ def _number_key(value: Any, index: int) -> tuple | None:
     return None
 
 
+def _remember(key: tuple, array: Any) -> None:
+    if len(_scalars) >= _SCALARS_KEPT:
+        _scalars.clear()
+    _scalars[key] = array
+
+
+def _made_array(key: tuple, value: Any, index: int) -> Any:
+    """The array of `value`, made now and kept under `key`; an int beyond int64 as it is."""
+    jax = jax_module()
+    try:
+        with jax.default_device(device_for(index)):
+            array = jax.device_put(value)
+    except OverflowError:
+        return value
+    _remember(key, array)
+    return array
+
+
 def scalar_array(value: Any, index: int) -> Any:
     """The weakly typed device array of a traced Python number on pjrt:`index`, made once per value;
     an int beyond int64 as it is."""
     key = _number_key(value, index)
     array = _scalars.get(key)
-    if array is None:
-        jax = jax_module()
-        try:
-            with jax.default_device(device_for(index)):
-                array = jax.device_put(value)
-        except OverflowError:
-            return value
-        if len(_scalars) >= _SCALARS_KEPT:
-            _scalars.clear()
-        _scalars[key] = array
-    return array
+    return _made_array(key, value, index) if array is None else array
 
 
 def traced_number(value: Any, index: int) -> Any:
@@ -271,12 +280,11 @@ def traced_number(value: Any, index: int) -> Any:
     key = _number_key(value, index)
     if key is None:
         return value
-    if key in _scalars:
-        return scalar_array(value, index)
-    if len(_scalars) >= _SCALARS_KEPT:
-        _scalars.clear()
-    _scalars[key] = None
-    return value
+    array = _scalars.get(key, _UNSEEN)
+    if array is _UNSEEN:
+        _remember(key, None)
+        return value
+    return _made_array(key, value, index) if array is None else array
 
 
 def to_host(array: Any) -> np.ndarray:
