@@ -17,6 +17,7 @@ import torch
 
 import torch_pjrt
 from torch_pjrt import kernels, storage
+from torch_pjrt.compile import backend as compile_backend
 from torch_pjrt.kernels import jax_ops
 from torch_pjrt.runtime.metrics import op_counts
 
@@ -141,13 +142,95 @@ def test_export_stablehlo_contains_the_kernel() -> None:
 
 
 def test_opcheck() -> None:
+    """Every opcheck test, the autograd registration one included (kernels.opcheck runs it for pjrt)."""
     x, y, weight = torch.randn(3, 8, device="pjrt"), torch.randn(3, 8, device="pjrt"), torch.rand(8, device="pjrt")
     labels = torch.randint(0, 4, (3,), device="pjrt")
-    # test_autograd_registration supports CPU/CUDA/XPU only; the dynamic-shape check needs a symbolic fake
-    quick = ("test_schema", "test_faketensor")
-    torch.library.opcheck(swish, (x.requires_grad_(), 1.5), test_utils=quick)
-    torch.library.opcheck(scaled_pair, (x, y, labels), {"scale": 2.0}, test_utils=quick)
-    torch.library.opcheck(pallas_rms_norm.rms_norm, (x, weight.requires_grad_()), test_utils=quick)
+    passed = dict.fromkeys(kernels.checks.DEFAULT_TEST_UTILS, "SUCCESS")
+    assert kernels.opcheck(swish, (x.clone().requires_grad_(), 1.5)) == passed
+    assert kernels.opcheck(scaled_pair, (x.clone().requires_grad_(), y, labels), {"scale": 2.0}) == passed
+    jax_ops._specialized.discard("example::rms_norm")  # warned once per process
+    with pytest.warns(UserWarning, match="example::rms_norm cannot be traced for symbolic sizes"):
+        assert kernels.opcheck(pallas_rms_norm.rms_norm, (x, weight.requires_grad_())) == passed
+
+
+def test_opcheck_finds_a_backward_registered_at_the_backend_key() -> None:
+    library = torch.library.Library("kernels_test_bad", "FRAGMENT")
+    library.define("twice(Tensor x) -> Tensor")
+
+    class Twice(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+            return x * 2
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+            return grad * 2
+
+    def twice(x: torch.Tensor) -> torch.Tensor:
+        with torch.enable_grad():
+            return Twice.apply(x)
+
+    library.impl("twice", twice, "PrivateUse1")
+    x = torch.randn(3, device="pjrt", requires_grad=True)
+    with pytest.raises(AssertionError, match="kernels_test_bad::twice: an output requires grad but the op has no "
+                                             "kernel at an autograd key"):
+        kernels.opcheck(torch.ops.kernels_test_bad.twice.default, (x,), test_utils="test_autograd_registration")
+    with pytest.raises(RuntimeError, match="needs an input that requires grad"):
+        kernels.opcheck(swish, (x.detach(),), test_utils="test_autograd_registration")
+
+
+@kernels.jax_op("kernels_test::resized")
+def resized(x: jax.Array) -> jax.Array:
+    """A result whose sizes are floordiv, mod, max and min of the input's: the symbolic fake's arithmetic."""
+    rows, cols = x.shape
+    flat = x.reshape(-1)
+    length = rows // 2 * 3 + cols % 5
+    return jnp.zeros((length, -(-cols // 4), 2)) + flat[:1].sum()
+
+
+def resized_shape(rows: int, cols: int) -> tuple[int, int, int]:
+    return rows // 2 * 3 + cols % 5, -(-cols // 4), 2
+
+
+def test_compiled_with_dynamic_sizes_traces_each_kernel_once_for_all_sizes() -> None:
+    """Under dynamic shapes a kernel's fake traces with jax symbolic sizes; one graph serves every size,
+    with values and gradients of PyTorch on CPU; a Pallas kernel (whose grid needs sizes) specializes."""
+    graphs = []
+
+    def counting(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        graphs.append(gm)
+        return compile_backend.pjrt_backend(gm, example_inputs)
+
+    def body(x: torch.Tensor, y: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        first, second = scaled_pair(swish(x, 1.5), y, labels, scale=0.5)
+        return first.sum(-1), second, resized(x.detach())
+
+    compiled = torch.compile(body, backend=counting, dynamic=True)
+    for rows, cols in ((5, 8), (9, 11), (12, 6)):
+        x, y = torch.randn(rows, cols), torch.randn(rows, cols)
+        labels = torch.randint(0, 4, (rows,))
+        x_pjrt = x.to("pjrt").requires_grad_()
+        first, second, third = compiled(x_pjrt, y.to("pjrt"), labels.to("pjrt"))
+        (first.sum() + second.sum()).backward()
+        x_cpu = x.clone().requires_grad_()
+        swished = swish_cpu(x_cpu, 1.5)
+        expected = (torch.tanh(swished) * y * 0.5).sum(-1), swished * labels[:, None]
+        (expected[0].sum() + expected[1].sum()).backward()
+        torch.testing.assert_close(first.cpu(), expected[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(second.cpu(), expected[1], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(x_pjrt.grad.cpu(), x_cpu.grad, rtol=1e-5, atol=1e-5)
+        assert tuple(third.shape) == resized_shape(rows, cols)
+        torch.testing.assert_close(third.cpu(), torch.full(third.shape, x.reshape(-1)[0].item()))
+    assert len(graphs) == 1
+
+    def normed(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return pallas_rms_norm.rms_norm(x, weight)
+
+    compiled_norm = torch.compile(normed, backend="pjrt", dynamic=True)
+    for rows in (4, 7):
+        x, weight = torch.randn(rows, 8), torch.rand(8)
+        torch.testing.assert_close(compiled_norm(x.to("pjrt"), weight.to("pjrt")).cpu(), rms_norm_cpu(x, weight),
+                                   rtol=1e-5, atol=1e-5)
 
 
 def test_kernels_see_32_bit_defaults_unless_an_argument_is_64_bit() -> None:
@@ -317,8 +400,8 @@ def test_a_hugging_face_llama_uses_the_kernel_unchanged() -> None:
 def test_flash_attention_opcheck_and_errors() -> None:
     q, k, v = (t.to("pjrt") for t in attention_inputs(*ATTENTION_CASES[1][:2]))
     # (AOTAutograd over it: test_sdpa_switch_in_fused_and_compiled_training)
-    torch.library.opcheck(kernels.flash_attention, (q.requires_grad_(), k, v), {"causal": True},
-                          test_utils=("test_schema", "test_faketensor"))
+    assert kernels.opcheck(kernels.flash_attention, (q.requires_grad_(), k, v), {"causal": True}) == dict.fromkeys(
+        kernels.checks.DEFAULT_TEST_UTILS, "SUCCESS")
     with pytest.raises(ValueError, match="flash_attention: q, k and v must share one of float32"):
         kernels.flash_attention(q.double(), k.double(), v.double())
     with pytest.raises(ValueError, match="causal attention needs at least as many keys as queries"):

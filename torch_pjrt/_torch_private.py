@@ -5,9 +5,10 @@ A torch upgrade that moves one of these should only need this file changed.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -327,3 +328,15 @@ def profiler_device_event(event_id: int, name: str, thread: int, start_us: float
     return FunctionEvent(id=event_id, name=name, thread=thread, start_us=start_us, end_us=end_us, trace_name=name,
                          input_shapes=[], stack=[], use_device=use_device, device_type=privateuse1_device_type(),
                          device_index=device_index)
+
+
+@contextlib.contextmanager
+def autograd_fallback_mode(mode: str) -> Iterator[None]:
+    """Within it, ops without an autograd kernel get PyTorch's autograd fallback `mode` ("nothing": outputs
+    do not require grad)."""
+    previous = torch._C._get_autograd_fallback_mode()
+    torch._C._set_autograd_fallback_mode(mode)
+    try:
+        yield
+    finally:
+        torch._C._set_autograd_fallback_mode(previous)

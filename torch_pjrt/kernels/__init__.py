@@ -1,13 +1,15 @@
 """Custom kernels: JAX and Pallas functions as PyTorch ops on pjrt tensors (docs/kernels.md).
 
 `jax_op` wraps a function; `flash_attention` is a shipped op built on jax's Pallas attention
-kernels; `use_flash_attention` routes `scaled_dot_product_attention` to it where it applies.
+kernels; `use_flash_attention` routes `scaled_dot_product_attention` to it where it applies;
+`opcheck` is torch.library.opcheck for ops called with pjrt tensors.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from torch_pjrt.kernels.checks import opcheck
 from torch_pjrt.kernels.jax_ops import jax_op
 
 
@@ -27,4 +29,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'torch_pjrt.kernels' has no attribute {name!r}")
 
 
-__all__ = ["flash_attention", "interpret_mode", "jax_op", "use_flash_attention"]
+__all__ = ["flash_attention", "interpret_mode", "jax_op", "opcheck", "use_flash_attention"]

@@ -22,6 +22,7 @@ import pathlib
 import types
 import typing
 import uuid
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -30,6 +31,7 @@ import torch
 
 from torch_pjrt import storage
 from torch_pjrt.eager import dispatch
+from torch_pjrt.kernels import symbolic_sizes
 from torch_pjrt.ops import registry
 from torch_pjrt.runtime import client
 
@@ -228,6 +230,10 @@ def _lowering(name: str, fn: Callable) -> Callable:
     return lower
 
 
+# ops whose fake kernel fell back to concrete sizes (warned once each)
+_specialized: set[str] = set()
+
+
 def _eval_shape_fake(name: str, fn: Callable, signature: inspect.Signature) -> Callable:
     """The fake kernel: the results' shapes and dtypes from jax.eval_shape of fn."""
     returns_tuple = typing.get_origin(signature.return_annotation) is tuple
@@ -235,15 +241,6 @@ def _eval_shape_fake(name: str, fn: Callable, signature: inspect.Signature) -> C
     def fake(*args: Any, **kwargs: Any) -> Any:
         jax = client.jax_module()
         devices = [a.device for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-
-        def abstract(value: Any) -> Any:
-            if not isinstance(value, torch.Tensor):
-                return value
-            if not all(isinstance(size, int) for size in value.shape):
-                raise RuntimeError(f"torch_pjrt.kernels: {name} got symbolic sizes {tuple(value.shape)} and its "
-                                   f"fake kernel traces with concrete ones; give the op a fake of its own "
-                                   f"(op.register_fake) or compile with dynamic=False.")
-            return jax.ShapeDtypeStruct(tuple(value.shape), storage.numpy_dtype(value.dtype))
 
         # tensors (within lists too) are traced; every other argument stays a Python value
         leaves, tree = jax.tree_util.tree_flatten((args, kwargs), is_leaf=lambda v: v is None)
@@ -256,17 +253,39 @@ def _eval_shape_fake(name: str, fn: Callable, signature: inspect.Signature) -> C
             traced_args, traced_kwargs = jax.tree_util.tree_unflatten(tree, filled)
             return _call(fn, traced_args, traced_kwargs)
 
+        def results(sizes: symbolic_sizes.SymbolicSizes) -> list[torch.Tensor]:
+            shapes = jax.eval_shape(traced, *(
+                jax.ShapeDtypeStruct(sizes.shape(tuple(leaves[i].shape)), storage.numpy_dtype(leaves[i].dtype))
+                for i in tensors))
+            device = devices[0] if devices else torch.device("meta")
+            return [torch.empty(tuple(sizes.torch_size(d) for d in shape.shape),
+                                dtype=storage.torch_dtype(shape.dtype), device=device)
+                    for shape in (list(shapes) if isinstance(shapes, (tuple, list)) else [shapes])]
+
+        value_dependent = (jax.errors.ConcretizationTypeError, jax.errors.NonConcreteBooleanIndexError)
+        symbolic = symbolic_sizes.SymbolicSizes(jax)
         try:
-            shapes = jax.eval_shape(traced, *(abstract(leaves[i]) for i in tensors))
-        except (jax.errors.ConcretizationTypeError, jax.errors.NonConcreteBooleanIndexError) as error:
+            try:
+                made = results(symbolic)
+            except value_dependent:
+                raise
+            except Exception as error:
+                if not symbolic.sizes:
+                    raise
+                # A kernel whose tiling needs concrete sizes (a Pallas grid): trace it at this call's sizes,
+                # which guards them, so each new size compiles the graph again.
+                if name not in _specialized:
+                    _specialized.add(name)
+                    warnings.warn(f"torch_pjrt.kernels: {name} cannot be traced for symbolic sizes "
+                                  f"({str(error).splitlines()[0]}); compiled graphs specialize on its input "
+                                  f"sizes and compile again for each new one.", stacklevel=2)
+                made = results(symbolic_sizes.SymbolicSizes(jax, specialize=True))
+        except value_dependent as error:
             raise RuntimeError(
                 f"torch_pjrt.kernels: {name}'s output shapes or control flow depend on its inputs' values "
                 f"({str(error).splitlines()[0]}); make them depend on shapes and static arguments only "
                 f"(jnp.nonzero(x, size=n), jnp.where, lax.cond).") from None
-        leaves = list(shapes) if isinstance(shapes, (tuple, list)) else [shapes]
-        device = devices[0] if devices else torch.device("meta")
-        results = [torch.empty(tuple(s.shape), dtype=storage.torch_dtype(s.dtype), device=device) for s in leaves]
-        return tuple(results) if returns_tuple else results[0]
+        return tuple(made) if returns_tuple else made[0]
 
     return fake
 
