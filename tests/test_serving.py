@@ -322,6 +322,50 @@ def test_a_kv_cache_smaller_than_one_request_gets_vllms_error_at_start(tiny_llam
     assert "To serve at least one request with the model's max seq len (128)" in result["error"]
 
 
+COMPILED_IN_A_NEW_PROCESS = """
+import json, sys, torch, torch_pjrt
+from vllm import LLM, SamplingParams
+from vllm.compilation.counter import compilation_counter
+from vllm.inputs import TokensPrompt
+from torch_pjrt.eager.modes import EagerMode
+folder, prompts, others = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
+llm = LLM(model=folder, skip_tokenizer_init=True, enforce_eager=False, dtype="float32", max_model_len=128,
+          max_num_seqs=4, kv_cache_memory_bytes=1 << 24)
+params = SamplingParams(temperature=0, max_tokens=8, min_tokens=8, detokenize=False)
+def serve(batch):
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+strict = serve(prompts)
+with torch.pjrt.set_eager_mode(EagerMode.DEFER_AND_FUSE):
+    fused = serve(prompts)
+serve(others)  # the first batch of these lengths (their prefills are not cached yet)
+graphs = torch_pjrt.metrics.counters()["graph_compiles"]
+again = serve([[t + 1 for t in p] for p in others])  # the same lengths, new tokens
+print("RESULT " + json.dumps({"strict": strict, "fused": fused, "pieces": compilation_counter.num_piecewise_graphs_seen,
+                              "dynamo": compilation_counter.num_graphs_seen,
+                              "new_graphs": torch_pjrt.metrics.counters()["graph_compiles"] - graphs,
+                              "graphs": graphs}))
+"""
+
+
+def test_vllms_compile_path_gives_hugging_faces_tokens_with_programs_per_bucket(tiny_llama: Path) -> None:
+    """enforce_eager=False: vLLM's one Dynamo trace, split at attention, its pieces compiled by the pjrt
+    backend (strict and fused eager around them); prompts of new lengths in seen buckets compile nothing."""
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    others = [[(7 * i + j) % 250 + 3 for j in range(n)] for i, n in enumerate((6, 12, 19, 33))]
+    done = subprocess.run([sys.executable, "-c", COMPILED_IN_A_NEW_PROCESS, str(tiny_llama),
+                           json.dumps(_prompts()), json.dumps(others)],
+                          env=env, capture_output=True, text=True, timeout=600)
+    results = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert done.returncode == 0 and results, done.stderr[-3000:]
+    result = json.loads(results[-1][len("RESULT "):])
+    expected = _hugging_face_greedy(tiny_llama, NEW_TOKENS)
+    assert result["strict"] == expected
+    assert result["fused"] == expected
+    assert result["dynamo"] == 1 and result["pieces"] >= 3  # one traced model, split at its 2 attention layers
+    assert result["graphs"] > 0 and result["new_graphs"] == 0
+
+
 UNLOWERED_OP_IN_A_NEW_PROCESS = """
 import json, sys, torch
 from vllm import LLM, ModelRegistry, SamplingParams

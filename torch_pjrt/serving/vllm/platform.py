@@ -7,6 +7,7 @@ custom layers run their torch-op forward (`forward_oot`, i.e. `forward_native`) 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -19,6 +20,7 @@ from torch_pjrt.serving import vllm as plugin
 logger = init_logger(__name__)
 
 WORKER_CLASS = "torch_pjrt.serving.vllm.worker.PjrtWorker"
+COMPILER_CLASS = "torch_pjrt.serving.vllm.compiler.PjrtCompiler"
 DEFAULT_BLOCK_SIZE = 16
 
 
@@ -94,9 +96,19 @@ class PjrtPlatform(Platform):
         return plugin.ATTENTION_BACKEND_CLASS
 
     @classmethod
+    def opaque_attention_op(cls) -> bool:
+        """Attention is vLLM's custom op: compiled graphs split at it, and it runs eagerly on the paged cache."""
+        return True
+
+    @classmethod
+    def get_compile_backend(cls) -> str:
+        """The compiler vLLM's compile path hands the model's graph pieces to."""
+        return COMPILER_CLASS
+
+    @classmethod
     def check_and_update_config(cls, vllm_config: Any) -> None:
-        """Eager execution in one process per device: the settings this first slice has been checked with."""
-        from vllm.config import CompilationMode
+        """One process per device; the model compiled piecewise by the pjrt backend, or eager with enforce_eager."""
+        from vllm.config import CompilationMode, CUDAGraphMode
 
         if "VLLM_WORKER_MULTIPROC_METHOD" not in os.environ:
             # jax's runtime threads do not survive fork: engine and worker processes must be spawned.
@@ -111,9 +123,28 @@ class PjrtPlatform(Platform):
         parallel_config.disable_custom_all_reduce = True
         compilation_config = vllm_config.compilation_config
         compilation_config.cudagraph_capture_sizes = []
-        if compilation_config.mode != CompilationMode.NONE:
-            logger.warning("pjrt serves models eagerly for now (as with enforce_eager=True); torch.compile is off.")
-            compilation_config.mode = CompilationMode.NONE
+        compilation_config.cudagraph_mode = CUDAGraphMode.NONE
         model_config = vllm_config.model_config
-        if model_config is not None and not model_config.enforce_eager:
-            model_config.enforce_eager = True
+        if model_config is not None and model_config.enforce_eager:
+            compilation_config.mode = CompilationMode.NONE
+        elif compilation_config.mode not in (CompilationMode.NONE, CompilationMode.VLLM_COMPILE):
+            logger.warning("pjrt compiles with vLLM's piecewise compile path (mode VLLM_COMPILE), not mode %s.",
+                           compilation_config.mode.name)
+            compilation_config.mode = CompilationMode.VLLM_COMPILE
+        if compilation_config.mode == CompilationMode.VLLM_COMPILE:
+            # any name but "inductor" or "eager" makes vLLM ask get_compile_backend() for its compiler
+            compilation_config.backend = "pjrt"
+            # vLLM's AOT compile stores the compiled model as Inductor artifacts, which pjrt's pieces are not
+            # (their programs go to torch_pjrt's own persistent cache); set by hand, it is left alone.
+            os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
+            if compilation_config.compile_sizes is None:
+                compilation_config.compile_sizes = []  # one piece per range of token counts, none per size
+            _no_fusion_passes(compilation_config.pass_config)
+
+
+def _no_fusion_passes(pass_config: Any) -> None:
+    """vLLM's graph fusion passes rewrite to CUDA and ROCm kernels; XLA fuses the pieces itself."""
+    for field in dataclasses.fields(pass_config):
+        switch = getattr(pass_config, field.name)
+        if field.name.startswith(("fuse_", "enable_")) and (switch is None or isinstance(switch, bool)):
+            setattr(pass_config, field.name, False)
