@@ -67,3 +67,29 @@ def test_traced_graphs_are_stored_for_the_next_process_and_damage_is_survived(tm
     stored[0].write_bytes(stored[0].read_bytes()[:100])
     assert run(tmp_path, COMPILED) == [loss, grad, "1", "1", "1"]
     assert run(tmp_path, COMPILED) == [loss, grad, "2", "0", "0"]
+
+
+RESHAPED = textwrap.dedent(
+    """
+    import sys, torch, torch_pjrt
+    torch.manual_seed(0)
+    # the same (4, 8) view either way; its storage's array has the shape its producer gave it
+    x = torch.randn(8, 4).to("pjrt").view(4, 8) if sys.argv[1] == "tall" else torch.randn(4, 8).to("pjrt")
+    y = torch.compile(lambda t: (t * 2).sum(0), backend="pjrt")(x)
+    torch.testing.assert_close(y.cpu(), (x.cpu() * 2).sum(0))
+    print(torch_pjrt.metrics.counters()["disk_store_hits"])
+    """
+)
+
+
+def test_a_stored_graph_is_keyed_by_its_storage_arrays_shapes(tmp_path: Path) -> None:
+    """A storage array of another shape behind the same view is another program, never the stored one."""
+    def run_as(shape: str) -> str:
+        result = subprocess.run([sys.executable, "-c", RESHAPED, shape], capture_output=True, text=True,
+                                timeout=300, env={**os.environ, "TORCH_PJRT_CACHE_DIR": str(tmp_path)})
+        assert result.returncode == 0, result.stderr[-2000:]
+        return result.stdout.split()[-1]
+
+    assert run_as("wide") == "0"
+    assert run_as("tall") == "0"
+    assert (run_as("wide"), run_as("tall")) == ("1", "1")

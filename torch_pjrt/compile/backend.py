@@ -174,7 +174,10 @@ class CompiledGraph:
         sizes, inputs and outputs of symbolic shape are flat buffers with their true elements first.
         """
         precision = linalg.global_float32_matmul_precision()
-        key = (signature, None if padded is None else tuple(padded.values()), out_buckets, precision)
+        # A storage's array keeps the shape its last writer gave it (not always flat): the traced reads
+        # depend on it, and a program stored for one shape refuses another.
+        array_shapes = tuple(tuple(flat.shape) for flat in example[0])
+        key = (signature, array_shapes, None if padded is None else tuple(padded.values()), out_buckets, precision)
         found = self.programs.get(key)
         if found is not None:
             return found
@@ -248,7 +251,7 @@ class CompiledGraph:
 
         found = None
         if padded is None and _can_store():
-            stored = self._stored_key(signature)
+            stored = self._stored_key(signature, array_shapes)
             found = _load_stored(stored) or _export_stored(run, example, layouts, made, stored)
         program, layouts, made = found or (_graph_program(run), layouts, made)
         host_mutations = [index for index in mutated if signature[index][0] != "pjrt"]
@@ -257,7 +260,7 @@ class CompiledGraph:
             warnings.warn(self._recompile_message(), stacklevel=3)
         return found
 
-    def _stored_key(self, signature: tuple) -> str:
+    def _stored_key(self, signature: tuple, array_shapes: tuple) -> str:
         """What the traced program depends on: our code, the versions, the graph, its inputs' layouts,
         the matmul precision, and the kernels of the custom ops in it (torch_pjrt.kernels)."""
         jax = client.jax_module()
@@ -265,7 +268,8 @@ class CompiledGraph:
         metas = [(m.dtype, tuple(m.shape), m.stride(), m.device.type) if isinstance(m, torch.Tensor) else m
                  for m in self.metas]
         for part in (disk_store.code_version(), torch.__version__, jax.__version__, client.platform(), self.gm.code,
-                     repr(metas), repr(signature), checks.ENABLED, linalg.global_float32_matmul_precision()):
+                     repr(metas), repr(signature), repr(array_shapes), checks.ENABLED,
+                     linalg.global_float32_matmul_precision()):
             digest.update(str(part).encode())
         for node in self.gm.graph.nodes:
             lowering = registry.LOWERINGS.get(node.target) if node.op == "call_function" else None
