@@ -1,10 +1,13 @@
-"""vLLM offline serving throughput: the pjrt platform plugin (strict and fused eager) against vLLM's CPU platform.
+"""vLLM offline serving: the pjrt platform plugin (eager and compiled) against vLLM's CPU platform (eager).
 
 A 2-layer Llama (width 128, head_dim 32) with random weights saved to a temporary folder; N requests of
 mixed prompt lengths submitted at once (`LLM.generate` on prompt token ids, greedy, `--new-tokens` each).
 Each row is its own process (vLLM picks its platform once per process: `VLLM_PLUGINS=` with no name
 leaves vLLM's CPU platform); after one warm-up batch (the compiles), the best of `--repeats` timed batches
-(the second batch meets new token buckets, as prefix caching shortens its prefills; the third compiles nothing).
+(the second batch meets new token buckets, as prefix caching shortens its prefills; the third compiles nothing),
+and the time to first token: the same N requests with prompts not seen before and one new token each
+(the batch's prefill and first sampling). "compiled" rows pass enforce_eager=False: vLLM's compile path, its
+graph pieces compiled by the pjrt backend, attention between them in the eager mode named.
 The rows run interleaved, `--rounds` times (a fresh process each), and each row keeps its best round, so a
 busy spell on a shared machine hits every row alike. Output tokens must equal across rows and rounds. Needs
 the vLLM environment: `make test-serving` builds it.
@@ -31,31 +34,39 @@ SERVE = textwrap.dedent(
     if __name__ == "__main__":
         folder, mode, profile = sys.argv[1], sys.argv[6], sys.argv[7]
         requests, new_tokens, repeats, kv_mib = map(int, sys.argv[2:6])
-        llm = LLM(model=folder, skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
-                  max_model_len=256, max_num_seqs=requests, kv_cache_memory_bytes=kv_mib << 20)
+        llm = LLM(model=folder, skip_tokenizer_init=True, enforce_eager=not mode.startswith("compiled"),
+                  dtype="float32", max_model_len=256, max_num_seqs=requests, kv_cache_memory_bytes=kv_mib << 20)
         from vllm.platforms import current_platform
         prompts = [TokensPrompt(prompt_token_ids=[(7 * i + 3 * j) % 250 + 3 for j in range(8 + 9 * i)])
                    for i in range(requests)]
         params = SamplingParams(temperature=0, max_tokens=new_tokens, min_tokens=new_tokens, detokenize=False)
         context = None
-        if mode == "fused":
+        if mode.endswith("fused"):
             import torch
             from torch_pjrt.eager.modes import EagerMode
             context = torch.pjrt.set_eager_mode(EagerMode.DEFER_AND_FUSE)
             context.__enter__()
+        first = SamplingParams(temperature=0, max_tokens=1, detokenize=False)
         llm.generate(prompts, params, use_tqdm=False)
-        best = float("inf")
-        for _ in range(repeats):
+        best = first_token = float("inf")
+        for repeat in range(repeats):
             start = time.perf_counter()
             outputs = llm.generate(prompts, params, use_tqdm=False)
             best = min(best, time.perf_counter() - start)
+            # time to first token: the same requests with new prompts (no prefix cached), one token each
+            fresh = [TokensPrompt(prompt_token_ids=[(t + 11 * (repeat + 1)) % 250 + 3 for t in p["prompt_token_ids"]])
+                     for p in prompts]
+            start = time.perf_counter()
+            llm.generate(fresh, first, use_tqdm=False)
+            first_token = min(first_token, time.perf_counter() - start)
         tokens = [list(o.outputs[0].token_ids) for o in outputs]
         if profile == "1" and current_platform.device_type == "pjrt":
             from torch.profiler import ProfilerActivity, profile as profiler
             with profiler(activities=[ProfilerActivity.CPU, ProfilerActivity.PrivateUse1]) as window:
                 llm.generate(prompts, params, use_tqdm=False)
             print(window.key_averages().table(sort_by="self_device_time_total", row_limit=12), file=sys.stderr)
-        print("RESULT " + json.dumps({"platform": current_platform.device_type, "seconds": best, "tokens": tokens}))
+        print("RESULT " + json.dumps({"platform": current_platform.device_type, "seconds": best,
+                                      "first_token": first_token, "tokens": tokens}))
     """
 )
 
@@ -104,6 +115,8 @@ def main() -> None:
         ("cpu", "strict"): "vLLM CPU platform",
         ("pjrt", "strict"): "pjrt plugin, strict eager",
         ("pjrt", "fused"): "pjrt plugin, DEFER_AND_FUSE",
+        ("pjrt", "compiled"): "pjrt plugin, compiled (strict eager attention)",
+        ("pjrt", "compiled-fused"): "pjrt plugin, compiled (DEFER_AND_FUSE attention)",
     }
     best: dict[tuple[str, str], dict] = {}
     with tempfile.TemporaryDirectory() as folder:
@@ -125,12 +138,13 @@ def main() -> None:
         f"{args.requests} requests (prompts 8..{longest} tokens), {args.new_tokens} new tokens each, "
         f"KV cache {args.kv_cache_mib} MiB; best of {args.rounds} interleaved rounds"
     )
-    print("| platform | seconds | output tokens/s | tokens equal CPU platform's |")
-    print("|---|---|---|---|")
+    print("| platform | seconds | output tokens/s | time to first token, s | tokens equal CPU platform's |")
+    print("|---|---|---|---|---|")
     for name, row in rows:
         assert row["platform"] == ("cpu" if name.startswith("vLLM") else "pjrt"), row["platform"]
         rate = output_tokens / row["seconds"]
-        print(f"| {name} | {row['seconds']:.2f} | {rate:.1f} | {row['tokens'] == reference} |")
+        equal = row["tokens"] == reference
+        print(f"| {name} | {row['seconds']:.2f} | {rate:.1f} | {row['first_token']:.3f} | {equal} |")
 
 
 if __name__ == "__main__":
