@@ -145,7 +145,7 @@ def test_opcheck() -> None:
     """Every opcheck test, the autograd registration one included (kernels.opcheck runs it for pjrt)."""
     x, y, weight = torch.randn(3, 8, device="pjrt"), torch.randn(3, 8, device="pjrt"), torch.rand(8, device="pjrt")
     labels = torch.randint(0, 4, (3,), device="pjrt")
-    passed = dict.fromkeys(kernels.checks.DEFAULT_TEST_UTILS, "SUCCESS")
+    passed = dict.fromkeys(kernels.op_checks.DEFAULT_TEST_UTILS, "SUCCESS")
     assert kernels.opcheck(swish, (x.clone().requires_grad_(), 1.5)) == passed
     assert kernels.opcheck(scaled_pair, (x.clone().requires_grad_(), y, labels), {"scale": 2.0}) == passed
     jax_ops._specialized.discard("example::rms_norm")  # warned once per process
@@ -401,7 +401,7 @@ def test_flash_attention_opcheck_and_errors() -> None:
     q, k, v = (t.to("pjrt") for t in attention_inputs(*ATTENTION_CASES[1][:2]))
     # (AOTAutograd over it: test_sdpa_switch_in_fused_and_compiled_training)
     assert kernels.opcheck(kernels.flash_attention, (q.requires_grad_(), k, v), {"causal": True}) == dict.fromkeys(
-        kernels.checks.DEFAULT_TEST_UTILS, "SUCCESS")
+        kernels.op_checks.DEFAULT_TEST_UTILS, "SUCCESS")
     with pytest.raises(ValueError, match="flash_attention: q, k and v must share one of float32"):
         kernels.flash_attention(q.double(), k.double(), v.double())
     with pytest.raises(ValueError, match="causal attention needs at least as many keys as queries"):

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch_pjrt.kernels.checks import opcheck
 from torch_pjrt.kernels.jax_ops import jax_op
+from torch_pjrt.kernels.op_checks import opcheck
 
 
 def interpret_mode() -> bool:
