@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -199,10 +200,11 @@ def _post(url: str, body: dict, timeout: float) -> dict:
         return json.loads(response.read())
 
 
-def _start_server(model: Path, log: Path, *extra: str) -> tuple[Any, str]:
+def _start_server(model: Path, log: Path, *extra: str, env: dict[str, str] | None = None) -> tuple[Any, str]:
     """`vllm serve` through torch_pjrt's CLI entry, in a process group of its own; waits until /health answers."""
     port = _free_port()
-    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}  # vLLM's default engine
+    if env is None:
+        env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}  # vLLM's default engine
     command = [sys.executable, "-m", "torch_pjrt.serving.vllm.cli", "serve", str(model), "--host", "127.0.0.1",
                "--port", str(port), "--skip-tokenizer-init", "--dtype", "float32", "--max-model-len",
                str(MAX_MODEL_LEN), "--max-num-seqs", "4", "--kv-cache-memory-bytes", str(1 << 24), *extra]  # fmt: skip
@@ -366,54 +368,100 @@ def test_vllms_compile_path_gives_hugging_faces_tokens_with_programs_per_bucket(
     assert result["graphs"] > 0 and result["new_graphs"] == 0
 
 
+# tests/fixtures/vllm_plugin registers LlamaCountingUniqueTokens in every process vLLM starts (a vLLM general plugin).
+VLLM_PLUGIN_FOLDER = Path(__file__).parent / "fixtures" / "vllm_plugin"
+UNLOWERED_OP_ERROR = "torch_pjrt has no lowering for aten::_unique.default"
+
 UNLOWERED_OP_IN_A_NEW_PROCESS = """
-import json, sys, torch
-from vllm import LLM, ModelRegistry, SamplingParams
+import json, sys, time
+from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
-from vllm.model_executor.models.llama import LlamaForCausalLM
 
-class LlamaCountingUniqueTokens(LlamaForCausalLM):
-    # aten::_unique has no torch-pjrt lowering (docs/op-coverage.md)
-    def forward(self, input_ids, positions, *args, **kwargs):
-        torch.ops.aten._unique(input_ids)
-        return super().forward(input_ids, positions, *args, **kwargs)
+def main():
+    llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, enforce_eager=True, dtype="float32", max_model_len=128,
+              max_num_seqs=4, kv_cache_memory_bytes=1 << 24)
+    params = SamplingParams(temperature=0, max_tokens=8, min_tokens=8, detokenize=False)
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in json.loads(sys.argv[2])]
+    results = []
+    for _ in range(int(sys.argv[3])):
+        start = time.monotonic()
+        try:
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            results.append({"tokens": [list(o.outputs[0].token_ids) for o in outputs]})
+        except Exception as error:
+            results.append({"type": type(error).__name__, "error": str(error)})
+        results[-1]["seconds"] = time.monotonic() - start
+    print("RESULT " + json.dumps(results))
 
-ModelRegistry.register_model("LlamaCountingUniqueTokens", LlamaCountingUniqueTokens)
-llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, enforce_eager=True, dtype="float32", max_model_len=128,
-          max_num_seqs=4, kv_cache_memory_bytes=1 << 24)
-params = SamplingParams(temperature=0, max_tokens=8, min_tokens=8, detokenize=False)
-try:
-    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in json.loads(sys.argv[2])], params, use_tqdm=False)
-    print("RESULT " + json.dumps({"tokens": [list(o.outputs[0].token_ids) for o in outputs]}))
-except Exception as error:
-    print("RESULT " + json.dumps({"type": type(error).__name__, "error": str(error)}))
+if __name__ == "__main__":  # the engine process is spawned: it imports this script without running it
+    main()
 """
 
 
-def _serve_unlowered_op_model(tiny_llama: Path, tmp_path: Path, **env: str) -> dict:
+def _unlowered_op_model(tiny_llama: Path, tmp_path: Path) -> Path:
     folder = tmp_path / "model"
     shutil.copytree(tiny_llama, folder)
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "architectures": ["LlamaCountingUniqueTokens"]}))
-    command = [sys.executable, "-c", UNLOWERED_OP_IN_A_NEW_PROCESS, str(folder), json.dumps(_prompts())]
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", **env)
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    return folder
+
+
+def _plugin_env(in_process: bool, **env: str) -> dict[str, str]:
+    """The environment of a vLLM process that sees the test plugin; in_process=False: vLLM's default engine."""
+    base = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    path = os.pathsep.join(filter(None, [str(VLLM_PLUGIN_FOLDER), os.environ.get("PYTHONPATH")]))
+    return dict(base, PYTHONPATH=path, VLLM_ENABLE_V1_MULTIPROCESSING="0" if in_process else "1", **env)
+
+
+def _serve_unlowered_op_model(
+    tiny_llama: Path, tmp_path: Path, *, in_process: bool = True, calls: int = 1, **env: str
+) -> tuple[list[dict], str]:
+    """The results of `calls` generate() calls of the unlowered-op model in a new process, and its output."""
+    folder = _unlowered_op_model(tiny_llama, tmp_path)
+    command = [sys.executable, "-c", UNLOWERED_OP_IN_A_NEW_PROCESS, str(folder), json.dumps(_prompts()), str(calls)]
+    done = subprocess.run(command, env=_plugin_env(in_process, **env), capture_output=True, text=True, timeout=600)
     results = [json.loads(line[len("RESULT ") :]) for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     assert done.returncode == 0 and results, done.stderr[-3000:]
-    return results[-1]
+    return results[-1], done.stdout + done.stderr  # vLLM's processes log to both
 
 
 def test_a_model_with_an_op_torch_pjrt_lacks_gets_torch_pjrts_error(tiny_llama: Path, tmp_path: Path) -> None:
     # vLLM skips its warm-up forward when kv_cache_memory_bytes is given: the first request meets the op.
-    # After it the engine does not serve again (vLLM treats a failed model step as fatal: docs/serving.md).
-    result = _serve_unlowered_op_model(tiny_llama, tmp_path)
+    (result,), _ = _serve_unlowered_op_model(tiny_llama, tmp_path)
     assert result.get("type") == "NotImplementedError", result
-    assert "torch_pjrt has no lowering for aten::_unique.default" in result["error"]
+    assert UNLOWERED_OP_ERROR in result["error"]
     assert "TORCH_PJRT_CPU_FALLBACK=1" in result["error"]
+
+
+def test_after_a_failed_model_step_vllms_default_engine_is_dead_at_once_not_hung(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
+    # vLLM treats a failed model step as fatal: its engine process logs the error and exits, and every call
+    # after it raises EngineDeadError at once (as on vLLM's CPU platform; docs/serving.md).
+    results, log = _serve_unlowered_op_model(tiny_llama, tmp_path, in_process=False, calls=2)
+    assert [r.get("type") for r in results] == ["EngineDeadError", "EngineDeadError"], results
+    assert results[1]["seconds"] < 10
+    assert UNLOWERED_OP_ERROR in log and "TORCH_PJRT_CPU_FALLBACK=1" in log
+
+
+def test_after_a_failed_model_step_the_server_answers_500_and_exits_cleanly(tiny_llama: Path, tmp_path: Path) -> None:
+    log = tmp_path / "server.log"
+    folder = _unlowered_op_model(tiny_llama, tmp_path)
+    server, url = _start_server(folder, log, env=_plugin_env(in_process=False))
+    try:
+        body = dict(model=str(folder), prompt=_prompts()[0], max_tokens=NEW_TOKENS, temperature=0)
+        with pytest.raises(urllib.error.HTTPError) as answer:
+            _post(url + "/v1/completions", body, 300)
+        assert answer.value.code == 500
+        assert "EngineCore encountered an issue" in answer.value.read().decode()
+        assert server.wait(timeout=120) == 0  # vLLM's API server shuts down when its engine dies
+    finally:
+        _stop_server(server)
+    assert UNLOWERED_OP_ERROR in log.read_text()
 
 
 def test_the_cpu_fallback_the_error_names_serves_that_model(
     tiny_llama: Path, tmp_path: Path, reference_tokens: list[list[int]]
 ) -> None:
-    result = _serve_unlowered_op_model(tiny_llama, tmp_path, TORCH_PJRT_CPU_FALLBACK="1")
+    (result,), _ = _serve_unlowered_op_model(tiny_llama, tmp_path, TORCH_PJRT_CPU_FALLBACK="1")
     assert result.get("tokens") == reference_tokens, result
