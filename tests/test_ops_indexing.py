@@ -159,6 +159,44 @@ def test_scatters_into_a_view_write_only_its_elements(op, view, mode, monkeypatc
     assert through, "the write read and rewrote the whole view"
 
 
+BUFFERS = {  # (the buffer's dtype, the view's): a wider view of a byte buffer (vLLM's KV caches), one of equal width
+    "float32 in int8": (torch.int8, torch.float32),
+    "bfloat16 in uint8": (torch.uint8, torch.bfloat16),
+    "float32 in int32": (torch.int32, torch.float32),
+}
+
+
+@pytest.mark.parametrize("mode", ["strict", "fused"])
+@pytest.mark.parametrize("buffer", BUFFERS)
+@pytest.mark.parametrize("op", ["index_put_", "setitem", "index_fill_", "index_put_ accumulate"])
+def test_scatters_into_a_view_of_another_dtype_write_only_its_bytes(op, buffer, mode, monkeypatch):
+    """A layer's float cache viewed inside one byte buffer: an assignment scatters its values' bytes into the
+    buffer (reinterpreting the whole buffer made XLA copy it on every write); an add through such a view takes
+    the whole-view path. The whole buffer's bytes equal CPU's."""
+    from torch_pjrt.ops import indexing
+
+    written = []
+    monkeypatch.setattr(indexing, "scatter_through",
+                        lambda *a, f=indexing.scatter_through: written.append(f(*a)) or written[-1])
+    buffer_dtype, view_dtype = BUFFERS[buffer]
+    base = torch.randn(4 * 3 * 6 * 8).to(view_dtype).view(buffer_dtype)
+    source, index = torch.randn(8).to(view_dtype), torch.tensor([0, -1, 2, 5])
+
+    def write(base, index, source):
+        whole = base.clone()
+        layer = whole.view(view_dtype).view(4, 3, 6, 8)[2]  # part of the buffer, as the view dtype
+        SCATTERS[op](layer[:, 1:], index.remainder(5) if op == "index_fill_" else index, source)
+        return whole
+
+    expected = write(base, index, source)
+    mode_name = torch.pjrt.EagerMode.DEFER_AND_FUSE if mode == "fused" else torch.pjrt.EagerMode.DEFER_NEVER
+    with torch.pjrt.set_eager_mode(mode_name):
+        actual = write(*(t.to("pjrt") for t in (base, index, source)))
+    assert torch.equal(actual.cpu(), expected)
+    assert written, "the op did not take the scatter form"
+    assert all((w is None) == op.endswith("accumulate") for w in written)
+
+
 def test_a_bad_index_into_a_view_raises_like_cpu():
     base = torch.randn(3, 6, 8, device="pjrt")
     with pytest.raises(RuntimeError, match="index_put: index 9 is out of bounds for dimension 0 with size 6"):

@@ -612,10 +612,11 @@ def _build(plan: OpPlan, scan: Scan, values: list[Any], described: list[Any], fo
         keywords = {n: v for n, v, kw in zip(names, resolved, kwarg_only) if kw and n not in dropped}
         if through is not None:
             scatter = lowering.scatter(*positional, **keywords)
-            if scatter is not None:  # self's whole view is never read: XLA drops that read
-                slot, view = through
-                flats[slot] = indexing.scatter_through(storage.flat_array(flats[slot]), storage.positions(view),
-                                                       scatter).reshape(flats[slot].shape)
+            slot, view = through
+            written = None if scatter is None else indexing.scatter_through(
+                storage.flat_array(flats[slot]), storage.positions(view), scatter, storage.numpy_dtype(view.dtype))
+            if written is not None:  # self's whole view is never read: XLA drops that read
+                flats[slot] = written.reshape(flats[slot].shape)
                 return tuple(flats[s] for s in mutated_slots)
         if form is not None:
             sizes = padding.Sizes(dict(zip(form.symbols, buckets)), dict(zip(form.symbols, true)))
@@ -680,7 +681,8 @@ def _build(plan: OpPlan, scan: Scan, values: list[Any], described: list[Any], fo
 def _written_through(plan: OpPlan, mutated_views: list[list[Any]], slot_info: dict[int, Any],
                      n_fresh: int) -> tuple[int, View] | None:
     """(slot, view) when the op writes into a view of part of its self's storage and has a scatter form:
-    its program then scatters into the storage in place (copying only what it writes)."""
+    its program then scatters into the storage in place (copying only what it writes), a view of another
+    dtype included where `indexing.scatter_through` can write its values' bytes."""
     if plan.lowering.scatter is None or plan.mutated != [0] or n_fresh or len(mutated_views[0]) != 1:
         return None
     found = mutated_views[0][0]
@@ -688,7 +690,7 @@ def _written_through(plan: OpPlan, mutated_views: list[list[Any]], slot_info: di
         return None
     slot, view, _ = found
     numel, storage_dtype, _ = slot_info[slot]
-    if view.covers(numel) or view.dtype != storage_dtype or view.conj or view.neg or not math.prod(view.sizes):
+    if view.covers(numel) and view.dtype == storage_dtype or view.conj or view.neg or not math.prod(view.sizes):
         return None
     return slot, view
 

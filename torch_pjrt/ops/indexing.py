@@ -180,10 +180,23 @@ def scatter_into(data: Any, scatter: Scatter) -> Any:
     return target.at[scatter.where].set(values).reshape(data.shape)
 
 
-def scatter_through(flat: Any, positions: Any, scatter: Scatter) -> Any:
-    """A storage's 1-D array after the scatter, `positions` holding the address of each of the view's elements."""
+def scatter_through(flat: Any, positions: Any, scatter: Scatter, view_dtype: np.dtype) -> Any | None:
+    """A storage's 1-D array after the scatter through a view of `view_dtype`, `positions` holding the
+    address of each of the view's elements (in view elements), or None when it cannot be written so.
+
+    A view of a wider dtype than its storage's (a float KV cache inside a byte buffer) writes its values'
+    bytes at the bytes' positions: reinterpreting the whole storage instead makes XLA copy all of it. An
+    add through such a view, or a view narrower than its storage's elements, is left to the caller."""
     written = positions.reshape(scatter.shape)[scatter.where]
-    values = jnp.asarray(scatter.values).astype(flat.dtype)
+    values = jnp.asarray(scatter.values).astype(view_dtype)
+    if view_dtype != flat.dtype:
+        ratio, remainder = divmod(np.dtype(view_dtype).itemsize, flat.dtype.itemsize)
+        odd = any(d == jnp.bool_ or jnp.issubdtype(d, jnp.complexfloating) for d in (view_dtype, flat.dtype))
+        if scatter.how == "add" or remainder or not ratio or odd:
+            return None
+        values = lax.bitcast_convert_type(values, flat.dtype)
+        if ratio > 1:
+            written = written[..., None] * ratio + jnp.arange(ratio)
     return _combine_at(flat, written, values) if scatter.how == "add" else flat.at[written].set(values)
 
 
