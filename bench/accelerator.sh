@@ -24,7 +24,8 @@ mkdir -p "$results"
 "$PY" bench/first_step.py > "$results/first_step.txt" 2>&1
 "$PY" bench/device_checks.py > "$results/device_checks.txt" 2>&1
 "$PY" bench/flash_attention.py > "$results/flash_attention.txt" 2>&1
-for table in dispatch train_step breakdown first_step device_checks flash_attention; do
+"$PY" bench/paged_attention.py > "$results/paged_attention.txt" 2>&1
+for table in dispatch train_step breakdown first_step device_checks flash_attention paged_attention; do
     echo "== $table"
     grep -v "^W[0-9]" "$results/$table.txt" | tail -14
 done

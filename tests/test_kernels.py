@@ -449,3 +449,65 @@ def test_nothing_is_donated_where_the_argument_must_stay_readable() -> None:
     torch.testing.assert_close(got.detach().cpu(), want)
     torch.testing.assert_close(leaf.grad.cpu(), torch.ones(8, 4))
     torch.testing.assert_close(leaf.detach().cpu(), total)
+
+
+# --- paged_attention ---------------------------------------------------------------------------
+
+PAGED = dict(layers=2, blocks=12, kv_heads=2, block_size=16, head_size=32, heads=4, pages=4)
+
+
+def paged_inputs(dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """A 2-layer paged cache of random rows, and query tokens whose block tables name random pages (one
+    sharing a page with another, as a prefix-cached request does) and who see 1..all of their positions."""
+    p = PAGED
+    cache = torch.randn(p["layers"], p["blocks"], p["kv_heads"], p["block_size"], 2 * p["head_size"]).to(dtype)
+    lengths = torch.tensor([1, 17, 33, p["pages"] * p["block_size"], 40, 2])
+    tables = torch.stack([torch.randperm(p["blocks"] - 1)[: p["pages"]] + 1 for _ in lengths])
+    tables[1, 0] = tables[0, 0]
+    query = torch.randn(len(lengths), p["heads"], p["head_size"]).to(dtype)
+    return query, cache, tables, lengths
+
+
+def paged_attention_cpu(query: torch.Tensor, cache: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor,
+                        layer: int, scale: float, soft_cap: float) -> torch.Tensor:
+    """Each token's context gathered from its pages, then softmax attention in float32 (grouped heads)."""
+    p = PAGED
+    out = []
+    for q, table, length in zip(query.float(), tables, lengths):
+        rows = cache[layer][table].float().permute(1, 0, 2, 3).reshape(p["kv_heads"], -1, 2 * p["head_size"])
+        keys, values = (rows[:, :length, half].repeat_interleave(p["heads"] // p["kv_heads"], 0)
+                        for half in (slice(None, p["head_size"]), slice(p["head_size"], None)))
+        scores = torch.einsum("hd,hsd->hs", q, keys) * scale
+        if soft_cap:
+            scores = soft_cap * torch.tanh(scores / soft_cap)
+        out.append(torch.einsum("hs,hsd->hd", scores.softmax(-1), values))
+    return torch.stack(out).to(query.dtype)
+
+
+@pytest.mark.parametrize("mode", ["strict", "fused"])
+@pytest.mark.parametrize(("dtype", "layer", "soft_cap"), [(torch.float32, 1, 0.0), (torch.float32, 0, 5.0),
+                                                          (torch.bfloat16, 1, 0.0)])
+def test_paged_attention_matches_attention_over_the_gathered_context(mode: str, dtype: torch.dtype, layer: int,
+                                                                     soft_cap: float) -> None:
+    query, cache, tables, lengths = paged_inputs(dtype)
+    expected = paged_attention_cpu(query, cache, tables, lengths, layer, 0.2, soft_cap)
+    with torch.pjrt.set_eager_mode(FUSE if mode == "fused" else torch_pjrt.EagerMode.DEFER_NEVER):
+        on_device = (t.to("pjrt") for t in (query, cache, tables, lengths))
+        actual = kernels.paged_attention(*on_device, layer=layer, scale=0.2, soft_cap=soft_cap).cpu()
+    tolerance = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(actual, expected, **tolerance)
+
+
+def test_paged_attention_opcheck_and_errors() -> None:
+    query, cache, tables, lengths = (t.to("pjrt") for t in paged_inputs(torch.float32))
+    keywords = {"layer": 1, "scale": 0.2}
+    # an inference kernel: no backward, so no autograd registration to check
+    tests = tuple(t for t in kernels.op_checks.DEFAULT_TEST_UTILS if t != "test_autograd_registration")
+    assert kernels.opcheck(kernels.paged_attention, (query, cache, tables, lengths), keywords,
+                           test_utils=tests) == dict.fromkeys(tests, "SUCCESS")
+    with pytest.raises(ValueError, match="paged_attention: the cache's rows must hold a key and a value of head_size"):
+        kernels.paged_attention(query[..., :16], cache, tables, lengths, **keywords)
+    with pytest.raises(ValueError, match="paged_attention: layer 2 is not one of the cache's 2 layers"):
+        kernels.paged_attention(query, cache, tables, lengths, layer=2, scale=0.2)
+    with pytest.raises(ValueError, match=r"block_tables and lengths need a row per query token \(6\)"):
+        kernels.paged_attention(query, cache, tables[:3], lengths, **keywords)

@@ -113,7 +113,7 @@ def test_the_plugin_picks_pjrt_and_holds_weights_and_cache_there(llm: Any) -> No
 
 
 def test_kv_cache_views_share_one_buffer_of_their_own_dtype(llm: Any) -> None:
-    # vLLM allocates an int8 buffer; torch-pjrt writes into a view in place only when the dtypes match.
+    # vLLM allocates an int8 buffer; the paged-attention kernel takes the whole buffer, unreinterpreted.
     from torch_pjrt.storage import storage_of
 
     caches = _worker(llm).model_runner.kv_caches
@@ -129,6 +129,20 @@ def test_greedy_tokens_equal_hugging_face_on_cpu_strict(llm: Any, reference_toke
 def test_greedy_tokens_equal_hugging_face_on_cpu_fused(llm: Any, reference_tokens: list[list[int]]) -> None:
     with torch.pjrt.set_eager_mode(EagerMode.DEFER_AND_FUSE):
         assert _serve(llm, _prompts()) == reference_tokens
+
+
+@pytest.mark.parametrize("mode", [EagerMode.DEFER_NEVER, EagerMode.DEFER_AND_FUSE])
+def test_the_paged_attention_kernel_gives_hugging_faces_tokens(
+    llm: Any, reference_tokens: list[list[int]], mode: EagerMode
+) -> None:
+    # TORCH_PJRT_PAGED_ATTENTION=1 for one call: the attention reads the cache through the Pallas kernel.
+    from torch_pjrt.kernels import paged
+    from torch_pjrt.runtime.metrics import op_counts
+
+    calls = op_counts["torch_pjrt.paged_attention.default"]
+    with paged.switch.scoped(True), torch.pjrt.set_eager_mode(mode):
+        assert _serve(llm, _prompts()) == reference_tokens
+    assert op_counts["torch_pjrt.paged_attention.default"] - calls >= 2 * NEW_TOKENS  # 2 layers a step
 
 
 def test_seeded_sampling_is_reproducible(llm: Any) -> None:
@@ -426,7 +440,7 @@ def _serve_unlowered_op_model(
 
 
 def test_a_model_with_an_op_torch_pjrt_lacks_gets_torch_pjrts_error(tiny_llama: Path, tmp_path: Path) -> None:
-    # vLLM skips its warm-up forward when kv_cache_memory_bytes is given: the first request meets the op.
+    # vLLM's CPU runner runs no warm-up forward in eager (enforce_eager=True): the first request meets the op.
     (result,), _ = _serve_unlowered_op_model(tiny_llama, tmp_path)
     assert result.get("type") == "NotImplementedError", result
     assert UNLOWERED_OP_ERROR in result["error"]

@@ -42,6 +42,8 @@ VARIABLES: dict[str, Variable] = {
                                                "profiler into it (TensorBoard/XProf), named in the Chrome trace"),
     "TORCH_PJRT_FLASH_ATTENTION": Variable("0", "1: scaled_dot_product_attention on pjrt tensors runs the Pallas flash "
                                                 "attention kernel where it applies (no mask, no dropout)"),
+    "TORCH_PJRT_PAGED_ATTENTION": Variable("0", "1: the vLLM plugin's attention reads the paged KV cache with the "
+                                                "Pallas paged-attention kernel instead of gathering it with torch ops"),
 }
 
 

@@ -8,9 +8,11 @@ positions at or before its own. The host builds the index tensors once per step 
 host-side metadata) and ships them in one transfer each; the layers then run only device ops.
 
 The key/value length is padded to a power of two (at least one block), so decode steps of growing
-length reuse one set of programs per bucket instead of compiling per length. The work is
-O(query tokens x padded context) per layer: right for a first slice and for tests, while a
-Pallas paged-attention kernel (torch_pjrt.kernels) is the natural next step for speed.
+length reuse one set of programs per bucket instead of compiling per length. The torch-op path
+gathers each token's context: O(query tokens x padded context) of memory per layer. With
+TORCH_PJRT_PAGED_ATTENTION=1 (or inside `kernels.paged.switch.scoped(True)`) the attention
+reads the cache through the block tables with the Pallas kernel `torch_pjrt.kernels.paged_attention`
+instead, which takes the whole cache buffer and gathers nothing.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 import torch
+from vllm.logger import init_logger
 from vllm.v1.attention.backend import (
     AttentionBackend,
     AttentionImpl,
@@ -28,6 +31,11 @@ from vllm.v1.attention.backend import (
     CommonAttentionMetadata,
 )
 from vllm.v1.kv_cache_layout import KVCacheLayout
+
+from torch_pjrt.kernels import paged
+from torch_pjrt.storage import storage_of
+
+logger = init_logger(__name__)
 
 
 def _pjrt_device() -> torch.device:
@@ -50,6 +58,10 @@ class PjrtAttentionMetadata:
     """(padded context,) row inside the block for each context position."""
     visible: torch.Tensor
     """(tokens, padded context) bool: the context position is at or before the token (causal)."""
+    block_tables: torch.Tensor | None = None
+    """(tokens, padded context / block size) int32: the blocks of each token's request, for the kernel."""
+    context_lengths: torch.Tensor | None = None
+    """(tokens,) int32: the context positions each token sees (its position + 1), for the kernel."""
 
 
 def padded_context_length(max_seq_len: int, block_size: int, max_context: int) -> int:
@@ -104,6 +116,12 @@ class PjrtAttentionMetadataBuilder(AttentionMetadataBuilder[PjrtAttentionMetadat
         def to_device(array: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(np.ascontiguousarray(array)).to(device)
 
+        kernel_indices = {}
+        if paged.switch.enabled():
+            lengths = np.ones(padded, np.int32)
+            lengths[:tokens] = positions + 1
+            tables = context_blocks[:, :: self.block_size].astype(np.int32)
+            kernel_indices = dict(block_tables=to_device(tables), context_lengths=to_device(lengths))
         return PjrtAttentionMetadata(
             num_actual_tokens=padded,
             slot_blocks=to_device(padded_slots // self.block_size),
@@ -111,6 +129,7 @@ class PjrtAttentionMetadataBuilder(AttentionMetadataBuilder[PjrtAttentionMetadat
             context_blocks=to_device(context_blocks),
             context_offsets=to_device(context_positions % self.block_size),
             visible=to_device(visible),
+            **kernel_indices,
         )
 
 
@@ -175,20 +194,41 @@ class PjrtAttentionImpl(AttentionImpl[PjrtAttentionMetadata]):
                 (attn_metadata.slot_blocks[:, None], kv_head_index[None, :], attn_metadata.slot_offsets[:, None]),
                 rows.to(kv_cache.dtype),
             )
-        context = kv_cache[
-            attn_metadata.context_blocks[:, :, None],
-            kv_head_index[None, None, :],
-            attn_metadata.context_offsets[None, :, None],
-        ]  # (tokens, context, kv_heads, 2 * size)
-        keys, values = context[..., :size].float(), context[..., size:].float()
-        q = query[:tokens].view(tokens, kv_heads, heads // kv_heads, size).float()
-        scores = torch.einsum("tkgd,tskd->tkgs", q, keys) * self.scale
-        if self.logits_soft_cap:
-            scores = self.logits_soft_cap * torch.tanh(scores / self.logits_soft_cap)
-        scores = scores.masked_fill(~attn_metadata.visible[:, None, None, :], float("-inf"))
-        attended = torch.einsum("tkgs,tskd->tkgd", scores.softmax(-1), values)
+        whole = _layers_of(kv_cache) if attn_metadata.block_tables is not None else None
+        if whole is not None:
+            buffer, layer_index = whole
+            attended = paged.paged_attention(
+                query[:tokens].view(tokens, heads, size), buffer, attn_metadata.block_tables,
+                attn_metadata.context_lengths, layer=layer_index, scale=self.scale, soft_cap=self.logits_soft_cap)
+            output[:tokens].copy_(attended.reshape(output[:tokens].shape))
+            return output
+        attended = paged.gathered_attention(
+            query[:tokens].view(tokens, heads, size), kv_cache, attn_metadata.context_blocks,
+            attn_metadata.context_offsets, attn_metadata.visible, scale=self.scale, soft_cap=self.logits_soft_cap)
         output[:tokens].copy_(attended.reshape(output[:tokens].shape).to(output.dtype))
         return output
+
+
+def _layers_of(cache: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+    """The cache's whole buffer as (layers, *cache.shape) and the cache's layer in it, for the kernel; None
+    (with a warning, once) when the layers do not tile a buffer of the cache's dtype."""
+    per_layer = cache.numel()
+    nbytes = cache.untyped_storage().nbytes()
+    fits = (cache.is_contiguous() and storage_of(cache).dtype == cache.dtype and per_layer
+            and cache.storage_offset() % per_layer == 0 and nbytes % (per_layer * cache.element_size()) == 0)
+    if not fits:
+        if not _warned:
+            logger.warning("the pjrt paged-attention kernel needs the layers' caches to tile one buffer of their "
+                           "dtype; these do not (cache %s, offset %d): attention gathers with torch ops instead",
+                           tuple(cache.shape), cache.storage_offset())
+            _warned.append(True)
+        return None
+    layers = nbytes // (per_layer * cache.element_size())
+    whole = cache.as_strided((layers, *cache.shape), (per_layer, *cache.stride()), 0)
+    return whole, cache.storage_offset() // per_layer
+
+
+_warned: list[bool] = []
 
 
 class PjrtAttentionBackend(AttentionBackend):

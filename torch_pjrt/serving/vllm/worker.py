@@ -85,11 +85,11 @@ class PjrtModelRunner(CPUModelRunner):
 def _store_in_their_dtype(caches: list[torch.Tensor]) -> None:
     """Moves the layers' cache views from vLLM's int8 backing buffer onto one buffer of their own dtype.
 
-    vLLM allocates one int8 buffer and views each layer's part of it as the cache dtype. torch-pjrt
-    scatters an `index_put_` into a view in place only when the view's dtype is its storage's; into a
-    reinterpreted view it rewrites the whole buffer, on every layer and step, so the step time grew with
-    the cache's size (docs/serving.md). The same tensors are re-pointed (`set_`), with the same layout, so
-    vLLM's bindings of them to the layers hold. Caches of several dtypes stay where they are.
+    vLLM allocates one int8 buffer and views each layer's part of it as the cache dtype. Reads and cache
+    writes through such views run in place (a write scatters its values' bytes), but a kernel that takes
+    the whole buffer (kernels.paged_attention) would get it reinterpreted, which XLA materializes before a
+    custom call: a copy of every layer's cache per call. The same tensors are re-pointed (`set_`), with the
+    same layout, so vLLM's bindings of them to the layers hold. Caches of several dtypes stay where they are.
     """
     if not caches or len({cache.dtype for cache in caches}) != 1:
         return

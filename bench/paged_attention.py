@@ -1,0 +1,98 @@
+"""The paged-attention kernel (torch_pjrt.kernels.paged_attention) against its torch-op path, side by side.
+
+Attention of query tokens over a 2-layer paged KV cache (float32, 8 query heads over 2 kv heads, head size
+64, blocks of 16 positions), each token's context in random blocks: `kernels.paged_attention` (a Pallas
+kernel reading the pages through the block tables) and `paged.gathered_attention` (what the vLLM plugin
+runs without TORCH_PJRT_PAGED_ATTENTION: each token's context gathered with torch ops). Cases: decode
+batches (one query token per request, short and long contexts) and a prefill chunk (many tokens of one
+request); the cache holds exactly the requests' blocks. Both run
+in one process in interleaved rounds; shown are each one's best round (the fastest of --repeats calls) and
+the ratio kernel / torch ops (below 1: the kernel is faster). On CPU the kernel runs in Pallas's interpret
+mode, so it is expected to be slower there; the GPU ratio (`bash bench/accelerator.sh`) is the one that counts.
+Run: .venv/bin/python bench/paged_attention.py [--rounds N] [--repeats K] [--mode strict|fused]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+import torch
+
+import torch_pjrt
+from torch_pjrt import kernels
+from torch_pjrt.kernels import paged
+from torch_pjrt.runtime import client
+
+HEADS, KV_HEADS, SIZE, BLOCK, LAYERS = 8, 2, 64, 16, 2
+# (name, query tokens, requests, context positions per request)
+# (the cache holds every request's context: requests x context / 16 blocks, plus vLLM's null block)
+CASES = (("decode", 16, 16, 64), ("decode", 16, 16, 1024), ("prefill chunk", 128, 1, 256))
+
+
+def inputs(tokens: int, requests: int, context: int) -> dict[str, torch.Tensor]:
+    """Both paths' arguments on pjrt: a cache of random rows, each request's blocks a random set of them."""
+    pages = context // BLOCK
+    blocks = requests * pages + 1
+    cache = torch.randn(LAYERS, blocks, KV_HEADS, BLOCK, 2 * SIZE)
+    tables = torch.randperm(blocks - 1)[: requests * pages].view(requests, pages) + 1
+    request = torch.arange(tokens) * requests // tokens
+    # each request's tokens are its last positions: a decode token sees its whole context
+    per_request = tokens // requests
+    positions = context - per_request + torch.arange(tokens) % per_request
+    span = torch.arange(context)
+    found = dict(query=torch.randn(tokens, HEADS, SIZE), cache=cache, tables=tables[request],
+                 lengths=(positions + 1).int(), context_blocks=tables[request][:, span // BLOCK],
+                 context_offsets=span % BLOCK, visible=span[None, :] <= positions[:, None])
+    return {name: t.to("pjrt") for name, t in found.items()}
+
+
+def kernel(a: dict[str, torch.Tensor]) -> torch.Tensor:
+    return kernels.paged_attention(a["query"], a["cache"], a["tables"].int(), a["lengths"], layer=1, scale=0.125)
+
+
+def torch_ops(a: dict[str, torch.Tensor]) -> torch.Tensor:
+    return paged.gathered_attention(a["query"], a["cache"][1], a["context_blocks"], a["context_offsets"],
+                                    a["visible"], scale=0.125)
+
+
+def timed(fn: Callable[[], torch.Tensor], repeats: int) -> float:
+    """The fastest of `repeats` calls, in seconds, each until one element of its result is on the host."""
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn().view(-1)[0].item()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--mode", choices=("strict", "fused"), default="strict")
+    args = parser.parse_args()
+    mode = torch_pjrt.EagerMode.DEFER_AND_FUSE if args.mode == "fused" else torch_pjrt.EagerMode.DEFER_NEVER
+    print(f"platform {client.platform()}, {args.mode} eager, float32, {HEADS} heads over {KV_HEADS} kv heads, "
+          f"head size {SIZE}, blocks of {BLOCK}; best of {args.rounds} interleaved rounds x {args.repeats} calls")
+    print(f"{'case':<16}{'tokens':>8}{'context':>9}{'blocks':>8}{'kernel ms':>11}{'torch ops ms':>14}"
+          f"{'kernel/torch':>14}")
+    with torch.pjrt.set_eager_mode(mode):
+        for name, tokens, requests, context in CASES:
+            a = inputs(tokens, requests, context)
+            difference = (kernel(a) - torch_ops(a)).abs().max().item()  # also the compiles, outside the timing
+            if difference > 1e-4:
+                raise RuntimeError(f"{name}: the kernel and the torch ops differ by {difference}")
+            best = {"kernel": float("inf"), "torch": float("inf")}
+            for round_index in range(args.rounds):
+                order = (("kernel", kernel), ("torch", torch_ops))
+                for label, fn in order if round_index % 2 == 0 else order[::-1]:
+                    best[label] = min(best[label], timed(lambda fn=fn, a=a: fn(a), args.repeats))
+            blocks = a["cache"].shape[1]
+            print(f"{name:<16}{tokens:>8}{context:>9}{blocks:>8}{best['kernel'] * 1e3:>11.2f}"
+                  f"{best['torch'] * 1e3:>14.2f}{best['kernel'] / best['torch']:>14.2f}")
+
+
+if __name__ == "__main__":
+    main()
