@@ -87,9 +87,11 @@ def _store_in_their_dtype(caches: list[torch.Tensor]) -> None:
 
     vLLM allocates one int8 buffer and views each layer's part of it as the cache dtype. Reads and cache
     writes through such views run in place (a write scatters its values' bytes), but a kernel that takes
-    the whole buffer (kernels.paged_attention) would get it reinterpreted, which XLA materializes before a
-    custom call: a copy of every layer's cache per call. The same tensors are re-pointed (`set_`), with the
-    same layout, so vLLM's bindings of them to the layers hold. Caches of several dtypes stay where they are.
+    the whole buffer (kernels.paged_attention) would get it reinterpreted: a width-changing bitcast that XLA
+    may materialize as a copy of every layer's cache before the kernel's custom call (on XLA's CPU client a
+    scatter through one copied the buffer; unmeasured on an accelerator). The same tensors are re-pointed
+    (`set_`), with the same layout, so vLLM's bindings of them to the layers hold. Caches of several dtypes
+    stay where they are.
     """
     if not caches or len({cache.dtype for cache in caches}) != 1:
         return
