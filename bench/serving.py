@@ -13,7 +13,7 @@ busy spell on a shared machine hits every row alike. Output tokens must equal ac
 the vLLM environment: `make test-serving` builds it.
 With `--profile`, each pjrt row also prints torch.profiler's table of one more batch (docs/profiler.md).
 Run: .venv-vllm/bin/python bench/serving.py [--requests N] [--new-tokens T] [--repeats R] [--rounds K]
-     [--kv-cache-mib M] [--profile]
+     [--kv-cache-mib M] [--profile] [--sampling auto|device|host]
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def _tiny_llama(folder: str) -> None:
 
 
 def _run(folder: str, args: argparse.Namespace, platform: str, mode: str) -> dict:
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", TORCH_PJRT_VLLM_SAMPLING=args.sampling)
     if platform == "cpu":
         env["VLLM_PLUGINS"] = ""
     with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as script:
@@ -110,6 +110,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--kv-cache-mib", type=int, default=16)
     parser.add_argument("--profile", action="store_true", help="print each pjrt row's device time per program")
+    parser.add_argument("--sampling", choices=["auto", "device", "host"], default="auto",
+                        help="where the pjrt rows run vLLM's sampler (TORCH_PJRT_VLLM_SAMPLING)")
     args = parser.parse_args()
     names = {
         ("cpu", "strict"): "vLLM CPU platform",
@@ -136,7 +138,8 @@ def main() -> None:
     longest = 8 + 9 * (args.requests - 1)
     print(
         f"{args.requests} requests (prompts 8..{longest} tokens), {args.new_tokens} new tokens each, "
-        f"KV cache {args.kv_cache_mib} MiB; best of {args.rounds} interleaved rounds"
+        f"KV cache {args.kv_cache_mib} MiB; pjrt rows sample with TORCH_PJRT_VLLM_SAMPLING={args.sampling}; "
+        f"best of {args.rounds} interleaved rounds"
     )
     print("| platform | seconds | output tokens/s | time to first token, s | tokens equal CPU platform's |")
     print("|---|---|---|---|---|")

@@ -287,3 +287,19 @@ def test_views_inside_a_graph_lower_as_their_copies() -> None:
 
     compiled = torch.compile(fn, backend="pjrt", fullgraph=True)
     torch.testing.assert_close(compiled(x.to("pjrt")).cpu(), fn(x))
+
+
+def test_runtime_asserts_on_symbolic_sizes_compile_and_hold() -> None:
+    # torch._check on a dynamic size leaves aten._assert_scalar in the graph (vLLM's logprob ranks do this)
+    @torch.compile(backend="pjrt", dynamic=True)
+    def count_at_least(x: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        torch._check(x.shape[0] >= 1)
+        torch._check(x.shape[0] == values.shape[0])
+        return (x >= values).sum(-1)
+
+    for rows in (3, 7):
+        x = torch.randn(rows, 50)
+        values = x[:, 4:5]
+        assert torch.equal(count_at_least(x.to("pjrt"), values.to("pjrt")).cpu(), (x >= values).sum(-1))
+    with pytest.raises(RuntimeError, match="Expected cond to be True"):  # Dynamo checks it while tracing, as on CPU
+        count_at_least(torch.randn(4, 50, device="pjrt"), torch.randn(3, 1, device="pjrt"))

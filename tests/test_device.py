@@ -376,3 +376,13 @@ def test_copies_keep_or_take_the_memory_format_as_on_cpu() -> None:
     moved = source.to("pjrt", memory_format=channels_last)
     assert moved.stride() == source.contiguous(memory_format=channels_last).stride()
     torch.testing.assert_close(moved.cpu(), source)
+
+
+def test_the_readme_names_every_registered_environment_variable() -> None:
+    from pathlib import Path
+
+    from torch_pjrt import envvars
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    table = readme[readme.index("## Environment variables") :].split("\n## ")[0]
+    assert [name for name in envvars.VARIABLES if f"`{name}" not in table] == []

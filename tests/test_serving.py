@@ -152,6 +152,96 @@ def test_seeded_sampling_is_reproducible(llm: Any) -> None:
     assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in second]
 
 
+SAMPLED_IN_A_NEW_PROCESS = """
+import json, sys
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+from vllm.platforms import current_platform
+folder, prompts = sys.argv[1], [TokensPrompt(prompt_token_ids=p) for p in json.loads(sys.argv[2])]
+llm = LLM(model=folder, skip_tokenizer_init=True, enforce_eager=True, dtype="float32", max_model_len=128,
+          max_num_seqs=4, kv_cache_memory_bytes=1 << 24)
+sampled_on = set()
+if current_platform.device_type == "pjrt":
+    sampler = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner.sampler
+    forward = sampler.forward
+    def recorded(logits, sampling_metadata, **kwargs):
+        sampled_on.add(logits.device.type)
+        return forward(logits, sampling_metadata, **kwargs)
+    sampler.forward = recorded
+def serve(**params):
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=8, detokenize=False, **params), use_tqdm=False)
+    def logprobs(entries):
+        return [sorted((token, entry.logprob) for token, entry in step.items()) for step in entries if step]
+    return [{"tokens": list(o.outputs[0].token_ids), "logprobs": logprobs(o.outputs[0].logprobs or []),
+             "prompt_logprobs": logprobs(o.prompt_logprobs or [])} for o in outputs]
+shaped = serve(temperature=0, min_tokens=8, repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.4,
+               logit_bias={5: 3.0, 17: -2.0}, logprobs=4, prompt_logprobs=3)
+allowed = serve(temperature=0, allowed_token_ids=list(range(40, 90)), min_p=0.2)
+narrowed = serve(temperature=0.8, top_k=1, seed=3)
+seeded = [serve(temperature=1.0, top_k=20, top_p=0.9, min_p=0.02, seed=7) for _ in range(2)]
+unseeded = serve(temperature=1.0, top_p=0.95)
+print("RESULT " + json.dumps({"shaped": shaped, "allowed": allowed, "narrowed": narrowed, "seeded": seeded,
+                              "unseeded": unseeded, "greedy": serve(temperature=0), "sampled_on": sorted(sampled_on)}))
+"""
+
+
+def _sampled_in_a_new_process(folder: Path, **env: str) -> dict:
+    command = [sys.executable, "-c", SAMPLED_IN_A_NEW_PROCESS, str(folder), json.dumps(_prompts())]
+    done = subprocess.run(command, env=dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", **env),
+                          capture_output=True, text=True, timeout=600)
+    results = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert done.returncode == 0 and results, done.stderr[-3000:]
+    return json.loads(results[-1][len("RESULT ") :])
+
+
+@pytest.fixture(scope="module")
+def sampled_on_vllms_cpu_platform(tiny_llama: Path) -> dict:
+    return _sampled_in_a_new_process(tiny_llama, VLLM_PLUGINS="")  # no plugin named: vLLM's own CPU platform
+
+
+def _assert_equal_logprobs(found: list, expected: list) -> None:
+    assert [[token for token, _ in step] for step in found] == [[token for token, _ in step] for step in expected]
+    values = [value for step in found for _, value in step]
+    assert values == pytest.approx([value for step in expected for _, value in step], abs=1e-4)
+
+
+@pytest.mark.parametrize("place", ["device", "host"])
+def test_sampling_options_give_vllms_cpu_platforms_tokens_and_logprobs(
+    tiny_llama: Path, sampled_on_vllms_cpu_platform: dict, place: str
+) -> None:
+    """Penalties, logit bias, min_tokens, allowed tokens, min_p, top-k and logprobs through vLLM's sampler,
+    run on the pjrt device or on the host (TORCH_PJRT_VLLM_SAMPLING), against vLLM's CPU platform."""
+    found = _sampled_in_a_new_process(tiny_llama, TORCH_PJRT_VLLM_SAMPLING=place)
+    expected = sampled_on_vllms_cpu_platform
+    assert found["sampled_on"] == (["pjrt"] if place == "device" else ["cpu"])
+    for name in ("shaped", "allowed", "narrowed"):
+        assert [r["tokens"] for r in found[name]] == [r["tokens"] for r in expected[name]], name
+    assert [r["tokens"] for r in found["narrowed"]] == [r["tokens"] for r in found["greedy"]]  # top_k=1 is greedy
+    assert [r["tokens"] for r in found["shaped"]] != [r["tokens"] for r in found["greedy"]]
+    assert all(40 <= t < 90 for r in found["allowed"] for t in r["tokens"])
+    for request, reference in zip(found["shaped"], expected["shaped"]):
+        assert len(request["logprobs"]) == 8 and len(request["prompt_logprobs"]) == len(reference["prompt_logprobs"])
+        _assert_equal_logprobs(request["logprobs"], reference["logprobs"])
+        _assert_equal_logprobs(request["prompt_logprobs"], reference["prompt_logprobs"])
+    first, second = found["seeded"]
+    assert [r["tokens"] for r in first] == [r["tokens"] for r in second]
+    # random draws (seeded or not) leave greedy's path: the tiny model's distributions are nearly flat
+    assert [r["tokens"] for r in first] != [r["tokens"] for r in found["greedy"]]
+    assert [r["tokens"] for r in found["unseeded"]] != [r["tokens"] for r in found["greedy"]]
+
+
+def test_sampling_runs_on_the_device_but_on_the_cpu_client_unless_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch_pjrt.serving.vllm.worker import samples_on_device
+
+    accelerator = torch.pjrt.get_device_properties(0).platform != "cpu"
+    for place, expected in (("", accelerator), ("auto", accelerator), ("device", True), ("Host", False)):
+        monkeypatch.setenv("TORCH_PJRT_VLLM_SAMPLING", place)
+        assert samples_on_device(torch.device("pjrt", 0)) is expected
+    monkeypatch.setenv("TORCH_PJRT_VLLM_SAMPLING", "gpu")
+    with pytest.raises(ValueError, match="TORCH_PJRT_VLLM_SAMPLING='gpu' is not one of auto, device, host"):
+        samples_on_device(torch.device("pjrt", 0))
+
+
 def test_prompt_longer_than_max_model_len_gets_vllms_error_and_the_engine_keeps_serving(
     llm: Any, reference_tokens: list[list[int]]
 ) -> None:

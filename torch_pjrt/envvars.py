@@ -1,7 +1,7 @@
 """Every environment variable torch_pjrt reads, registered once with its default and meaning.
 
 Readers ask this module (`flag`, `value`), so the table below is the whole list; the README's
-table of variables is generated from the same text.
+table of variables names each of them (tests/test_device.py checks it).
 """
 
 from __future__ import annotations
@@ -44,6 +44,9 @@ VARIABLES: dict[str, Variable] = {
                                                 "attention kernel where it applies (no mask, no dropout)"),
     "TORCH_PJRT_PAGED_ATTENTION": Variable("0", "1: the vLLM plugin's attention reads the paged KV cache with the "
                                                 "Pallas paged-attention kernel instead of gathering it with torch ops"),
+    "TORCH_PJRT_VLLM_SAMPLING": Variable("auto", "where the vLLM plugin runs vLLM's sampler: device, host, or auto "
+                                                 "(host on jaxlib's CPU client, whose sorts and argmax are slower than "
+                                                 "torch's on the same cores; the device elsewhere)"),
 }
 
 

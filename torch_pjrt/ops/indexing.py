@@ -492,3 +492,19 @@ def assert_async(self: Any, assert_msg: str = "Expected Tensor with single nonze
 def functional_assert_async(self: Any, assert_msg: str, dep_token: Any) -> Any:
     checks.fail_if(jnp.asarray(self) == 0, "aten::_assert_async", assert_msg)
     return dep_token
+
+
+@register(aten._assert_scalar.default)
+def assert_scalar(self: Any, assert_msg: str) -> None:
+    """A compiled graph's runtime assert (torch._check on sizes or scalars): raised while tracing where the
+    condition is known then, as on CPU, else checked on the device."""
+    if isinstance(self, (bool, int, float, np.bool_)):
+        if not self:
+            raise RuntimeError(assert_msg)
+    else:
+        checks.fail_if(jnp.logical_not(jnp.asarray(self)), "aten::_assert_scalar", assert_msg)
+
+
+@register(aten.sym_constrain_range_for_size.default, aten._assert_tensor_metadata.default)
+def checked_when_traced(*args: Any, **kwargs: Any) -> None:
+    """Facts Dynamo and AOTAutograd already checked on the traced values: nothing to compute."""
