@@ -303,3 +303,20 @@ def test_runtime_asserts_on_symbolic_sizes_compile_and_hold() -> None:
         assert torch.equal(count_at_least(x.to("pjrt"), values.to("pjrt")).cpu(), (x >= values).sum(-1))
     with pytest.raises(RuntimeError, match="Expected cond to be True"):  # Dynamo checks it while tracing, as on CPU
         count_at_least(torch.randn(4, 50, device="pjrt"), torch.randn(3, 1, device="pjrt"))
+
+
+def test_the_default_backend_compiles_pjrt_graphs_with_pjrt_and_leaves_cpu_graphs_to_inductor() -> None:
+    # torch.compile(model) with no backend: Inductor has no pjrt code generator, so pjrt graphs go to backend="pjrt"
+    def fn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x @ w).sum(-1) * 2
+
+    x, w = torch.randn(5, 8), torch.randn(8, 3)
+    compiled = torch.compile(fn)
+    graphs = torch_pjrt.metrics.counters()["graph_compiles"]
+    torch.testing.assert_close(compiled(x.to("pjrt"), w.to("pjrt")).cpu(), fn(x, w))
+    assert torch_pjrt.metrics.counters()["graph_compiles"] == graphs + 1
+    torch.testing.assert_close(torch.compile(fn)(x, w), fn(x, w))  # CPU tensors: Inductor, as before
+    assert torch_pjrt.metrics.counters()["graph_compiles"] == graphs + 1
+    with pytest.warns(UserWarning, match="Inductor's settings do not apply"):
+        tuned = torch.compile(fn, mode="max-autotune-no-cudagraphs")
+        torch.testing.assert_close(tuned(x.to("pjrt"), w.to("pjrt")).cpu(), fn(x, w))

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
+import string
 import subprocess
 import sys
 import time
@@ -54,7 +56,27 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     torch.manual_seed(0)
     folder = tmp_path_factory.mktemp("tiny_llama")
     transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    _save_character_tokenizer(folder, config.vocab_size)
     return folder
+
+
+def _save_character_tokenizer(folder: Path, vocab_size: int) -> None:
+    """One token per printable character (ids 3..97; 0-2 unk, bos, eos as the config says), the rest unused:
+    enough text for structured outputs and bad words, built here (nothing is downloaded)."""
+    import string
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for piece in [*string.printable[:95], *(f"<unused_{i}>" for i in range(vocab_size))]:
+        if len(vocab) < vocab_size:
+            vocab.setdefault(piece, len(vocab))
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tokenizer.decoder = decoders.Fuse()
+    transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    ).save_pretrained(folder)
 
 
 @pytest.fixture(scope="module")
@@ -157,9 +179,10 @@ import json, sys
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 from vllm.platforms import current_platform
+from vllm.sampling_params import StructuredOutputsParams
 folder, prompts = sys.argv[1], [TokensPrompt(prompt_token_ids=p) for p in json.loads(sys.argv[2])]
-llm = LLM(model=folder, skip_tokenizer_init=True, enforce_eager=True, dtype="float32", max_model_len=128,
-          max_num_seqs=4, kv_cache_memory_bytes=1 << 24)
+llm = LLM(model=folder, enforce_eager=True, dtype="float32", max_model_len=128, max_num_seqs=4,
+          kv_cache_memory_bytes=1 << 24)
 sampled_on = set()
 if current_platform.device_type == "pjrt":
     sampler = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner.sampler
@@ -168,19 +191,26 @@ if current_platform.device_type == "pjrt":
         sampled_on.add(logits.device.type)
         return forward(logits, sampling_metadata, **kwargs)
     sampler.forward = recorded
-def serve(**params):
-    outputs = llm.generate(prompts, SamplingParams(max_tokens=8, detokenize=False, **params), use_tqdm=False)
+def serve(max_tokens=8, **params):
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, **params), use_tqdm=False)
     def logprobs(entries):
         return [sorted((token, entry.logprob) for token, entry in step.items()) for step in entries if step]
-    return [{"tokens": list(o.outputs[0].token_ids), "logprobs": logprobs(o.outputs[0].logprobs or []),
-             "prompt_logprobs": logprobs(o.prompt_logprobs or [])} for o in outputs]
+    return [{"tokens": list(o.outputs[0].token_ids), "text": o.outputs[0].text,
+             "logprobs": logprobs(o.outputs[0].logprobs or []), "prompt_logprobs": logprobs(o.prompt_logprobs or [])}
+            for o in outputs]
+def structured(**constraint):
+    return serve(max_tokens=24, temperature=0, structured_outputs=StructuredOutputsParams(**constraint))
 shaped = serve(temperature=0, min_tokens=8, repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.4,
                logit_bias={5: 3.0, 17: -2.0}, logprobs=4, prompt_logprobs=3)
 allowed = serve(temperature=0, allowed_token_ids=list(range(40, 90)), min_p=0.2)
+banned = serve(temperature=0, bad_words=["A", "1", ","])
+choice = structured(choice=["yes", "no", "maybe"])
+pattern = structured(regex=r"[0-9]{3}-[a-z]{2}")
 narrowed = serve(temperature=0.8, top_k=1, seed=3)
 seeded = [serve(temperature=1.0, top_k=20, top_p=0.9, min_p=0.02, seed=7) for _ in range(2)]
 unseeded = serve(temperature=1.0, top_p=0.95)
 print("RESULT " + json.dumps({"shaped": shaped, "allowed": allowed, "narrowed": narrowed, "seeded": seeded,
+                              "banned": banned, "choice": choice, "pattern": pattern,
                               "unseeded": unseeded, "greedy": serve(temperature=0), "sampled_on": sorted(sampled_on)}))
 """
 
@@ -209,13 +239,19 @@ def _assert_equal_logprobs(found: list, expected: list) -> None:
 def test_sampling_options_give_vllms_cpu_platforms_tokens_and_logprobs(
     tiny_llama: Path, sampled_on_vllms_cpu_platform: dict, place: str
 ) -> None:
-    """Penalties, logit bias, min_tokens, allowed tokens, min_p, top-k and logprobs through vLLM's sampler,
-    run on the pjrt device or on the host (TORCH_PJRT_VLLM_SAMPLING), against vLLM's CPU platform."""
+    """Penalties, logit bias, min_tokens, allowed tokens, bad words, min_p, top-k, logprobs and structured
+    outputs (choice, regex) through vLLM's sampler, run on the pjrt device or on the host
+    (TORCH_PJRT_VLLM_SAMPLING), against vLLM's CPU platform."""
     found = _sampled_in_a_new_process(tiny_llama, TORCH_PJRT_VLLM_SAMPLING=place)
     expected = sampled_on_vllms_cpu_platform
     assert found["sampled_on"] == (["pjrt"] if place == "device" else ["cpu"])
-    for name in ("shaped", "allowed", "narrowed"):
+    for name in ("shaped", "allowed", "narrowed", "banned", "choice", "pattern"):
         assert [r["tokens"] for r in found[name]] == [r["tokens"] for r in expected[name]], name
+    assert all(r["text"] in ("yes", "no", "maybe") for r in found["choice"])
+    assert all(re.fullmatch(r"[0-9]{3}-[a-z]{2}", r["text"]) for r in found["pattern"])
+    banned_ids = {string.printable.index(c) + 3 for c in "A1,"}  # the tokenizer's ids of the bad words
+    assert banned_ids & {t for r in found["greedy"] for t in r["tokens"]}  # greedy picks them
+    assert not banned_ids & {t for r in found["banned"] for t in r["tokens"]}
     assert [r["tokens"] for r in found["narrowed"]] == [r["tokens"] for r in found["greedy"]]  # top_k=1 is greedy
     assert [r["tokens"] for r in found["shaped"]] != [r["tokens"] for r in found["greedy"]]
     assert all(40 <= t < 90 for r in found["allowed"] for t in r["tokens"])

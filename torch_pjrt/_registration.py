@@ -59,6 +59,7 @@ def register() -> None:
         if _state["registered"]:
             return
         from torch_pjrt import amp, device, distributed, integrations, module_moves, native, profiler, serialization
+        from torch_pjrt.compile import default_backend
         from torch_pjrt.eager import fallback, modes
 
         modes.load_from_environment()
@@ -73,6 +74,7 @@ def register() -> None:
         integrations.install()
         module_moves.install()
         profiler.install()
+        default_backend.install()
         distributed.register()
         _state["libraries"].extend(amp.register())
         _state["registered"] = True

@@ -259,6 +259,20 @@ def wrap_module_apply(make: Any) -> None:
         torch.nn.Module._apply = wrapped
 
 
+def wrap_inductor_compile(make: Any) -> None:
+    """Replace what torch.compile's default backend runs on each graph (Inductor) by `make(original)`, once."""
+    wrapper = torch._TorchCompileInductorWrapper
+    if not getattr(wrapper.__call__, "_pjrt_wrapped", False):
+        wrapped = make(wrapper.__call__)
+        wrapped._pjrt_wrapped = True
+        wrapper.__call__ = wrapped
+
+
+def inductor_settings(wrapper: Any) -> dict[str, Any]:
+    """The Inductor settings a torch.compile call's mode= and options= asked for."""
+    return dict(getattr(wrapper, "config", {}))
+
+
 def hint(size: Any) -> int:
     """A size as an int: a SymInt's value in the call it was made for (its hint)."""
     return int(size.node.hint) if isinstance(size, torch.SymInt) else int(size)

@@ -34,8 +34,6 @@ class PjrtPlatform(Platform):
     dist_backend: str = "pjrt"
     ray_device_key: str = ""
     device_control_env_var: str = "TORCH_PJRT_VISIBLE_DEVICES"
-    # what vLLM compiles its small helpers with (logprob ranks, the sampler's noise): inductor has no pjrt codegen
-    simple_compile_backend: str = "pjrt"
 
     @property
     def supported_dtypes(self) -> list[torch.dtype]:
