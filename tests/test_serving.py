@@ -191,26 +191,32 @@ if current_platform.device_type == "pjrt":
         sampled_on.add(logits.device.type)
         return forward(logits, sampling_metadata, **kwargs)
     sampler.forward = recorded
-def serve(max_tokens=8, **params):
-    outputs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, **params), use_tqdm=False)
+def serve(max_tokens=8, per_prompt=None, **params):
+    asked = per_prompt or SamplingParams(max_tokens=max_tokens, **params)
+    outputs = llm.generate(prompts, asked, use_tqdm=False)
     def logprobs(entries):
         return [sorted((token, entry.logprob) for token, entry in step.items()) for step in entries if step]
     return [{"tokens": list(o.outputs[0].token_ids), "text": o.outputs[0].text,
              "logprobs": logprobs(o.outputs[0].logprobs or []), "prompt_logprobs": logprobs(o.prompt_logprobs or [])}
             for o in outputs]
+def constrained(**constraint):
+    return SamplingParams(max_tokens=24, temperature=0, structured_outputs=StructuredOutputsParams(**constraint))
 def structured(**constraint):
-    return serve(max_tokens=24, temperature=0, structured_outputs=StructuredOutputsParams(**constraint))
+    return serve(per_prompt=constrained(**constraint))
 shaped = serve(temperature=0, min_tokens=8, repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.4,
                logit_bias={5: 3.0, 17: -2.0}, logprobs=4, prompt_logprobs=3)
 allowed = serve(temperature=0, allowed_token_ids=list(range(40, 90)), min_p=0.2)
 banned = serve(temperature=0, bad_words=["A", "1", ","])
 choice = structured(choice=["yes", "no", "maybe"])
 pattern = structured(regex=r"[0-9]{3}-[a-z]{2}")
+plain = SamplingParams(max_tokens=24, temperature=0)
+# the bitmask for some rows of the batch only
+mixed = serve(per_prompt=[constrained(choice=["yes", "no"]), plain, constrained(regex=r"[a-z]{4}"), plain])
 narrowed = serve(temperature=0.8, top_k=1, seed=3)
 seeded = [serve(temperature=1.0, top_k=20, top_p=0.9, min_p=0.02, seed=7) for _ in range(2)]
 unseeded = serve(temperature=1.0, top_p=0.95)
 print("RESULT " + json.dumps({"shaped": shaped, "allowed": allowed, "narrowed": narrowed, "seeded": seeded,
-                              "banned": banned, "choice": choice, "pattern": pattern,
+                              "banned": banned, "choice": choice, "pattern": pattern, "mixed": mixed,
                               "unseeded": unseeded, "greedy": serve(temperature=0), "sampled_on": sorted(sampled_on)}))
 """
 
@@ -245,10 +251,11 @@ def test_sampling_options_give_vllms_cpu_platforms_tokens_and_logprobs(
     found = _sampled_in_a_new_process(tiny_llama, TORCH_PJRT_VLLM_SAMPLING=place)
     expected = sampled_on_vllms_cpu_platform
     assert found["sampled_on"] == (["pjrt"] if place == "device" else ["cpu"])
-    for name in ("shaped", "allowed", "narrowed", "banned", "choice", "pattern"):
+    for name in ("shaped", "allowed", "narrowed", "banned", "choice", "pattern", "mixed"):
         assert [r["tokens"] for r in found[name]] == [r["tokens"] for r in expected[name]], name
     assert all(r["text"] in ("yes", "no", "maybe") for r in found["choice"])
     assert all(re.fullmatch(r"[0-9]{3}-[a-z]{2}", r["text"]) for r in found["pattern"])
+    assert found["mixed"][0]["text"] in ("yes", "no") and re.fullmatch("[a-z]{4}", found["mixed"][2]["text"])
     banned_ids = {string.printable.index(c) + 3 for c in "A1,"}  # the tokenizer's ids of the bad words
     assert banned_ids & {t for r in found["greedy"] for t in r["tokens"]}  # greedy picks them
     assert not banned_ids & {t for r in found["banned"] for t in r["tokens"]}
