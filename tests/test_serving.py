@@ -116,6 +116,22 @@ def _hugging_face_greedy(folder: Path, new_tokens: int) -> list[list[int]]:
     return tokens
 
 
+TEXT_PROMPTS = ("Once upon a time", "def main():")
+
+
+def _hugging_face_greedy_texts(folder: Path) -> list[str]:
+    """What Hugging Face's greedy generate() writes after each text prompt (its tokenizer, its decoding)."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    model = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    texts = []
+    for prompt in TEXT_PROMPTS:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NEW_TOKENS,
+                             min_new_tokens=NEW_TOKENS)
+        texts.append(tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True))
+    return texts
+
+
 @pytest.fixture(scope="module")
 def reference_tokens(tiny_llama: Path) -> list[list[int]]:
     return _hugging_face_greedy(tiny_llama, NEW_TOKENS)
@@ -353,7 +369,7 @@ def _start_server(model: Path, log: Path, *extra: str, env: dict[str, str] | Non
     if env is None:
         env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}  # vLLM's default engine
     command = [sys.executable, "-m", "torch_pjrt.serving.vllm.cli", "serve", str(model), "--host", "127.0.0.1",
-               "--port", str(port), "--skip-tokenizer-init", "--dtype", "float32", "--max-model-len",
+               "--port", str(port), "--dtype", "float32", "--max-model-len",
                str(MAX_MODEL_LEN), "--max-num-seqs", "4", "--kv-cache-memory-bytes", str(1 << 24), *extra]  # fmt: skip
     server = subprocess.Popen(command, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
@@ -388,7 +404,7 @@ def _stop_server(server: Any) -> None:
     raise AssertionError("the server exited but left processes of its group running")
 
 
-def test_openai_server_serves_concurrent_completions_equal_to_hugging_face(
+def test_openai_server_serves_concurrent_completions_of_tokens_and_text_equal_to_hugging_face(
     tiny_llama: Path, reference_tokens: list[list[int]], tmp_path: Path
 ) -> None:
     from concurrent.futures import ThreadPoolExecutor
@@ -408,8 +424,10 @@ def test_openai_server_serves_concurrent_completions_equal_to_hugging_face(
                 )
                 for p in _prompts()
             ]
-            answers = list(pool.map(lambda body: _post(url + "/v1/completions", body, 300), bodies))
-        assert [a["choices"][0]["token_ids"] for a in answers] == reference_tokens
+            texts = [dict(bodies[0], prompt=text) for text in TEXT_PROMPTS]
+            answers = list(pool.map(lambda body: _post(url + "/v1/completions", body, 300), bodies + texts))
+        assert [a["choices"][0]["token_ids"] for a in answers[: len(bodies)]] == reference_tokens
+        assert [a["choices"][0]["text"] for a in answers[len(bodies) :]] == _hugging_face_greedy_texts(tiny_llama)
         assert "device_config=pjrt" in log.read_text()  # the engine process's config names the device
     finally:
         _stop_server(server)
