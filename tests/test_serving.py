@@ -74,8 +74,10 @@ def _save_character_tokenizer(folder: Path, vocab_size: int) -> None:
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.Split("", "isolated")
     tokenizer.decoder = decoders.Fuse()
+    chat = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    chat += "{% if add_generation_prompt %}[assistant] {% endif %}"
     transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+        tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>", chat_template=chat
     ).save_pretrained(folder)
 
 
@@ -117,15 +119,18 @@ def _hugging_face_greedy(folder: Path, new_tokens: int) -> list[list[int]]:
 
 
 TEXT_PROMPTS = ("Once upon a time", "def main():")
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
 
 
 def _hugging_face_greedy_texts(folder: Path) -> list[str]:
-    """What Hugging Face's greedy generate() writes after each text prompt (its tokenizer, its decoding)."""
+    """What Hugging Face's greedy generate() writes after each text prompt and after the chat, in the chat
+    template (its tokenizer, its decoding)."""
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
     model = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     texts = []
-    for prompt in TEXT_PROMPTS:
-        ids = tokenizer(prompt, return_tensors="pt").input_ids
+    chat = tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False)
+    for prompt in (*TEXT_PROMPTS, chat):
+        ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False).input_ids
         out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NEW_TOKENS,
                              min_new_tokens=NEW_TOKENS)
         texts.append(tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True))
@@ -426,8 +431,11 @@ def test_openai_server_serves_concurrent_completions_of_tokens_and_text_equal_to
             ]
             texts = [dict(bodies[0], prompt=text) for text in TEXT_PROMPTS]
             answers = list(pool.map(lambda body: _post(url + "/v1/completions", body, 300), bodies + texts))
+        chat = dict(model=str(tiny_llama), messages=CHAT, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, temperature=0)
+        reply = _post(url + "/v1/chat/completions", chat, 300)["choices"][0]["message"]["content"]
         assert [a["choices"][0]["token_ids"] for a in answers[: len(bodies)]] == reference_tokens
-        assert [a["choices"][0]["text"] for a in answers[len(bodies) :]] == _hugging_face_greedy_texts(tiny_llama)
+        texts = [a["choices"][0]["text"] for a in answers[len(bodies) :]]
+        assert [*texts, reply] == _hugging_face_greedy_texts(tiny_llama)
         assert "device_config=pjrt" in log.read_text()  # the engine process's config names the device
     finally:
         _stop_server(server)
