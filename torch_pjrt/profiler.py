@@ -111,7 +111,7 @@ def _flush_fused() -> None:
     wait for their results: nothing else is queued)."""
     from torch_pjrt.eager import fusion
 
-    if fusion.graph().nodes:
+    if fusion.pending():
         with torch.profiler.record_function("pjrt::synchronize"):
             fusion.flush("profiler stop")
 

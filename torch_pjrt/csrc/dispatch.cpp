@@ -6,7 +6,7 @@
 // dtype) to what Python built for it (the jitted program, which storages it takes, the layouts of
 // its results), and the hit path, entering no Python code of ours. In strict eager a hit calls that
 // program with the storages' arrays and the traced scalars; in DEFER_AND_FUSE it appends the call to
-// Python's pending graph (eager/fusion.py) as PendingGraph.record does, its results unresolved
+// its device's pending graph in Python (eager/fusion.py) as PendingGraph.record does, its results unresolved
 // fused results. Either way it then points mutated storages at their new arrays and wraps the
 // results as tensors. A padded storage (a dynamic dim held at its bucket size) keys by its layout
 // as well, and its programs also take the call's true lengths, remembered with the entry: a call of
@@ -68,7 +68,7 @@ struct Runtime {
   PyObject* note_padded = nullptr;  // dynamic.note_padded(device_storage): a new padded result's lengths are live
   PyObject* checks_issued = nullptr;  // dispatch.native_checks_issued(code, checks): a checked program ran
   PyObject* fusion = nullptr;  // eager.fusion: MAX_NODES and DEBUG_RECOMPILE, read at every recorded call
-  PyObject* graph = nullptr;  // fusion.graph(): the process's one PendingGraph
+  PyObject* graphs = nullptr;  // fusion.graphs(): the PendingGraph of each device, by index
   PyObject* deferred_type = nullptr;  // fusion.Deferred: one result of a recorded op
   PyObject* check_caller = nullptr;  // checks.caller(): the user line a recorded checked op reports
   PyObject* live_lengths = nullptr;  // dynamic.live_lengths(): a dict keyed by the lengths marked lately
@@ -896,7 +896,7 @@ py::object graph_ref(PyObject* value, PyObject* inputs, PyObject* input_slots) {
 }
 
 // One result of a recorded op, made as fusion.Deferred's __init__ would, without running Python code.
-py::object new_deferred(PyObject* node, Py_ssize_t index) {
+py::object new_deferred(PyObject* graph, PyObject* node, Py_ssize_t index) {
   auto& rt = runtime();
   auto* type = reinterpret_cast<PyTypeObject*>(rt.deferred_type);
   py::object created = py::reinterpret_steal<py::object>(type->tp_alloc(type, 0));
@@ -904,12 +904,26 @@ py::object new_deferred(PyObject* node, Py_ssize_t index) {
     throw py::error_already_set();
   }
   py::object position = py::reinterpret_steal<py::object>(PyLong_FromSsize_t(index));
-  if (PyObject_SetAttr(created.ptr(), rt.s_graph, rt.graph) != 0 || PyObject_SetAttr(created.ptr(), rt.s_node, node) != 0 ||
+  if (PyObject_SetAttr(created.ptr(), rt.s_graph, graph) != 0 || PyObject_SetAttr(created.ptr(), rt.s_node, node) != 0 ||
       PyObject_SetAttr(created.ptr(), rt.s_index, position.ptr()) != 0 ||
       PyObject_SetAttr(created.ptr(), rt.s_value, Py_None) != 0 || PyObject_SetAttr(created.ptr(), rt.s_failure, Py_None) != 0) {
     throw py::error_already_set();
   }
   return created;
+}
+
+// The pending graph of pjrt:device, as fusion.graph(device) gives it (which makes it on first use).
+py::object graph_of(c10::DeviceIndex device) {
+  auto& rt = runtime();
+  py::object index = py::reinterpret_steal<py::object>(PyLong_FromLong(device));
+  PyObject* found = PyDict_GetItemWithError(rt.graphs, index.ptr());
+  if (found != nullptr) {
+    return py::reinterpret_borrow<py::object>(found);
+  }
+  if (PyErr_Occurred()) {
+    throw py::error_already_set();
+  }
+  return call_python(attribute_of(rt.fusion, rt.s_graph).ptr(), {index.ptr()});
 }
 
 // The graph's lock is held from here to the end of the scope (it is an RLock: a flush this thread
@@ -943,7 +957,8 @@ struct GraphLock {
 // thread holds the graph or an input is a fused result that failed: Python's path handles those.
 py::object record_call(const Entry& entry, Signature& sig) {
   auto& rt = runtime();
-  PyObject* graph = rt.graph;
+  py::object device_graph = graph_of(sig.device);
+  PyObject* graph = device_graph.ptr();
   py::object results;
   {
     GraphLock lock(graph);
@@ -1007,7 +1022,7 @@ py::object record_call(const Entry& entry, Signature& sig) {
     py::object outputs = attribute_of(graph, rt.s_outputs);
     results = py::reinterpret_steal<py::object>(PyTuple_New(static_cast<Py_ssize_t>(n_outputs)));
     for (size_t i = 0; i < n_outputs; ++i) {
-      py::object deferred = new_deferred(node.ptr(), static_cast<Py_ssize_t>(i));
+      py::object deferred = new_deferred(graph, node.ptr(), static_cast<Py_ssize_t>(i));
       py::object weak = py::reinterpret_steal<py::object>(PyWeakref_NewRef(deferred.ptr(), nullptr));
       if (!weak || PyList_Append(outputs.ptr(), weak.ptr()) != 0) {
         throw py::error_already_set();
@@ -1310,7 +1325,7 @@ void configure(py::object miss, py::object storage_type, py::object array_type,
   rt.note_padded = note_padded.inc_ref().ptr();
   rt.checks_issued = checks_issued.inc_ref().ptr();
   rt.fusion = fusion.inc_ref().ptr();
-  rt.graph = fusion.attr("graph")().release().ptr();
+  rt.graphs = fusion.attr("graphs")().release().ptr();
   rt.deferred_type = deferred_type.inc_ref().ptr();
   rt.check_caller = check_caller.inc_ref().ptr();
   rt.live_lengths = live_lengths.inc_ref().ptr();

@@ -759,7 +759,7 @@ def _inputs(entry: Entry, scan: Scan, plan: OpPlan, values: list[Any]) -> list[A
     for position in entry.padded_positions:
         inputs[position] = inputs[position].array
     if any(isinstance(a, storage.PendingArray) for a in inputs):
-        inputs = [_ready(a) for a in inputs]
+        inputs = [_ready(a, scan.device.index) for a in inputs]
     if entry.random:
         inputs.append(_random_key(plan, values, scan.device))
     if modes.state.fusing:
@@ -771,11 +771,11 @@ def _inputs(entry: Entry, scan: Scan, plan: OpPlan, values: list[Any]) -> list[A
     return inputs
 
 
-def _ready(array: Any) -> Any:
+def _ready(array: Any, device_index: int) -> Any:
     """An input as a plain-layout program takes it: a padded storage compacted (recorded when
     fusing), a fused result resolved unless it is being recorded into the same graph."""
     if isinstance(array, storage.Padded):
-        return _compacted(array)
+        return _compacted(array, device_index)
     if not modes.state.fusing and isinstance(array, storage.PendingArray):
         return array.resolve()
     return array
@@ -784,7 +784,7 @@ def _ready(array: Any) -> Any:
 _compactions: dict[tuple, Entry] = {}
 
 
-def _compacted(layout: storage.Padded) -> Any:
+def _compacted(layout: storage.Padded, device_index: int) -> Any:
     key = (layout.shape, layout.padded)
     entry = _compactions.get(key)
     if entry is None:
@@ -798,7 +798,7 @@ def _compacted(layout: storage.Padded) -> Any:
     inner = layout.array
     if not modes.state.fusing and isinstance(inner, storage.PendingArray):
         inner = inner.resolve()
-    return _run(entry, [inner])[0]
+    return _run(entry, [inner], device_index)[0]
 
 
 def _trace_now(entry: Entry, scan: Scan, inputs: list[Any]) -> None:
@@ -812,9 +812,9 @@ def _trace_now(entry: Entry, scan: Scan, inputs: list[Any]) -> None:
     jax.eval_shape(entry.fn, *abstract, *inputs[len(abstract):])
 
 
-def _run(entry: Entry, inputs: list[Any]) -> tuple[Any, ...]:
+def _run(entry: Entry, inputs: list[Any], device_index: int) -> tuple[Any, ...]:
     if modes.state.fusing:
-        return fusion.graph().record(entry, inputs, entry.output_count)
+        return fusion.graph(device_index).record(entry, inputs, entry.output_count)
     outputs = entry.program.call(*inputs)
     if entry.checks:
         checks.issued(outputs[-1], entry.checks, (checks.caller(),) * len(entry.checks), modes.state.blocking)
@@ -883,7 +883,7 @@ def _execute(plan: OpPlan, args: tuple, kwargs: dict) -> tuple[Any, Replay | Non
             scan, described = _describe(plan, values, True)
             scan.device = _target_device(values, plan, scan.device)
         else:
-            result = _complete(plan, values, scan, entry, _run(entry, inputs), specs)
+            result = _complete(plan, values, scan, entry, _run(entry, inputs, scan.device.index), specs)
             return result, None if scan.live_reads else Replay(entry, specs, tuple(scan.symbols.values))
     key = cache_key(scan, described)
     try:
@@ -896,7 +896,7 @@ def _execute(plan: OpPlan, args: tuple, kwargs: dict) -> tuple[Any, Replay | Non
             inputs = _inputs(entry, scan, plan, values)
             if modes.state.fusing:
                 _trace_now(entry, scan, inputs)
-            outputs = _run(entry, inputs)
+            outputs = _run(entry, inputs, scan.device.index)
         except registry.MissingLowering as missing:
             from torch_pjrt.eager import fallback
 
@@ -906,7 +906,7 @@ def _execute(plan: OpPlan, args: tuple, kwargs: dict) -> tuple[Any, Replay | Non
             raise NotImplementedError(fallback.missing_message(plan.op) + detail) from None
         _cache.put(key, entry)
     else:
-        outputs = _run(entry, _inputs(entry, scan, plan, values))
+        outputs = _run(entry, _inputs(entry, scan, plan, values), scan.device.index)
     result = _complete(plan, values, scan, entry, outputs, entry.outputs)
     if scan.plain:
         dynamic.repad(result)

@@ -9,6 +9,9 @@ At a sync point (a value read to the host, `torch.pjrt.synchronize()`, an op tha
 run outside the graph, or the size cap) the pending graph runs as one program, cached by
 its structure (which entries, wired how), never by data: traced scalars and random keys
 are program inputs, so a training loop compiles once and then replays.
+Each device has its own pending graph, whose program runs on that device (as CUDA queues each
+device's work apart), so work on pjrt:0 and pjrt:1 fuses side by side; a value of one device's
+graph read by another's (a cross-device copy) runs its graph first.
 Only values still referenced by live tensors are program outputs; everything else dies
 inside the program, and input buffers nothing else holds any more (a parameter or optimizer
 state updated in place) are donated to it.
@@ -58,7 +61,10 @@ class Deferred(storage.PendingArray):
 
 
 class PendingGraph:
-    def __init__(self) -> None:
+    """The ops recorded on one device since its last flush."""
+
+    def __init__(self, device_index: int) -> None:
+        self.device_index = device_index
         self.nodes: list[tuple[Any, tuple[Any, ...]]] = []
         self.inputs: list[Any] = []
         self.input_slots: dict[int, int] = {}
@@ -119,13 +125,13 @@ class PendingGraph:
             wanted = tuple((d.node, d.index) for d in live)
             donated = _unreferenced(inputs)
             metrics.bump("fused_donated_buffers", len(donated))
-            structure = (tuple((id(entry), refs) for entry, refs in nodes), wanted, donated)
+            structure = (tuple((id(entry), refs) for entry, refs in nodes), wanted, donated, self.device_index)
             program = _programs.get(structure)
             if program is None:
                 metrics.bump("fused_compiles")
                 if DEBUG_RECOMPILE:
                     _explain_recompile(nodes, where)
-                program = _programs.put(structure, _fused_program(nodes, wanted, donated))
+                program = _programs.put(structure, _fused_program(nodes, wanted, donated, self.device_index))
                 _seen.append((nodes, where))
             try:
                 results = program.call(*inputs)
@@ -153,7 +159,8 @@ def _unreferenced(inputs: list[Any]) -> tuple[int, ...]:
 
 
 def _fused_program(
-    nodes: list[tuple[Any, tuple[Any, ...]]], wanted: tuple[tuple[int, int], ...], donated: tuple[int, ...]
+    nodes: list[tuple[Any, tuple[Any, ...]]], wanted: tuple[tuple[int, int], ...], donated: tuple[int, ...],
+    device_index: int,
 ) -> Any:
     functions = [entry.fn for entry, _ in nodes]
     wiring = [refs for _, refs in nodes]
@@ -173,22 +180,41 @@ def _fused_program(
             results += (checks.combine([values[node][-1] for node in checked], offsets),)
         return results
 
-    return programs.Program(fused, f"fused[{len(nodes)}]", donate=donated)
+    # placed on its device: a graph of factories alone has no input that would place it
+    return programs.Program(fused, f"fused[{len(nodes)}]", donate=donated, device_index=device_index)
 
 
 _programs = programs.ProgramCache()
 _seen: list[tuple[list[Any], list[str]]] = []
-# One pending graph for the process: autograd runs backward ops on its own device threads, and
-# forward, backward and optimizer ops of a step belong in one program.
-_pending = PendingGraph()
+# One pending graph per device, for every thread: autograd runs backward ops on its own device
+# threads, and forward, backward and optimizer ops of a step belong in one program.
+_graphs: dict[int, PendingGraph] = {}
+_graphs_lock = threading.Lock()
 
 
-def graph() -> PendingGraph:
-    return _pending
+def graph(device_index: int = 0) -> PendingGraph:
+    """pjrt:device_index's pending graph (made on first use)."""
+    found = _graphs.get(device_index)
+    if found is None:
+        with _graphs_lock:
+            found = _graphs.setdefault(device_index, PendingGraph(device_index))
+    return found
+
+
+def graphs() -> dict[int, PendingGraph]:
+    """The live table of pending graphs by device index (the native dispatch reads it directly)."""
+    return _graphs
+
+
+def pending() -> bool:
+    """Whether any device has recorded ops not yet run."""
+    return any(found.nodes for found in list(_graphs.values()))
 
 
 def flush(reason: str) -> None:
-    _pending.flush(reason)
+    """Run every device's pending graph."""
+    for found in list(_graphs.values()):
+        found.flush(reason)
 
 
 def concrete(value: Any) -> Any:
