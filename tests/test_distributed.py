@@ -22,8 +22,6 @@ COLLECTIVES = (
     "reduce_gather_scatter", "send_recv", "coalescing", "functional", "compiled", "cpu_tensors",
 )
 TRAINING = ("ddp", "fsdp", "fsdp_mixed_precision", "dtensor")
-# The autograd engine's thread for pjrt:1 creates tensors on pjrt:0: torch.pjrt.current_device() is
-# a Python thread-local that the engine's device guard does not set (core issue, see the report).
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -69,7 +67,15 @@ def _outcome(outcomes: list[Any], scenario: str) -> None:
 def main_job(tmp_path_factory: pytest.TempPathFactory) -> list[Any]:
     """Two ranks on pjrt:0 and pjrt:1 (two CPU devices per process), backend chosen by c10d."""
     folder = tmp_path_factory.mktemp("dist")
-    return launch(str(folder), [*COLLECTIVES, *TRAINING, "tensor_parallel"], DIST_TIMEOUT="30")
+    return launch(str(folder), ["engine", *COLLECTIVES, *TRAINING, "tensor_parallel"], DIST_TIMEOUT="30")
+
+
+@pytest.fixture(scope="module")
+def host_engine_job(tmp_path_factory: pytest.TempPathFactory) -> list[Any]:
+    """The same ranks with TORCH_PJRT_DISTRIBUTED=host: gloo over host copies, the fallback engine."""
+    folder = tmp_path_factory.mktemp("dist-host")
+    scenarios = ["engine", "all_reduce", "all_gather", "reduce_scatter", *TRAINING]
+    return launch(str(folder), scenarios, DIST_TIMEOUT="30", TORCH_PJRT_DISTRIBUTED="host", EXPECT_ENGINE="host")
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +88,16 @@ def one_device_job(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[
         "TORCH_PJRT_EAGER_MODE": "defer_and_fuse",
     }
     return folder, launch(folder, scenarios, DIST_TIMEOUT="30", **env)
+
+
+def test_collectives_run_as_xla_programs_without_host_copies(main_job: list[Any]) -> None:
+    _outcome(main_job, "engine")
+
+
+@pytest.mark.parametrize("scenario", ["engine", "all_reduce", "all_gather", "reduce_scatter", *TRAINING])
+def test_host_engine(host_engine_job: list[Any], scenario: str) -> None:
+    """The host engine (gloo over host copies) still gives gloo's results and single-process training."""
+    _outcome(host_engine_job, scenario)
 
 
 @pytest.mark.parametrize("scenario", COLLECTIVES)

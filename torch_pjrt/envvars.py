@@ -44,6 +44,11 @@ VARIABLES: dict[str, Variable] = {
                                                 "attention kernel where it applies (no mask, no dropout)"),
     "TORCH_PJRT_PAGED_ATTENTION": Variable("0", "1: the vLLM plugin's attention reads the paged KV cache with the "
                                                 "Pallas paged-attention kernel instead of gathering it with torch ops"),
+    "TORCH_PJRT_DISTRIBUTED": Variable("auto", "the c10d backend pjrt's engine: auto (jax's multi-process runtime, "
+                                               "collectives inside XLA programs, where torchrun launched the process; "
+                                               "else gloo over host copies), xla, or host"),
+    "TORCH_PJRT_COORDINATOR": Variable("", "host:port of jax's distributed runtime coordinator (default MASTER_ADDR "
+                                           "and MASTER_PORT + 1)"),
     "TORCH_PJRT_VLLM_SAMPLING": Variable("auto", "where the vLLM plugin runs vLLM's sampler: device, host, or auto "
                                                  "(host on jaxlib's CPU client, whose sorts and argmax are slower than "
                                                  "torch's on the same cores; the device elsewhere)"),

@@ -449,6 +449,31 @@ def scenario_checkpoint_load(device: torch.device) -> None:
         same(tensor, reference[name], f"checkpoint {name}")
 
 
+# --- engines ------------------------------------------------------------------------------------
+
+
+def scenario_engine(device: torch.device) -> None:
+    """The engine EXPECT_ENGINE runs pjrt collectives: XLA programs with no host copies, or gloo over them."""
+    from torch_pjrt import metrics
+
+    expected = os.environ.get("EXPECT_ENGINE", "xla")
+    assert pjrt_dist.engine()["engine"] == expected, f"engine {pjrt_dist.engine()}, expected {expected}"
+    tensor = sample((1024,), torch.float32).to(device)
+    torch.pjrt.synchronize()
+    metrics.reset()
+    for _ in range(3):
+        dist.all_reduce(tensor)
+        dist.all_gather_into_tensor(torch.empty(2048, device=device), tensor)
+    torch.pjrt.synchronize()
+    counts = metrics.counters()
+    if expected == "xla":
+        assert counts["collectives_xla"] == 6 and counts["collectives_host"] == 0, counts
+        assert counts["transfers_to_host"] == 0 and counts["transfers_to_device"] == 0, counts
+    else:
+        assert counts["collectives_host"] == 6 and counts["collectives_xla"] == 0, counts
+        assert counts["transfers_to_host"] >= 6, counts
+
+
 # --- failures -----------------------------------------------------------------------------------
 
 

@@ -30,10 +30,17 @@ def register() -> None:
     _state["registered"] = True
 
 
+def engine() -> dict[str, Any]:
+    """Which engine runs this process's pjrt collectives: "xla" (jax's multi-process runtime) or "host", and why."""
+    from torch_pjrt.runtime import multiprocess
+
+    return multiprocess.status()
+
+
 def local_device() -> torch.device:
     """This rank's device: pjrt:LOCAL_RANK when the platform has that many devices, else pjrt:0."""
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     return torch.device(NAME, local_rank if local_rank < torch.pjrt.device_count() else 0)
 
 
-__all__ = ["NAME", "local_device", "register"]
+__all__ = ["NAME", "engine", "local_device", "register"]

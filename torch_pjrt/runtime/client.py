@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from torch_pjrt.runtime import checks, memory, metrics
+from torch_pjrt.runtime import checks, memory, metrics, multiprocess
 
 PLATFORM_ALIASES = {"cpu": "cpu", "cuda": "cuda", "gpu": "cuda", "tpu": "tpu", "rocm": "rocm"}
 
@@ -141,6 +141,7 @@ def jax_module() -> Any:
     cpu_devices = os.environ.get("TORCH_PJRT_CPU_DEVICES")
     if cpu_devices:
         jax.config.update("jax_num_cpu_devices", int(cpu_devices))
+    multiprocess.initialize(jax)
     folder = cache_dir()
     if folder:
         _guard_jax_cache()
@@ -205,7 +206,8 @@ def platform() -> str:
 
 @functools.cache
 def devices() -> tuple[Any, ...]:
-    return tuple(jax_module().devices(platform()))
+    """This process's devices (jax.devices() lists every process's once its distributed runtime runs)."""
+    return tuple(jax_module().local_devices(backend=platform()))
 
 
 def device_for(index: int | None) -> Any:

@@ -41,6 +41,9 @@ COUNTER_NAMES = (
     "device_check_reads",
     # program launches timed for a profiler (runtime/profiling.py): none unless one asks for device time
     "profiled_programs",
+    # c10d's "pjrt" backend (distributed/): collectives run as XLA programs, and those that went through host copies
+    "collectives_xla",
+    "collectives_host",
 )
 
 _counts: Counter = Counter()

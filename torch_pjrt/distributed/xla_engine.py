@@ -1,0 +1,344 @@
+"""c10d collectives as XLA programs over the group's devices (jax's multi-process runtime).
+
+Each rank's tensor is its shard of a global array over a one-axis mesh of the group's devices
+(one device per rank, exchanged once through the group's store); the collective is one jitted
+`shard_map` program (psum, all_gather, psum_scatter, all_to_all), run by every rank, so the
+data never leaves the device: gloo inside XLA on jaxlib's CPU client, NCCL on GPUs, ICI on TPUs.
+The program is dispatched asynchronously like any op; later ops on the result wait for it
+through XLA's data dependencies, as CUDA's streams wait for NCCL. The Work's future completes
+when the program has run (a waiter thread), so `work.wait()` and DDP's hooks see its end, and
+an error inside the program (a peer that died, the collective timeout) raises there.
+"""
+
+from __future__ import annotations
+
+import functools
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import _create_work_from_future
+
+from torch_pjrt import storage
+from torch_pjrt.eager import dispatch
+from torch_pjrt.runtime import client, metrics
+
+AXIS = "ranks"
+RedOpType = dist.ReduceOp.RedOpType
+# Dtypes jaxlib's collectives carry (gloo on CPU); others take the host engine.
+DTYPES = frozenset({
+    torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128,
+    torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool,
+})
+REDUCTIONS = frozenset({RedOpType.SUM, RedOpType.AVG, RedOpType.MIN, RedOpType.MAX, RedOpType.PRODUCT,
+                        RedOpType.PREMUL_SUM})
+
+
+# --- completion ---------------------------------------------------------------------------------
+
+
+class _Waiter:
+    """One daemon thread that completes Works' futures when their programs' results are ready."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def _loop(self) -> None:
+        while True:
+            arrays, future, value = self._jobs.get()
+            try:
+                client.jax_module().block_until_ready(arrays)
+            except Exception as error:  # noqa: BLE001 (handed to the Work: raised by wait())
+                future.set_exception(RuntimeError(f"a pjrt collective failed inside its XLA program: {error}"))
+                continue
+            future.set_result(value)
+
+    def work(self, arrays: list[Any], value: Any) -> dist.Work:
+        future: torch.futures.Future = torch.futures.Future()
+        if not arrays:
+            future.set_result(value)
+            return _create_work_from_future(future)
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="pjrt-collectives", daemon=True)
+                self._thread.start()
+        self._jobs.put((arrays, future, value))
+        return _create_work_from_future(future)
+
+
+_waiter = _Waiter()
+
+
+# --- tensors as shards --------------------------------------------------------------------------
+
+
+def _rows(array: Any) -> Any:
+    """The array with at least one dimension (the mesh shards dimension 0)."""
+    return array if array.ndim else array.reshape(1)
+
+
+def _elements(tensor: torch.Tensor) -> Any:
+    """A tensor's elements as a device array in row-major order, not copied where it is its whole storage."""
+    if tensor.numel() == 0:
+        return None
+    flat, view, reader = dispatch._flat_and_reader(tensor)
+    if reader is None:
+        return _rows(flat)
+    return _rows(reader.call(flat))
+
+
+def _flat(tensor: torch.Tensor) -> Any:
+    array = _elements(tensor)
+    return array if array.ndim == 1 else array.reshape(-1)
+
+
+def _write(tensor: torch.Tensor, array: Any) -> None:
+    """Make `tensor` hold `array`'s elements: the storage takes it whole, a view gets it copied in."""
+    st = storage.storage_of(tensor)
+    view = storage.view_of(tensor)
+    if view.covers(st.numel) and view.dtype == st.dtype and not isinstance(st.array, storage.Padded):
+        st.array = array
+        return
+    source = storage.new_tensor(array, tensor.dtype, tensor.device, (tensor.numel(),), numel=tensor.numel())
+    tensor.copy_(source.view(tensor.shape))
+
+
+def supports(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether every tensor is a pjrt tensor of one device in a dtype XLA's collectives carry."""
+    if not tensors:
+        return False
+    first = tensors[0]
+    return all(t.device.type == "pjrt" and t.device == first.device and t.dtype in DTYPES for t in tensors)
+
+
+# --- programs -----------------------------------------------------------------------------------
+
+
+def _reduce_body(kind: Any, size: int, factor: float | None, scatter: bool = False) -> Callable[[Any], Any]:
+    """The block-wise reduction across ranks of one ReduceOp, or with `scatter` this rank's part of it
+    (AVG truncates integers, like NCCL; bool reduces as logical or/and)."""
+    jax = client.jax_module()
+    lax, jnp = jax.lax, jax.numpy
+
+    def part(x: Any) -> Any:
+        length = x.shape[0] // size
+        return lax.dynamic_slice_in_dim(x, lax.axis_index(AXIS) * length, length) if scatter else x
+
+    def summed(x: Any) -> Any:
+        return lax.psum_scatter(x, AXIS, tiled=True) if scatter else lax.psum(x, AXIS)
+
+    def reduce(x: Any) -> Any:
+        if x.dtype == jnp.bool_:
+            either = lax.pmin if kind in (RedOpType.MIN, RedOpType.PRODUCT) else lax.pmax
+            return part(either(x.astype(jnp.uint8), AXIS).astype(jnp.bool_))
+        if kind == RedOpType.MAX:
+            return part(lax.pmax(x, AXIS))
+        if kind == RedOpType.MIN:
+            return part(lax.pmin(x, AXIS))
+        if kind == RedOpType.PRODUCT:
+            return part(jnp.prod(lax.all_gather(x, AXIS), axis=0).astype(x.dtype))
+        if kind == RedOpType.PREMUL_SUM:
+            return summed(x * jnp.asarray(factor, x.dtype))
+        total = summed(x)
+        if kind != RedOpType.AVG:
+            return total
+        if jnp.issubdtype(x.dtype, jnp.integer):
+            return lax.div(total, jnp.asarray(size, x.dtype))
+        return total / jnp.asarray(size, x.dtype)
+
+    return reduce
+
+
+@functools.lru_cache(maxsize=512)
+def _program(mesh: Any, kind: str, *options: Any) -> Callable[..., Any]:
+    """The jitted SPMD program of one collective over `mesh` (shapes are jax's to specialise)."""
+    jax = client.jax_module()
+    lax = jax.lax
+    spec = jax.sharding.PartitionSpec(AXIS)
+    size = mesh.devices.size
+    if kind == "all_reduce":
+        body = _reduce_body(*options)
+    elif kind == "reduce_scatter":
+        body = _reduce_body(*options, scatter=True)
+    elif kind == "broadcast":
+        (root,) = options
+        body = lambda x: lax.all_gather(x, AXIS)[root]
+    elif kind == "all_gather":
+        body = lambda x: lax.all_gather(x, AXIS, tiled=True)
+    elif kind == "all_to_all":
+        body = lambda x: lax.all_to_all(x.reshape(size, -1), AXIS, 0, 0, tiled=True).reshape(-1)
+    elif kind == "scatter":
+        (root,) = options
+        body = lambda x: lax.all_to_all(x.reshape(size, -1), AXIS, 0, 0, tiled=True)[root]
+    else:
+        raise AssertionError(f"no collective program named {kind!r}")
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
+
+
+# --- the engine ---------------------------------------------------------------------------------
+
+
+class XlaCollectives:
+    """The collectives of one c10d group as XLA programs over its ranks' devices."""
+
+    def __init__(self, store: dist.Store, rank: int, size: int, timeout: timedelta) -> None:
+        self._store = dist.PrefixStore("pjrt-xla/", store)
+        self._rank, self._size, self._timeout = rank, size, timeout
+        self._mesh: Any = None
+        self._index: int | None = None
+
+    def mesh(self, index: int) -> Any:
+        """The group's mesh: each rank's device, exchanged once through the store on the first collective."""
+        if self._mesh is not None:
+            if index != self._index:
+                raise RuntimeError(
+                    f"this rank's collectives in this group ran on pjrt:{self._index} and now get a pjrt:{index} "
+                    "tensor; keep each rank's collectives of one group on one device (torch.pjrt.set_device)."
+                )
+            return self._mesh
+        jax = client.jax_module()
+        device = client.device_for(index)
+        self._store.set(f"device/{self._rank}", str(device.id))
+        ids = [int(self._store.get(f"device/{r}")) for r in range(self._size)]
+        by_id = {d.id: d for d in jax.devices(device.platform)}
+        self._mesh = jax.sharding.Mesh(np.array([by_id[i] for i in ids]), (AXIS,))
+        self._index = index
+        return self._mesh
+
+    def _run(self, kind: str, array: Any, index: int, *options: Any) -> Any:
+        """This rank's block of the collective's result (the program runs asynchronously)."""
+        jax = client.jax_module()
+        mesh = self.mesh(index)
+        sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(AXIS))
+        shape = (array.shape[0] * self._size, *array.shape[1:])
+        whole = jax.make_array_from_single_device_arrays(shape, sharding, [array])
+        metrics.bump("collectives_xla")
+        with client.out_of_memory_translated((), index):
+            return _program(mesh, kind, *options)(whole).addressable_data(0)
+
+    def _reduce_options(self, op: dist.ReduceOp) -> tuple[Any, int, float | None]:
+        kind = op.op if isinstance(op, dist.ReduceOp) else op
+        factor = None
+        if kind == RedOpType.PREMUL_SUM:
+            factor = op.factor.item() if isinstance(op.factor, torch.Tensor) else float(op.factor)
+        return kind, self._size, factor
+
+    # -- reductions
+
+    def _each(self, kind: str, tensors: list[torch.Tensor], options: tuple, keep: bool) -> dist.Work:
+        """One program per tensor; `keep` says whether this rank takes the result (reduce and broadcast's roots
+        do not)."""
+        results = []
+        for tensor in tensors:
+            array = _elements(tensor)
+            if array is None:
+                continue
+            result = self._run(kind, array, tensor.device.index, *options)
+            if keep:
+                _write(tensor, result)
+            results.append(result)
+        return _waiter.work(results, tensors)
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any) -> dist.Work:
+        return self._each("all_reduce", tensors, self._reduce_options(opts.reduceOp), keep=True)
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any) -> dist.Work:
+        """One program per dtype over the tensors' elements concatenated on the device."""
+        options = self._reduce_options(opts.reduceOp)
+        results = []
+        for dtype in dict.fromkeys(t.dtype for t in tensors):
+            group = [t for t in tensors if t.dtype == dtype and t.numel()]
+            if not group:
+                continue
+            flat = torch.cat([t.detach().reshape(-1) for t in group])
+            result = self._run("all_reduce", _flat(flat), flat.device.index, *options)
+            _write(flat, result)
+            for t, piece in zip(group, flat.split([t.numel() for t in group]), strict=True):
+                t.copy_(piece.view(t.shape))
+            results.append(result)
+        return _waiter.work(results, tensors)
+
+    def reduce(self, tensors: list[torch.Tensor], opts: Any) -> dist.Work:
+        keep = self._rank == opts.rootRank
+        return self._each("all_reduce", tensors, self._reduce_options(opts.reduceOp), keep)
+
+    def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> dist.Work:
+        if input.numel() != output.numel() * self._size:
+            raise ValueError(
+                f"reduce_scatter_tensor: the input has {input.numel()} elements, not the output's "
+                f"{output.numel()} times the group size {self._size}; size the tensors as on CUDA."
+            )
+        if output.numel() == 0:
+            return _waiter.work([], [output])
+        result = self._run("reduce_scatter", _flat(input), input.device.index, *self._reduce_options(opts.reduceOp))
+        _write(output, result)
+        return _waiter.work([result], [output])
+
+    def reduce_scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]],
+                       opts: Any) -> dist.Work:
+        for output, inputs in zip(outputs, input_lists, strict=True):
+            self.reduce_scatter_tensor(output, torch.cat([t.reshape(-1) for t in inputs]), opts)
+        return self.settled(outputs)
+
+    # -- data movement
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> dist.Work:
+        return self._each("broadcast", tensors, (opts.rootRank,), keep=self._rank != opts.rootRank)
+
+    def all_gather_tensor(self, output: torch.Tensor, input: torch.Tensor) -> dist.Work:
+        if output.numel() != input.numel() * self._size:
+            raise ValueError(
+                f"all_gather_into_tensor: the output has {output.numel()} elements, not the input's "
+                f"{input.numel()} times the group size {self._size}; size the tensors as on CUDA."
+            )
+        if input.numel() == 0:
+            return _waiter.work([], [output])
+        result = self._run("all_gather", _elements(input), input.device.index)
+        _write(output, result)
+        return _waiter.work([result], [output])
+
+    def allgather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor]) -> dist.Work:
+        for outputs, input in zip(output_lists, inputs, strict=True):
+            gathered = torch.empty(self._size * input.numel(), dtype=input.dtype, device=input.device)
+            self.all_gather_tensor(gathered, input)
+            for output, piece in zip(outputs, gathered.chunk(self._size), strict=True):
+                output.copy_(piece.view(output.shape))
+        return self.settled(output_lists)
+
+    def gather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], root: int) -> dist.Work:
+        for input in inputs:
+            gathered = torch.empty(self._size * input.numel(), dtype=input.dtype, device=input.device)
+            self.all_gather_tensor(gathered, input)
+            if self._rank == root:
+                for output, piece in zip(output_lists[0], gathered.chunk(self._size), strict=True):
+                    output.copy_(piece.view(output.shape))
+        return self.settled(output_lists)
+
+    def scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], root: int) -> dist.Work:
+        for index, output in enumerate(outputs):
+            if self._rank == root:
+                source = torch.cat([t.reshape(-1) for t in input_lists[index]])
+            else:
+                source = torch.zeros(self._size * output.numel(), dtype=output.dtype, device=output.device)
+            if output.numel():
+                _write(output, self._run("scatter", _flat(source), output.device.index, root))
+        return self.settled(outputs)
+
+    def all_to_all_tensor(self, output: torch.Tensor, input: torch.Tensor) -> dist.Work:
+        """Even splits: rank r's r-th block of the flattened input goes to rank r."""
+        if input.numel() == 0:
+            return _waiter.work([], [output])
+        result = self._run("all_to_all", _flat(input), input.device.index)
+        _write(output, result)
+        return _waiter.work([result], [output])
+
+    def settled(self, value: Any) -> dist.Work:
+        """A Work for results written by collectives above (their programs are ordered before any reader)."""
+        return _waiter.work([], value)
