@@ -156,7 +156,8 @@ def test_the_plugin_picks_pjrt_and_holds_weights_and_cache_there(llm: Any) -> No
 
 
 def test_kv_cache_views_share_one_buffer_of_their_own_dtype(llm: Any) -> None:
-    # vLLM allocates an int8 buffer; the paged-attention kernel takes the whole buffer, unreinterpreted.
+    # vLLM asks for an int8 buffer; the plugin makes it a view of one in the layers' dtype, which the
+    # paged-attention kernel takes whole, unreinterpreted.
     from torch_pjrt.storage import storage_of
 
     caches = _worker(llm).model_runner.kv_caches
@@ -495,6 +496,60 @@ def test_a_full_kv_cache_preempts_and_still_gives_hugging_faces_tokens(tiny_llam
 def test_a_kv_cache_smaller_than_one_request_gets_vllms_error_at_start(tiny_llama: Path) -> None:
     result = _engine_in_a_new_process(tiny_llama, 4 * BLOCK_BYTES, NEW_TOKENS)
     assert "To serve at least one request with the model's max seq len (128)" in result["error"]
+
+
+MEMORY_IN_A_NEW_PROCESS = """
+import gc, json, sys, torch
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+folder, sizing, prompts = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
+llm = LLM(model=folder, skip_tokenizer_init=True, enforce_eager=True, dtype="float32", max_model_len=128,
+          max_num_seqs=4, **sizing)
+runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+weights = sum(t.numel() * t.element_size() for t in [*runner.model.parameters(), *runner.model.buffers()])
+started = {"allocated": torch.pjrt.memory_allocated(), "peak": torch.pjrt.max_memory_allocated()}
+params = SamplingParams(temperature=0, max_tokens=8, min_tokens=8, detokenize=False)
+outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+result = {"weights": weights, "started": started, "served": torch.pjrt.memory_allocated(),
+          "blocks": llm.llm_engine.vllm_config.cache_config.num_gpu_blocks,
+          "buffers": sorted({cache.untyped_storage().nbytes() for cache in runner.kv_caches}),
+          "tokens": [list(o.outputs[0].token_ids) for o in outputs]}
+llm.llm_engine.engine_core.shutdown()
+del llm, runner, outputs
+gc.collect()
+print("RESULT " + json.dumps({**result, "shut_down": torch.pjrt.memory_allocated()}))
+"""
+
+# What the device holds beyond the weights and the KV cache once the engine has started and served: a few
+# small tensors (the sampler's, the attention's index tensors); measured 33 KiB. A second cache would be
+# the cache's size again (64 MiB in the test below).
+OVERHEAD_BOUND = 1 << 20
+
+
+def _memory_in_a_new_process(folder: Path, sizing: dict[str, int], **env: str) -> dict:
+    command = [sys.executable, "-c", MEMORY_IN_A_NEW_PROCESS, str(folder), json.dumps(sizing), json.dumps(_prompts())]
+    done = subprocess.run(command, env=dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", **env),
+                          capture_output=True, text=True, timeout=600)
+    results = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert done.returncode == 0 and results, done.stderr[-3000:]
+    return json.loads(results[-1][len("RESULT ") :])
+
+
+def _assert_the_cache_is_held_once(result: dict, cache_bytes: int) -> None:
+    assert result["buffers"] == [cache_bytes] == [result["blocks"] * BLOCK_BYTES]
+    for held in (result["started"]["allocated"], result["started"]["peak"], result["served"]):
+        assert result["weights"] + cache_bytes <= held <= result["weights"] + cache_bytes + OVERHEAD_BOUND
+    assert result["shut_down"] <= OVERHEAD_BOUND
+
+
+def test_the_kv_cache_is_allocated_once_and_freed_at_shutdown(
+    tiny_llama: Path, reference_tokens: list[list[int]]
+) -> None:
+    # The device holds the weights and one cache of the size asked, at start (its peak too) and after serving.
+    cache_bytes = 64 << 20
+    result = _memory_in_a_new_process(tiny_llama, {"kv_cache_memory_bytes": cache_bytes})
+    _assert_the_cache_is_held_once(result, cache_bytes)
+    assert result["tokens"] == reference_tokens
 
 
 COMPILED_IN_A_NEW_PROCESS = """

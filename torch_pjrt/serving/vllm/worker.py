@@ -17,9 +17,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 from vllm.logger import init_logger
 from vllm.platforms import current_platform
 from vllm.utils.torch_utils import set_random_seed
+from vllm.v1.kv_cache_interface import KVCacheConfig, UniformTypeKVCacheSpecs
 from vllm.v1.sample.logits_processor import build_logitsprocs
 from vllm.v1.sample.metadata import SamplingMetadata
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
@@ -101,11 +103,21 @@ class PjrtModelRunner(CPUModelRunner):
             self._sampling_metadata_copy = (host, dataclasses.replace(host, **tensors))
         return self._sampling_metadata_copy[1]
 
-    def initialize_kv_cache_tensors(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:
+    def initialize_kv_cache_tensors(
+        self,
+        kv_cache_config: KVCacheConfig,
+        kernel_block_sizes: list[int],
+        kv_cache_allocation_context: contextlib.AbstractContextManager | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """vLLM's cache views, on one buffer allocated once in the layers' dtype (see BackingInLayersDtype)."""
+
+        @contextlib.contextmanager
+        def allocation() -> Iterator[None]:
+            with kv_cache_allocation_context or contextlib.nullcontext(), BackingInLayersDtype(kv_cache_config):
+                yield
+
         with self._on_model_device():
-            caches = super().initialize_kv_cache_tensors(*args, **kwargs)
-        _store_in_their_dtype(list(caches.values()))
-        return caches
+            return super().initialize_kv_cache_tensors(kv_cache_config, kernel_block_sizes, allocation())
 
     def _model_forward(
         self,
@@ -144,26 +156,45 @@ def samples_on_device(device: torch.device) -> bool:
     return place == "device"
 
 
-def _store_in_their_dtype(caches: list[torch.Tensor]) -> None:
-    """Moves the layers' cache views from vLLM's int8 backing buffer onto one buffer of their own dtype.
+def layers_cache_dtype(kv_cache_config: KVCacheConfig) -> torch.dtype | None:
+    """The one dtype all layers view the KV cache as; None if they differ or a layer keeps vLLM's raw bytes."""
+    dtypes = set()
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        for layer_spec in spec.kv_cache_specs.values() if isinstance(spec, UniformTypeKVCacheSpecs) else (spec,):
+            dtype = getattr(layer_spec, "dtype", None)
+            if not layer_spec.has_layer_views or dtype is None:
+                return None
+            dtypes.add(dtype)
+    return dtypes.pop() if len(dtypes) == 1 else None
 
-    vLLM allocates one int8 buffer and views each layer's part of it as the cache dtype. Reads and cache
-    writes through such views run in place (a write scatters its values' bytes), but a kernel that takes
-    the whole buffer (kernels.paged_attention) would get it reinterpreted: a width-changing bitcast that XLA
-    may materialize as a copy of every layer's cache before the kernel's custom call (on XLA's CPU client a
-    scatter through one copied the buffer; unmeasured on an accelerator). The same tensors are re-pointed
-    (`set_`), with the same layout, so vLLM's bindings of them to the layers hold. Caches of several dtypes
-    stay where they are.
+
+class BackingInLayersDtype(TorchFunctionMode):
+    """Makes vLLM's int8 KV cache backing buffer an int8 view of a buffer of the layers' dtype.
+
+    vLLM's `allocate_kv_cache` allocates one `torch.zeros(size, dtype=torch.int8)` and views each layer's
+    part of it as the cache dtype. Made here instead of that int8 buffer, the layers' views are views of
+    one buffer of their own dtype, allocated once: a kernel that takes the whole buffer
+    (kernels.paged_attention) gets it as it is, where a reinterpreted int8 buffer could make XLA copy every
+    layer's cache before the kernel's custom call. With layers of several dtypes vLLM's buffer is left as
+    it is (reads and writes through its views run in place).
     """
-    if not caches or len({cache.dtype for cache in caches}) != 1:
-        return
-    backing = caches[0].untyped_storage()
-    dtype = caches[0].dtype
-    if any(cache.untyped_storage()._cdata != backing._cdata for cache in caches) or backing.nbytes() % dtype.itemsize:
-        return
-    buffer = torch.zeros(backing.nbytes() // dtype.itemsize, dtype=dtype, device=caches[0].device).untyped_storage()
-    for cache in caches:
-        cache.set_(buffer, cache.storage_offset(), cache.shape, cache.stride())
+
+    def __init__(self, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__()
+        sizes = {tensor.size for tensor in kv_cache_config.kv_cache_tensors}
+        self.nbytes = sizes.pop() if len(sizes) == 1 else None
+        dtype = layers_cache_dtype(kv_cache_config)
+        whole_elements = dtype is not None and self.nbytes is not None and self.nbytes % dtype.itemsize == 0
+        self.dtype = dtype if whole_elements else None
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        asked = func is torch.zeros and kwargs.get("dtype") is torch.int8 and tuple(args) == (self.nbytes,)
+        if asked and self.dtype is not None:
+            buffer = torch.zeros(self.nbytes // self.dtype.itemsize, dtype=self.dtype, device=kwargs.get("device"))
+            return buffer.view(torch.int8)
+        return func(*args, **kwargs)
 
 
 class PjrtWorker(CPUWorker):
