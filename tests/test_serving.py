@@ -552,6 +552,17 @@ def test_the_kv_cache_is_allocated_once_and_freed_at_shutdown(
     assert result["tokens"] == reference_tokens
 
 
+def test_with_no_memory_arguments_the_cpu_client_sizes_the_cache_by_vllm_cpu_kvcache_space(
+    tiny_llama: Path, reference_tokens: list[list[int]]
+) -> None:
+    # LLM(model) with neither kv_cache_memory_bytes nor gpu_memory_utilization: vLLM CPU's sizing, here 1 GiB.
+    if torch.pjrt.get_device_properties(0).platform != "cpu":
+        pytest.skip("VLLM_CPU_KVCACHE_SPACE sizes the cache on jaxlib's CPU client only")
+    result = _memory_in_a_new_process(tiny_llama, {}, VLLM_CPU_KVCACHE_SPACE="1")
+    _assert_the_cache_is_held_once(result, 1 << 30)
+    assert result["tokens"] == reference_tokens
+
+
 COMPILED_IN_A_NEW_PROCESS = """
 import json, sys, torch, torch_pjrt
 from vllm import LLM, SamplingParams

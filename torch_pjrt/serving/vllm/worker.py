@@ -13,13 +13,19 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
+import os
 from collections.abc import Iterator
 from typing import Any
 
+import psutil
 import torch
 from torch.overrides import TorchFunctionMode
 from vllm.logger import init_logger
 from vllm.platforms import current_platform
+from vllm.utils.cpu_resource_utils import get_allowed_cpu_list, get_memory_node_info
+from vllm.utils.mem_constants import GiB_bytes
+from vllm.utils.mem_utils import format_gib
 from vllm.utils.torch_utils import set_random_seed
 from vllm.v1.kv_cache_interface import KVCacheConfig, UniformTypeKVCacheSpecs
 from vllm.v1.sample.logits_processor import build_logitsprocs
@@ -200,8 +206,9 @@ class BackingInLayersDtype(TorchFunctionMode):
 class PjrtWorker(CPUWorker):
     """vLLM's CPU worker lifecycle (warm-up, no sleep mode) around a pjrt device and a pjrt model runner.
 
-    The CPU worker's own start (binding host memory nodes, sizing the KV cache from host memory) does not
-    apply: the cache lives in device memory, sized from torch.pjrt's figures.
+    The CPU worker's own start (binding host memory nodes) does not apply. The KV cache is sized as vLLM's
+    CPU platform sizes it on jaxlib's CPU client, whose device memory is the host's, and from the device
+    memory PJRT reports on other platforms.
     """
 
     def __init__(
@@ -228,17 +235,63 @@ class PjrtWorker(CPUWorker):
         return contextlib.nullcontext()
 
     def determine_available_memory(self) -> int:
-        """The KV cache's bytes: `kv_cache_memory_bytes` when given, else the device's share left after the weights."""
+        """The KV cache's bytes: on jaxlib's CPU client as vLLM's CPU platform sizes it, elsewhere from the
+        device's memory as PJRT reports it."""
+        if torch.pjrt.get_device_properties(self.device).platform == "cpu":
+            return self._kv_cache_bytes_in_host_memory()
+        return self._kv_cache_bytes_in_device_memory()
+
+    def _kv_cache_bytes_in_host_memory(self) -> int:
+        """vLLM CPU's sizing: VLLM_CPU_KVCACHE_SPACE GiB when set (it overrides `kv_cache_memory_bytes`, as on
+        vLLM's CPU platform), else `kv_cache_memory_bytes`, else `gpu_memory_utilization` of the host's memory
+        node less what this process holds (its resident memory: the weights are in it)."""
+        space = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "")
+        explicit = int(space) * GiB_bytes if space else self.cache_config.kv_cache_memory_bytes
+        node = get_allowed_cpu_list()[0].numa_node
+        memory = get_memory_node_info(node)
+        where = f"memory node {node} ({format_gib(memory.available_memory)}/{format_gib(memory.total_memory)} GiB"
+        if explicit is not None:
+            if explicit > memory.available_memory:
+                raise ValueError(
+                    f"The KV cache asked for ({format_gib(explicit)} GiB) is more than is available on {where}); "
+                    "decrease kv_cache_memory_bytes or VLLM_CPU_KVCACHE_SPACE, or free host memory."
+                )
+            return explicit
+        requested = math.ceil(memory.total_memory * self.cache_config.gpu_memory_utilization)
+        held = psutil.Process(os.getpid()).memory_info().rss
+        budget = requested - held
+        share = (f"gpu_memory_utilization={self.cache_config.gpu_memory_utilization} of {where}) less the "
+                 f"{format_gib(held)} GiB this process holds leaves {format_gib(budget)} GiB for the KV cache")
+        if budget <= 0:
+            raise ValueError(f"{share}; raise gpu_memory_utilization, or set VLLM_CPU_KVCACHE_SPACE or "
+                             "kv_cache_memory_bytes.")
+        if budget > memory.available_memory:
+            raise ValueError(f"{share}, more than is available; lower gpu_memory_utilization, or set "
+                             "VLLM_CPU_KVCACHE_SPACE or kv_cache_memory_bytes.")
+        logger.info("KV cache in host memory: %s GiB (%s of node %d's %s GiB, less %s GiB held)", format_gib(budget),
+                    self.cache_config.gpu_memory_utilization, node, format_gib(memory.total_memory), format_gib(held))
+        return budget
+
+    def _kv_cache_bytes_in_device_memory(self) -> int:
+        """`kv_cache_memory_bytes` when given, else `gpu_memory_utilization` of the device's memory less the
+        bytes pjrt tensors hold (the weights)."""
+        free, total = torch.pjrt.mem_get_info(self.device)
         explicit = self.cache_config.kv_cache_memory_bytes
         if explicit is not None:
+            if explicit > free:
+                raise ValueError(
+                    f"The KV cache asked for ({format_gib(explicit)} GiB) is more than pjrt device {self.device} has "
+                    f"free ({format_gib(free)}/{format_gib(total)} GiB); decrease kv_cache_memory_bytes."
+                )
             return explicit
-        free, total = torch.pjrt.mem_get_info(self.device)
-        budget = int(total * self.cache_config.gpu_memory_utilization) - torch.pjrt.memory_allocated(self.device)
-        if budget <= 0 or budget > free:
-            raise ValueError(
-                f"pjrt device {self.device} has {free / 2**30:.2f} of {total / 2**30:.2f} GiB free, and "
-                f"gpu_memory_utilization={self.cache_config.gpu_memory_utilization} leaves "
-                f"{budget / 2**30:.2f} GiB for the KV cache; lower gpu_memory_utilization or set kv_cache_memory_bytes"
-            )
-        logger.info("KV cache on %s: %.2f GiB", self.device, budget / 2**30)
+        held = torch.pjrt.memory_allocated(self.device)
+        budget = int(total * self.cache_config.gpu_memory_utilization) - held
+        share = (f"gpu_memory_utilization={self.cache_config.gpu_memory_utilization} of pjrt device {self.device} "
+                 f"({format_gib(free)}/{format_gib(total)} GiB free) less the {format_gib(held)} GiB pjrt tensors "
+                 f"hold leaves {format_gib(budget)} GiB for the KV cache")
+        if budget <= 0:
+            raise ValueError(f"{share}; raise gpu_memory_utilization or set kv_cache_memory_bytes.")
+        if budget > free:
+            raise ValueError(f"{share}, more than is free; lower gpu_memory_utilization or set kv_cache_memory_bytes.")
+        logger.info("KV cache on %s: %s GiB", self.device, format_gib(budget))
         return budget
