@@ -74,7 +74,7 @@ def main_job(tmp_path_factory: pytest.TempPathFactory) -> list[Any]:
 def host_engine_job(tmp_path_factory: pytest.TempPathFactory) -> list[Any]:
     """The same ranks with TORCH_PJRT_DISTRIBUTED=host: gloo over host copies, the fallback engine."""
     folder = tmp_path_factory.mktemp("dist-host")
-    scenarios = ["engine", "all_reduce", "all_gather", "reduce_scatter", *TRAINING]
+    scenarios = ["engine", "all_reduce", "all_gather", "reduce_scatter", "compiled", *TRAINING]
     return launch(str(folder), scenarios, DIST_TIMEOUT="30", TORCH_PJRT_DISTRIBUTED="host", EXPECT_ENGINE="host")
 
 
@@ -94,7 +94,7 @@ def test_collectives_run_as_xla_programs_without_host_copies(main_job: list[Any]
     _outcome(main_job, "engine")
 
 
-@pytest.mark.parametrize("scenario", ["engine", "all_reduce", "all_gather", "reduce_scatter", *TRAINING])
+@pytest.mark.parametrize("scenario", ["engine", "all_reduce", "all_gather", "reduce_scatter", "compiled", *TRAINING])
 def test_host_engine(host_engine_job: list[Any], scenario: str) -> None:
     """The host engine (gloo over host copies) still gives gloo's results and single-process training."""
     _outcome(host_engine_job, scenario)

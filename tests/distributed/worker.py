@@ -250,11 +250,18 @@ def scenario_compiled(device: torch.device) -> None:
         scattered = funcol.reduce_scatter_tensor(gathered, "avg", 0, group)
         return scattered + 1, gathered, funcol.all_to_all_single(x, None, None, group)
 
+    from torch_pjrt import metrics
+
     compiled = torch.compile(step, backend="pjrt", fullgraph=True)
     for salt in range(2):
         host = sample((4, 3), torch.float32, salt=salt)
-        for got, want in zip(compiled(host.to(device)), step(host.to(device))):
+        metrics.reset()
+        results = compiled(host.to(device))
+        inside = metrics.counters()["collectives_host"] == 0
+        for got, want in zip(results, step(host.to(device))):
             same(got, want.cpu(), "compiled functional collectives", atol=1e-6, rtol=1e-6)
+        expected = os.environ.get("EXPECT_ENGINE", "xla") == "xla"
+        assert inside == expected, f"collectives inside the program: {inside}, expected {expected}"
 
 
 def scenario_cpu_tensors(device: torch.device) -> None:

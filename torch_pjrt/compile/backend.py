@@ -28,7 +28,7 @@ from torch_pjrt import _torch_private, storage
 from torch_pjrt.compile import padding
 from torch_pjrt.eager import dynamic, modes
 from torch_pjrt.ops import graph, linalg, registry
-from torch_pjrt.runtime import checks, client, disk_store, metrics, programs, rng
+from torch_pjrt.runtime import checks, client, disk_store, metrics, programs, rng, spmd
 
 aten = torch.ops.aten
 # Compiles of one graph for distinct input shapes before a warning names what keeps changing.
@@ -163,6 +163,10 @@ class CompiledGraph:
         if self.bounds and any(padding.is_symbolic(self.metas[index]) for index, _ in self.mutations):
             self.bounds = None
         self.symbolic_constants = any(isinstance(out.constant, torch.SymInt) for out in self.outputs)
+        # Collectives of one process group make the graph one SPMD program over that group's mesh.
+        self.collective_groups = {node.args[spmd.COLLECTIVES[node.target]] for node in gm.graph.nodes
+                                  if node.op == "call_function" and node.target in spmd.COLLECTIVES}
+        self.mesh: Any = None
 
     def _program(self, signature: tuple, padded: dict[Any, int] | None, example: tuple,
                  out_buckets: tuple[int, ...] = ()) -> SignatureProgram:
@@ -250,7 +254,9 @@ class CompiledGraph:
             return tensors, [new_flats[slot] for slot in written], host_updates, code
 
         found = None
-        if padded is None and _can_store():
+        if self.mesh is not None:
+            found = (spmd.MeshProgram(run, self.mesh, "compiled_graph", counter="graph_compiles"), layouts, made)
+        elif padded is None and _can_store():
             stored = self._stored_key(signature, array_shapes)
             found = _load_stored(stored) or _export_stored(run, example, layouts, made, stored)
         program, layouts, made = found or (_graph_program(run), layouts, made)
@@ -359,6 +365,8 @@ class CompiledGraph:
             else:
                 signature.append(("static", value))
         device = device or torch.device("pjrt", 0)
+        if len(self.collective_groups) == 1 and self.mesh is None:
+            self.mesh = spmd.mesh_of(next(iter(self.collective_groups)), device.index)
         key = rng.state(device.index).next_key() if self.random else None
         # True sizes are traced program arguments: a new size in the same bucket must not recompile.
         true = [] if padded is None else [np.asarray(values[s], np.int64) for s in padded]

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import _create_work_from_future
 
 from torch_pjrt.distributed import fsdp, host_engine, xla_engine
-from torch_pjrt.runtime import client, metrics, multiprocess
+from torch_pjrt.runtime import client, metrics, multiprocess, spmd
 
 NAME = "pjrt"
 
@@ -31,8 +31,7 @@ def _flat_lists(lists: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
 
 
 def _reduction(opts: Any) -> Any:
-    op = opts.reduceOp
-    return op.op if isinstance(op, dist.ReduceOp) else op
+    return xla_engine.reduce_kind(opts.reduceOp)
 
 
 class ProcessGroupPjrt(dist.ProcessGroup):
@@ -59,6 +58,11 @@ class ProcessGroupPjrt(dist.ProcessGroup):
     def use_host_engine(self, host_only: bool = True) -> None:
         """Send this group's collectives through the host engine (to bisect a problem, or compare the two)."""
         self._host_only = host_only
+
+    def program_mesh(self, device_index: int) -> Any:
+        """The mesh compiled graphs run their collectives of this group on (XLA engine), or None (host)."""
+        self._engine([])
+        return None if self._xla is None or self._host_only else self._xla.mesh(device_index)
 
     def _engine(self, tensors: Sequence[torch.Tensor], usable: bool = True) -> Any:
         """The XLA engine where it can run a collective of `tensors`, else the host engine."""
@@ -218,10 +222,17 @@ class ProcessGroupPjrt(dist.ProcessGroup):
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
 
 
+def _program_mesh(group_name: Any, device_index: int) -> Any:
+    group = group_name if isinstance(group_name, dist.ProcessGroup) else (
+        dist.distributed_c10d._resolve_process_group(group_name))
+    return group.program_mesh(device_index) if isinstance(group, ProcessGroupPjrt) else None
+
+
 def create(store: dist.Store, rank: int, size: int, timeout: timedelta) -> ProcessGroupPjrt:
     """The creator c10d calls for `init_process_group("pjrt")` and `new_group(backend="pjrt")`."""
     fsdp.install()
     multiprocess.set_collective_timeout(timeout.total_seconds())
+    spmd.install_mesh_resolver(_program_mesh)
     from torch_pjrt.distributed import lowerings  # noqa: F401 (compiled functional collectives)
 
     return ProcessGroupPjrt(store, rank, size, timeout)

@@ -45,9 +45,21 @@ def _stage(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def _write_back(targets: Sequence[torch.Tensor], staged: Sequence[torch.Tensor]) -> None:
-    for target, host in zip(targets, staged, strict=True):
-        if target is not host:
-            target.copy_(host)
+    """Copy results into the caller's tensors, below autograd as c10d's own backends write them.
+
+    (A pipeline stage receives into a leaf that requires grad; an in-place copy under autograd
+    would raise.)
+    """
+    with torch.no_grad():
+        for target, host in zip(targets, staged, strict=True):
+            if target is not host:
+                target.copy_(host)
+
+
+def _write_back_flat(targets: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
+    """Write consecutive pieces of one flat host buffer into `targets`."""
+    pieces = flat.split([t.numel() for t in targets])
+    _write_back(targets, [piece.view(t.shape) for t, piece in zip(targets, pieces, strict=True)])
 
 
 def _await_release(tensors: Sequence[torch.Tensor], counts: Sequence[int]) -> None:
@@ -173,8 +185,7 @@ class HostCollectives:
             group = [t for t in tensors if t.dtype == dtype]
             flat = torch.cat([t.detach().cpu().reshape(-1) for t in group])
             (flat,) = self._reduce_like("allreduce", [flat], single)
-            for t, piece in zip(group, flat.split([t.numel() for t in group]), strict=True):
-                t.copy_(piece.view(t.shape))
+            _write_back_flat(group, flat)
         return _done(tensors)
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
@@ -191,7 +202,7 @@ class HostCollectives:
         op = _prepare(opts.reduceOp, [host_input])
         self._run("_reduce_scatter_base", host_output, host_input, _with_op(opts, op))
         _finish(opts.reduceOp, [host_output], self.size())
-        output.copy_(host_output)
+        _write_back([output], [host_output])
         return _done([output])
 
     def reduce_scatter(
@@ -201,7 +212,7 @@ class HostCollectives:
         for output, inputs in zip(outputs, input_lists, strict=True):
             flat = torch.empty(output.numel(), dtype=output.dtype)
             self._reduce_scatter_base(flat, torch.cat([t.detach().cpu().reshape(-1) for t in inputs]), opts)
-            output.copy_(flat.view(output.shape))
+            _write_back([output], [flat.view(output.shape)])
         return _done(outputs)
 
     def reduce_scatter_tensor_coalesced(
@@ -295,8 +306,7 @@ class HostCollectives:
         flat_in = torch.cat([t.detach().cpu().reshape(-1) for t in inputs])
         flat_out = torch.empty(sum(t.numel() for t in outputs), dtype=flat_in.dtype)
         self.alltoall_base(flat_out, flat_in, [t.numel() for t in outputs], [t.numel() for t in inputs], opts)
-        for t, piece in zip(outputs, flat_out.split([t.numel() for t in outputs]), strict=True):
-            t.copy_(piece.view(t.shape))
+        _write_back_flat(outputs, flat_out)
         return _done(outputs)
 
     # -- point to point and barrier

@@ -1,10 +1,13 @@
 """Lowerings of the functional collectives (`_c10d_functional`) for compiled graphs.
 
 Under `torch.compile(backend="pjrt")` a functional collective is a node of the traced graph.
-Its lowering is an ordered host callback inside the jitted program: the callback runs the same
-collective on CPU tensors through the process group (gloo), so compiled ranks meet in program
-order, like eager ones. `wait_tensor` is the identity: the callback has finished by then.
-Eager calls never come here (c10d's own kernels reach the process group directly).
+Where the group's collectives run on the XLA engine, the graph is one SPMD program over the
+group's mesh (`runtime/spmd.py`) and the node is the XLA collective inside it, the same body
+the eager engine runs (`xla_engine.collective_body`): the program never stops for it. Elsewhere
+(the host engine, a graph with collectives of several groups) the lowering is an ordered host
+callback that runs the collective through the process group, so compiled ranks meet in program
+order, like eager ones. `wait_tensor` is the identity either way. Eager calls never come here
+(c10d's own kernels reach the process group directly).
 """
 
 from __future__ import annotations
@@ -16,7 +19,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from torch_pjrt.distributed import xla_engine
 from torch_pjrt.ops.registry import register
+from torch_pjrt.runtime import metrics, spmd
 
 c10d = torch.ops._c10d_functional
 REDUCE_OPS = {
@@ -46,6 +51,7 @@ def _host_collective(collective: Callable[..., torch.Tensor], shape: tuple[int, 
     from jax.experimental import io_callback
 
     def host(*values: np.ndarray) -> np.ndarray:
+        metrics.bump("collectives_host")
         result = collective(*(storage.host_tensor(np.asarray(v)) for v in values))
         return storage.host_array(result)
 
@@ -61,8 +67,23 @@ def _all_reduce_host(op: dist.ReduceOp, group: dist.ProcessGroup) -> Callable[[t
     return run
 
 
+def _in_program(kind: str, input: Any, group_name: Any, *options: Any) -> Any:
+    """The collective inside the SPMD program being traced, or None where there is none."""
+    if spmd.axis() is None:
+        return None
+    return xla_engine.collective_body(kind, _group(group_name).size(), *options)(input)
+
+
+def _reduction(reduce_op: str, group_name: Any) -> tuple[Any, int, None]:
+    op = _reduce_op(reduce_op)
+    return xla_engine.reduce_kind(op), _group(group_name).size(), None
+
+
 @register(c10d.all_reduce.default)
 def all_reduce(input: Any, reduce_op: str, group_name: Any) -> Any:
+    inside = _in_program("all_reduce", input, group_name, *_reduction(reduce_op, group_name))
+    if inside is not None:
+        return inside
     run = _all_reduce_host(_reduce_op(reduce_op), _group(group_name))
     return _host_collective(run, tuple(input.shape), input)
 
@@ -74,6 +95,9 @@ def all_reduce_coalesced(inputs: list[Any], reduce_op: str, group_name: Any) -> 
 
 @register(c10d.all_gather_into_tensor.default)
 def all_gather_into_tensor(input: Any, group_size: int, group_name: Any) -> Any:
+    inside = _in_program("all_gather", input, group_name)
+    if inside is not None:
+        return inside
     group = _group(group_name)
     shape = (input.shape[0] * group_size, *input.shape[1:])
 
@@ -92,6 +116,9 @@ def all_gather_into_tensor_coalesced(inputs: list[Any], group_size: int, group_n
 
 @register(c10d.reduce_scatter_tensor.default)
 def reduce_scatter_tensor(input: Any, reduce_op: str, group_size: int, group_name: Any) -> Any:
+    inside = _in_program("reduce_scatter", input, group_name, *_reduction(reduce_op, group_name))
+    if inside is not None:
+        return inside
     op, group = _reduce_op(reduce_op), _group(group_name)
     shape = (input.shape[0] // group_size, *input.shape[1:])
 
@@ -113,6 +140,9 @@ def all_to_all_single(input: Any, output_split_sizes: list[int], input_split_siz
     group = _group(group_name)
     outputs = [int(s) for s in output_split_sizes] or None
     inputs = [int(s) for s in input_split_sizes] or None
+    even = [input.shape[0] // group.size()] * group.size()
+    if spmd.axis() is not None and (outputs or even) == even == (inputs or even):
+        return xla_engine.collective_body("all_to_all", group.size())(input)
     rows = sum(outputs) if outputs else input.shape[0]
     shape = (rows, *input.shape[1:])
 
@@ -126,6 +156,9 @@ def all_to_all_single(input: Any, output_split_sizes: list[int], input_split_siz
 
 @register(c10d.broadcast.default)
 def broadcast(input: Any, src: int, group_name: Any) -> Any:
+    inside = _in_program("broadcast", input, group_name, src)
+    if inside is not None:
+        return inside
     group = _group(group_name)
 
     def run(tensor: torch.Tensor) -> torch.Tensor:
@@ -138,3 +171,12 @@ def broadcast(input: Any, src: int, group_name: Any) -> Any:
 @register(c10d.wait_tensor.default)
 def wait_tensor(tensor: Any) -> Any:
     return tensor
+
+
+for _overload, _group_argument in (
+    (c10d.all_reduce.default, 2), (c10d.all_reduce_coalesced.default, 2), (c10d.all_gather_into_tensor.default, 2),
+    (c10d.all_gather_into_tensor_coalesced.default, 2), (c10d.reduce_scatter_tensor.default, 3),
+    (c10d.reduce_scatter_tensor_coalesced.default, 3), (c10d.all_to_all_single.default, 3),
+    (c10d.broadcast.default, 2),
+):
+    spmd.register_collective(_overload, _group_argument)

@@ -27,8 +27,8 @@ from torch._C._distributed_c10d import _create_work_from_future
 from torch_pjrt import storage
 from torch_pjrt.eager import dispatch
 from torch_pjrt.runtime import client, metrics
+from torch_pjrt.runtime.spmd import AXIS
 
-AXIS = "ranks"
 RedOpType = dist.ReduceOp.RedOpType
 # Dtypes jaxlib's collectives carry (gloo on CPU); others take the host engine.
 DTYPES = frozenset({
@@ -37,6 +37,11 @@ DTYPES = frozenset({
 })
 REDUCTIONS = frozenset({RedOpType.SUM, RedOpType.AVG, RedOpType.MIN, RedOpType.MAX, RedOpType.PRODUCT,
                         RedOpType.PREMUL_SUM})
+
+
+def reduce_kind(op: Any) -> Any:
+    """The RedOpType of a ReduceOp (c10d passes ReduceOp objects, users and functional collectives RedOpTypes)."""
+    return op if isinstance(op, RedOpType) else op.op
 
 
 # --- completion ---------------------------------------------------------------------------------
@@ -156,29 +161,33 @@ def _reduce_body(kind: Any, size: int, factor: float | None, scatter: bool = Fal
     return reduce
 
 
+def collective_body(kind: str, size: int, *options: Any) -> Callable[[Any], Any]:
+    """One collective on this rank's block (rows along dimension 0) inside a program over the mesh axis:
+    what the eager engine's programs and compiled graphs' collective nodes both run."""
+    lax = client.jax_module().lax
+    if kind == "all_reduce":
+        return _reduce_body(*options)
+    if kind == "reduce_scatter":
+        return _reduce_body(*options, scatter=True)
+    if kind == "broadcast":
+        (root,) = options
+        return lambda x: lax.all_gather(x, AXIS)[root]
+    if kind == "all_gather":
+        return lambda x: lax.all_gather(x, AXIS, tiled=True)
+    if kind == "all_to_all":
+        return lambda x: lax.all_to_all(x, AXIS, 0, 0, tiled=True)
+    if kind == "scatter":
+        (root,) = options
+        return lambda x: lax.all_to_all(x, AXIS, 0, 0, tiled=True).reshape(size, -1)[root]
+    raise AssertionError(f"no collective named {kind!r}")
+
+
 @functools.lru_cache(maxsize=512)
 def _program(mesh: Any, kind: str, *options: Any) -> Callable[..., Any]:
     """The jitted SPMD program of one collective over `mesh` (shapes are jax's to specialise)."""
     jax = client.jax_module()
-    lax = jax.lax
     spec = jax.sharding.PartitionSpec(AXIS)
-    size = mesh.devices.size
-    if kind == "all_reduce":
-        body = _reduce_body(*options)
-    elif kind == "reduce_scatter":
-        body = _reduce_body(*options, scatter=True)
-    elif kind == "broadcast":
-        (root,) = options
-        body = lambda x: lax.all_gather(x, AXIS)[root]
-    elif kind == "all_gather":
-        body = lambda x: lax.all_gather(x, AXIS, tiled=True)
-    elif kind == "all_to_all":
-        body = lambda x: lax.all_to_all(x.reshape(size, -1), AXIS, 0, 0, tiled=True).reshape(-1)
-    elif kind == "scatter":
-        (root,) = options
-        body = lambda x: lax.all_to_all(x.reshape(size, -1), AXIS, 0, 0, tiled=True)[root]
-    else:
-        raise AssertionError(f"no collective program named {kind!r}")
+    body = collective_body(kind, mesh.devices.size, *options)
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
 
 
@@ -224,7 +233,7 @@ class XlaCollectives:
             return _program(mesh, kind, *options)(whole).addressable_data(0)
 
     def _reduce_options(self, op: dist.ReduceOp) -> tuple[Any, int, float | None]:
-        kind = op.op if isinstance(op, dist.ReduceOp) else op
+        kind = reduce_kind(op)
         factor = None
         if kind == RedOpType.PREMUL_SUM:
             factor = op.factor.item() if isinstance(op.factor, torch.Tensor) else float(op.factor)
