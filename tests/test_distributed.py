@@ -67,7 +67,8 @@ def _outcome(outcomes: list[Any], scenario: str) -> None:
 def main_job(tmp_path_factory: pytest.TempPathFactory) -> list[Any]:
     """Two ranks on pjrt:0 and pjrt:1 (two CPU devices per process), backend chosen by c10d."""
     folder = tmp_path_factory.mktemp("dist")
-    return launch(str(folder), ["engine", *COLLECTIVES, *TRAINING, "tensor_parallel"], DIST_TIMEOUT="30")
+    return launch(str(folder), ["engine", "fused_collective", *COLLECTIVES, *TRAINING, "tensor_parallel"],
+                  DIST_TIMEOUT="30")
 
 
 @pytest.fixture(scope="module")
@@ -92,6 +93,10 @@ def one_device_job(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[
 
 def test_collectives_run_as_xla_programs_without_host_copies(main_job: list[Any]) -> None:
     _outcome(main_job, "engine")
+
+
+def test_a_fused_collective_is_a_node_of_the_fused_program(main_job: list[Any]) -> None:
+    _outcome(main_job, "fused_collective")
 
 
 @pytest.mark.parametrize("scenario", ["engine", "all_reduce", "all_gather", "reduce_scatter", "compiled", *TRAINING])

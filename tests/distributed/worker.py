@@ -481,6 +481,28 @@ def scenario_engine(device: torch.device) -> None:
         assert counts["transfers_to_host"] >= 6, counts
 
 
+def scenario_fused_collective(device: torch.device) -> None:
+    """In DEFER_AND_FUSE a collective of the XLA engine ends the fused program that computes its input, which is
+    dispatched without a host sync; the ops after it fuse into the next program."""
+    from torch_pjrt import metrics
+
+    host = sample((6, 4), torch.float32)
+    with torch.pjrt.set_eager_mode("defer_and_fuse"):
+        torch.pjrt.synchronize()
+        metrics.reset()
+        tensor = host.to(device) * 2
+        work = dist.all_reduce(tensor, async_op=True)
+        work.wait()
+        before_read = metrics.counters()
+        result = (tensor + 1).cpu()
+        counts = metrics.counters()
+    expected = _reference_all_reduce(host * 2, dist.ReduceOp.SUM) + 1
+    torch.testing.assert_close(result, expected)
+    if os.environ.get("EXPECT_ENGINE", "xla") == "xla":
+        assert before_read["transfers_to_host"] == 0 and before_read["collectives_xla"] == 1, before_read
+        assert counts["fused_programs"] == 2 and counts["transfers_to_host"] == 1, counts
+
+
 # --- failures -----------------------------------------------------------------------------------
 
 

@@ -1,13 +1,16 @@
 """c10d collectives as XLA programs over the group's devices (jax's multi-process runtime).
 
-Each rank's tensor is its shard of a global array over a one-axis mesh of the group's devices
-(one device per rank, exchanged once through the group's store); the collective is one jitted
-`shard_map` program (psum, all_gather, psum_scatter, all_to_all), run by every rank, so the
-data never leaves the device: gloo inside XLA on jaxlib's CPU client, NCCL on GPUs, ICI on TPUs.
-The program is dispatched asynchronously like any op; later ops on the result wait for it
-through XLA's data dependencies, as CUDA's streams wait for NCCL. The Work's future completes
-when the program has run (a waiter thread), so `work.wait()` and DDP's hooks see its end, and
-an error inside the program (a peer that died, the collective timeout) raises there.
+The group's mesh has one device per rank (exchanged once through the group's store); a
+collective is a program every rank runs over it (`runtime/spmd.py`: psum, all_gather,
+psum_scatter, all_to_all on this rank's own array), so the data never leaves the device: gloo
+inside XLA on jaxlib's CPU client, NCCL on GPUs, ICI on TPUs. In strict eager the program is
+dispatched asynchronously like any op; later ops on the result wait for it through XLA's data
+dependencies, as CUDA's streams wait for NCCL, and the Work's future completes when the program
+has run (a waiter thread), so `work.wait()` sees its end and an error inside it (a peer that
+died, the collective timeout) raises there. In DEFER_AND_FUSE the collective is the last node of
+the device's pending graph, which is then dispatched as one program over the mesh (no host sync:
+nothing is read or waited for), and the Work is done at once, its result ordered by the programs
+that read it (CUDA's stream semantics).
 """
 
 from __future__ import annotations
@@ -25,8 +28,8 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import _create_work_from_future
 
 from torch_pjrt import storage
-from torch_pjrt.eager import dispatch
-from torch_pjrt.runtime import client, metrics
+from torch_pjrt.eager import fusion, modes
+from torch_pjrt.runtime import client, metrics, spmd
 from torch_pjrt.runtime.spmd import AXIS
 
 RedOpType = dist.ReduceOp.RedOpType
@@ -67,6 +70,7 @@ class _Waiter:
 
     def work(self, arrays: list[Any], value: Any) -> dist.Work:
         future: torch.futures.Future = torch.futures.Future()
+        arrays = [a for a in arrays if not isinstance(a, storage.PendingArray)]  # fused: ordered by the graph
         if not arrays:
             future.set_result(value)
             return _create_work_from_future(future)
@@ -84,24 +88,18 @@ _waiter = _Waiter()
 # --- tensors as shards --------------------------------------------------------------------------
 
 
-def _rows(array: Any) -> Any:
-    """The array with at least one dimension (the mesh shards dimension 0)."""
-    return array if array.ndim else array.reshape(1)
-
-
 def _elements(tensor: torch.Tensor) -> Any:
-    """A tensor's elements as a device array in row-major order, not copied where it is its whole storage."""
+    """A tensor's elements as its storage's value (a device array, or in fused mode a pending one), in
+    row-major order; a view is first copied out (an op like any other, recorded in fused mode)."""
     if tensor.numel() == 0:
         return None
-    flat, view, reader = dispatch._flat_and_reader(tensor)
-    if reader is None:
-        return _rows(flat)
-    return _rows(reader.call(flat))
-
-
-def _flat(tensor: torch.Tensor) -> Any:
-    array = _elements(tensor)
-    return array if array.ndim == 1 else array.reshape(-1)
+    st = storage.storage_of(tensor)
+    view = storage.view_of(tensor)
+    if not (view.covers(st.numel) and view.dtype == st.dtype) or isinstance(st.array, storage.Padded):
+        st = storage.storage_of(tensor.clone(memory_format=torch.contiguous_format))
+    if st.array is None or not modes.state.fusing:
+        return st.materialize()
+    return st.array
 
 
 def _write(tensor: torch.Tensor, array: Any) -> None:
@@ -182,13 +180,30 @@ def collective_body(kind: str, size: int, *options: Any) -> Callable[[Any], Any]
     raise AssertionError(f"no collective named {kind!r}")
 
 
+# Collectives that see the elements as one flat row (their blocks split along it); the rest keep the shape.
+FLAT_KINDS = frozenset({"reduce_scatter", "all_to_all", "scatter"})
+
+
+class CollectiveEntry:
+    """One collective over one mesh, as a program node: `fn` (array in, results out) is what a fused
+    program records and what `program`, the collective run by itself, runs."""
+
+    checks = ()
+
+    def __init__(self, mesh: Any, kind: str, *options: Any) -> None:
+        body = collective_body(kind, mesh.devices.size, *options)
+        flat = kind in FLAT_KINDS
+
+        def fn(x: Any) -> tuple[Any]:
+            return (body(x.reshape(-1) if flat or not x.ndim else x),)
+
+        self.mesh, self.fn = mesh, fn
+        self.program = spmd.MeshProgram(fn, mesh, f"collective[{kind}]")
+
+
 @functools.lru_cache(maxsize=512)
-def _program(mesh: Any, kind: str, *options: Any) -> Callable[..., Any]:
-    """The jitted SPMD program of one collective over `mesh` (shapes are jax's to specialise)."""
-    jax = client.jax_module()
-    spec = jax.sharding.PartitionSpec(AXIS)
-    body = collective_body(kind, mesh.devices.size, *options)
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
+def _entry(mesh: Any, kind: str, *options: Any) -> CollectiveEntry:
+    return CollectiveEntry(mesh, kind, *options)
 
 
 # --- the engine ---------------------------------------------------------------------------------
@@ -221,16 +236,17 @@ class XlaCollectives:
         self._index = index
         return self._mesh
 
-    def _run(self, kind: str, array: Any, index: int, *options: Any) -> Any:
-        """This rank's block of the collective's result (the program runs asynchronously)."""
-        jax = client.jax_module()
-        mesh = self.mesh(index)
-        sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(AXIS))
-        shape = (array.shape[0] * self._size, *array.shape[1:])
-        whole = jax.make_array_from_single_device_arrays(shape, sharding, [array])
+    def _run(self, kind: str, value: Any, index: int, *options: Any) -> Any:
+        """This rank's result of the collective: run now (asynchronously), or recorded into pjrt:index's
+        pending graph in fused mode, which then runs as one program over the mesh."""
+        entry = _entry(self.mesh(index), kind, *options)
         metrics.bump("collectives_xla")
+        if modes.state.fusing:
+            (result,) = fusion.graph(index).record_on_mesh(entry, [value], 1)
+            return result
         with client.out_of_memory_translated((), index):
-            return _program(mesh, kind, *options)(whole).addressable_data(0)
+            (result,) = entry.program.call(value)
+        return result
 
     def _reduce_options(self, op: dist.ReduceOp) -> tuple[Any, int, float | None]:
         kind = reduce_kind(op)
@@ -267,7 +283,7 @@ class XlaCollectives:
             if not group:
                 continue
             flat = torch.cat([t.detach().reshape(-1) for t in group])
-            result = self._run("all_reduce", _flat(flat), flat.device.index, *options)
+            result = self._run("all_reduce", _elements(flat), flat.device.index, *options)
             _write(flat, result)
             for t, piece in zip(group, flat.split([t.numel() for t in group]), strict=True):
                 t.copy_(piece.view(t.shape))
@@ -286,7 +302,7 @@ class XlaCollectives:
             )
         if output.numel() == 0:
             return _waiter.work([], [output])
-        result = self._run("reduce_scatter", _flat(input), input.device.index, *self._reduce_options(opts.reduceOp))
+        result = self._run("reduce_scatter", _elements(input), input.device.index, *self._reduce_options(opts.reduceOp))
         _write(output, result)
         return _waiter.work([result], [output])
 
@@ -337,14 +353,14 @@ class XlaCollectives:
             else:
                 source = torch.zeros(self._size * output.numel(), dtype=output.dtype, device=output.device)
             if output.numel():
-                _write(output, self._run("scatter", _flat(source), output.device.index, root))
+                _write(output, self._run("scatter", _elements(source), output.device.index, root))
         return self.settled(outputs)
 
     def all_to_all_tensor(self, output: torch.Tensor, input: torch.Tensor) -> dist.Work:
         """Even splits: rank r's r-th block of the flattened input goes to rank r."""
         if input.numel() == 0:
             return _waiter.work([], [output])
-        result = self._run("all_to_all", _flat(input), input.device.index)
+        result = self._run("all_to_all", _elements(input), input.device.index)
         _write(output, result)
         return _waiter.work([result], [output])
 

@@ -28,7 +28,7 @@ from collections import Counter
 from typing import Any
 
 from torch_pjrt import storage
-from torch_pjrt.runtime import checks, client, metrics, programs
+from torch_pjrt.runtime import checks, client, metrics, programs, spmd
 
 MAX_NODES = int(os.environ.get("TORCH_PJRT_FUSE_MAX_NODES", "1000"))
 DEBUG_RECOMPILE = os.environ.get("TORCH_PJRT_DEBUG_RECOMPILE", "") not in ("", "0")
@@ -73,6 +73,8 @@ class PendingGraph:
         self.where: list[str] = []
         # the user line of each recorded op that makes device-side checks, in recording order
         self.check_lines: list[Any] = []
+        # the mesh of a collective recorded (runtime/spmd.py): the program then runs on every rank of it
+        self.mesh: Any = None
         self.lock = threading.RLock()
 
     def _ref(self, value: Any) -> Any:
@@ -107,6 +109,21 @@ class PendingGraph:
             self.flush("size cap")
         return results
 
+    def record_on_mesh(self, entry: Any, inputs: list[Any], outputs: int) -> tuple[Deferred, ...]:
+        """Record a collective over `entry.mesh` as the last node of the graph's program, which every rank of
+        the mesh runs, and dispatch that program (asynchronously: no value is read, nothing waits).
+
+        One collective per program, at its end: ranks may cut their graphs at different points (a read on
+        rank 0 alone), and jaxlib's CPU collectives pair up across programs only one collective per program
+        (two collectives in one program against two programs on the peer timed out). The results are held
+        while the program is built, so none is dropped as unread (a broadcast's root reads none, and its
+        peers would wait for it)."""
+        with self.lock:
+            self.mesh = entry.mesh
+            results = self.record(entry, inputs, outputs)
+            self.flush("collective")
+            return results
+
     def flush(self, reason: str) -> None:
         """Run everything recorded so far as one program and fill in the live results. A failed device-side
         check of a program that has already finished is raised here first (without waiting)."""
@@ -117,6 +134,7 @@ class PendingGraph:
             live = [deferred for deferred in (ref() for ref in self.outputs) if deferred is not None]
             nodes, inputs, where, check_lines = self.nodes, self.inputs, self.where, self.check_lines
             self.nodes, self.inputs, self.input_slots, self.where, self.check_lines = [], [], {}, [], []
+            mesh, self.mesh = self.mesh, None
             self.outputs = []
             flush_reasons[reason] += 1
             metrics.bump("fused_programs")
@@ -125,13 +143,13 @@ class PendingGraph:
             wanted = tuple((d.node, d.index) for d in live)
             donated = _unreferenced(inputs)
             metrics.bump("fused_donated_buffers", len(donated))
-            structure = (tuple((id(entry), refs) for entry, refs in nodes), wanted, donated, self.device_index)
+            structure = (tuple((id(entry), refs) for entry, refs in nodes), wanted, donated, self.device_index, mesh)
             program = _programs.get(structure)
             if program is None:
                 metrics.bump("fused_compiles")
                 if DEBUG_RECOMPILE:
                     _explain_recompile(nodes, where)
-                program = _programs.put(structure, _fused_program(nodes, wanted, donated, self.device_index))
+                program = _programs.put(structure, _fused_program(nodes, wanted, donated, self.device_index, mesh))
                 _seen.append((nodes, where))
             try:
                 results = program.call(*inputs)
@@ -160,7 +178,7 @@ def _unreferenced(inputs: list[Any]) -> tuple[int, ...]:
 
 def _fused_program(
     nodes: list[tuple[Any, tuple[Any, ...]]], wanted: tuple[tuple[int, int], ...], donated: tuple[int, ...],
-    device_index: int,
+    device_index: int, mesh: Any = None,
 ) -> Any:
     functions = [entry.fn for entry, _ in nodes]
     wiring = [refs for _, refs in nodes]
@@ -180,6 +198,8 @@ def _fused_program(
             results += (checks.combine([values[node][-1] for node in checked], offsets),)
         return results
 
+    if mesh is not None:
+        return spmd.MeshProgram(fused, mesh, f"fused[{len(nodes)}]", donate=donated)
     # placed on its device: a graph of factories alone has no input that would place it
     return programs.Program(fused, f"fused[{len(nodes)}]", donate=donated, device_index=device_index)
 

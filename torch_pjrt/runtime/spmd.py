@@ -57,7 +57,8 @@ def _traced_on_mesh() -> Iterator[None]:
 class MeshProgram:
     """A program run by every rank of `mesh` at once: this rank's arrays in, its results out."""
 
-    def __init__(self, fn: Callable[..., Any], mesh: Any, name: str, counter: str | None = None) -> None:
+    def __init__(self, fn: Callable[..., Any], mesh: Any, name: str, counter: str | None = None,
+                 donate: tuple[int, ...] = ()) -> None:
         jax = client.jax_module()
         self.mesh = mesh
         self._local_device = next(d for d in mesh.devices.flat if d.process_index == jax.process_index())
@@ -69,7 +70,8 @@ class MeshProgram:
 
         spec = jax.sharding.PartitionSpec()
         self._program = programs.Program(
-            jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False), name, counter=counter
+            jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False), name, donate=donate,
+            counter=counter,
         )
 
     def _global(self, value: Any) -> Any:
