@@ -22,6 +22,8 @@ def test_info_json(capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatc
     assert info["eager_mode"] == torch.pjrt.eager_mode.value
     assert info["environment"]["TORCH_PJRT_EXAMPLE_SETTING"] == "1"
     assert "cache_dir" in info and info["cache_bytes"] >= 0
+    # no torchrun environment here: the backend's collectives go through host copies, and info says why
+    assert info["distributed"]["engine"] == "host" and "torchrun" in info["distributed"]["reason"]
 
 
 def test_info_text(capsys: pytest.CaptureFixture) -> None:
@@ -29,6 +31,7 @@ def test_info_text(capsys: pytest.CaptureFixture) -> None:
     out = capsys.readouterr().out
     assert out.startswith("platform")
     assert "pjrt:0" in out and "eager mode" in out and "cache dir" in out and "torch " in out
+    assert "collectives   gloo over host copies" in out
 
 
 def test_no_command_prints_help(capsys: pytest.CaptureFixture) -> None:

@@ -55,8 +55,12 @@ def collect() -> dict[str, Any]:
     cache = client.cache_dir()
     versions = {package: version(package) for package in PACKAGES}
     versions["torch-pjrt"] = versions["torch-pjrt"] or torch_pjrt.__version__
+    found = devices()
+    from torch_pjrt import distributed
+
     return {
-        **devices(),
+        **found,
+        "distributed": distributed.engine(),
         "versions": versions,
         "python": sys.version.split()[0],
         "eager_mode": modes.current().value,
@@ -76,6 +80,7 @@ def format_text(info: dict[str, Any]) -> str:
     for device in info["devices"]:
         lines.append(f"pjrt:{device['index']:<8} {device['name']}, {format_bytes(device['total_memory'])} "
                      f"({device['memory_source']})")
+    lines.append(f"collectives   {_engine_text(info['distributed'])}")
     lines += [f"{name:<13} {value or 'not installed'}" for name, value in info["versions"].items()]
     lines += [f"python        {info['python']}",
               f"eager mode    {info['eager_mode']}",
@@ -85,6 +90,14 @@ def format_text(info: dict[str, Any]) -> str:
     lines.append("environment" + ("" if environment else "   no TORCH_PJRT_*, JAX_*, XLA_* or PJRT_* variables set"))
     lines += [f"  {key}={value}" for key, value in environment.items()]
     return "\n".join(lines)
+
+
+def _engine_text(engine: dict[str, Any]) -> str:
+    """Which engine c10d's backend "pjrt" uses here, and why."""
+    if engine["engine"] == "xla":
+        return (f"XLA programs on jax's multi-process runtime (process {engine['process']} of {engine['processes']}, "
+                f"coordinator {engine['coordinator']})")
+    return f"gloo over host copies ({engine['reason']}; torchrun starts jax's runtime)"
 
 
 def command(args: argparse.Namespace) -> int:
