@@ -135,10 +135,18 @@ def test_checkpoint_resumes_on_another_world_size(one_device_job: tuple[str, lis
     _outcome(launch(folder, ["checkpoint_load"], world_size=1, CHECKPOINT_DIR=folder), "checkpoint_load")
 
 
+def test_subgroups_of_a_2d_mesh(tmp_path: Any) -> None:
+    """Four ranks, a 2x2 DeviceMesh: each dimension's group and a new_group run their collectives as XLA
+    programs over their own ranks, eagerly and compiled, with gloo's results."""
+    outcomes = launch(str(tmp_path), ["subgroups"], world_size=4, DIST_TIMEOUT="60", TORCH_PJRT_CPU_DEVICES="1")
+    _outcome(outcomes, "subgroups")
+
+
 def test_failing_rank_does_not_hang(tmp_path: Any) -> None:
     """A late rank makes its peer's collective fail at the timeout; a dead one makes it fail at once."""
     start = time.monotonic()
-    outcomes = launch(str(tmp_path), ["timeout", "fail"], timeout=120, DIST_TIMEOUT="4")
+    outcomes = launch(str(tmp_path), ["mismatched_shapes", "timeout", "fail"], timeout=120, DIST_TIMEOUT="4")
+    _outcome(outcomes, "mismatched_shapes")
     _outcome(outcomes, "timeout")
     assert outcomes[1][0] == 3
     survivor = outcomes[0][1].get("fail", "")

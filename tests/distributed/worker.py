@@ -503,6 +503,54 @@ def scenario_fused_collective(device: torch.device) -> None:
         assert counts["fused_programs"] == 2 and counts["transfers_to_host"] == 1, counts
 
 
+def scenario_subgroups(device: torch.device) -> None:
+    """Collectives over each dimension of a 2-D DeviceMesh and over a new_group equal gloo's on the same groups
+    (CPU tensors through the same groups), eager and compiled, and run as XLA programs."""
+    import torch.distributed._functional_collectives as funcol
+
+    from torch_pjrt import metrics
+
+    mesh = torch.distributed.device_mesh.init_device_mesh(device.type, (2, world() // 2), mesh_dim_names=("dp", "tp"))
+    groups = [mesh.get_group("dp"), mesh.get_group("tp"), dist.new_group([0, world() - 1])]
+    for index, group in enumerate(groups):
+        if group is None or rank() not in dist.get_process_group_ranks(group):
+            continue
+        host = sample((3, 5), torch.float32, salt=index)
+        metrics.reset()
+        tensor = host.to(device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+        expected = host.clone()
+        dist.all_reduce(expected, op=dist.ReduceOp.MAX, group=group)
+        same(tensor, expected, f"all_reduce over {dist.get_process_group_ranks(group)}")
+        size = dist.get_world_size(group)
+        gathered = torch.empty(3 * size, 5, device=device)
+        dist.all_gather_into_tensor(gathered, host.to(device), group=group)
+        reference = torch.empty(3 * size, 5)
+        dist.all_gather_into_tensor(reference, host, group=group)
+        same(gathered, reference, f"all_gather over {dist.get_process_group_ranks(group)}")
+        assert metrics.counters()["collectives_xla"] == 2, metrics.counters()
+
+        compiled = torch.compile(lambda x, g=group: funcol.all_reduce(x * 3, "sum", g) + 1, backend="pjrt",
+                                 fullgraph=True)
+        want = host * 3
+        dist.all_reduce(want, group=group)
+        metrics.reset()
+        same(compiled(host.to(device)), want + 1, f"compiled all_reduce over {dist.get_process_group_ranks(group)}",
+             atol=1e-5, rtol=1e-5)
+        assert metrics.counters()["collectives_host"] == 0, metrics.counters()
+
+
+def scenario_mismatched_shapes(device: torch.device) -> None:
+    """Ranks passing tensors of different shapes to one collective get an error naming both, not a hang."""
+    tensor = torch.ones(4 + rank(), device=device)
+    try:
+        dist.all_reduce(tensor)
+    except (RuntimeError, ValueError) as error:
+        assert "shape" in str(error), error
+        return
+    raise AssertionError("all_reduce of float32[4] and float32[5] completed")
+
+
 # --- failures -----------------------------------------------------------------------------------
 
 

@@ -217,6 +217,8 @@ class XlaCollectives:
         self._rank, self._size, self._timeout = rank, size, timeout
         self._mesh: Any = None
         self._index: int | None = None
+        self._checked: set[str] = set()
+        self._checks = 0
 
     def mesh(self, index: int) -> Any:
         """The group's mesh: each rank's device, exchanged once through the store on the first collective."""
@@ -236,10 +238,13 @@ class XlaCollectives:
         self._index = index
         return self._mesh
 
-    def _run(self, kind: str, value: Any, index: int, *options: Any) -> Any:
-        """This rank's result of the collective: run now (asynchronously), or recorded into pjrt:index's
-        pending graph in fused mode, which then runs as one program over the mesh."""
+    def _run(self, kind: str, tensor: torch.Tensor, *options: Any) -> Any:
+        """This rank's result of the collective of `tensor`'s elements: run now (asynchronously), or recorded
+        into its device's pending graph in fused mode, which then runs as one program over the mesh."""
+        index = tensor.device.index
         entry = _entry(self.mesh(index), kind, *options)
+        self._check_peers(kind, tuple(tensor.shape), tensor.dtype, options)
+        value = _elements(tensor)
         metrics.bump("collectives_xla")
         if modes.state.fusing:
             (result,) = fusion.graph(index).record_on_mesh(entry, [value], 1)
@@ -247,6 +252,30 @@ class XlaCollectives:
         with client.out_of_memory_translated((), index):
             (result,) = entry.program.call(value)
         return result
+
+    def _check_peers(self, kind: str, shape: tuple[int, ...], dtype: torch.dtype, options: tuple) -> None:
+        """The first time this rank runs a collective of this kind, shape and dtype, compare it with every
+        peer's through the store: XLA's collectives given other sizes abort the process (gloo) or hang."""
+        mine = f"{kind}{list(options)} of {str(dtype).replace('torch.', '')}{list(shape)}"
+        if mine in self._checked:
+            return
+        key = f"check/{self._checks}"
+        self._checks += 1
+        self._store.set(f"{key}/{self._rank}", mine)
+        for peer in range(self._size):
+            try:
+                theirs = self._store.get(f"{key}/{peer}").decode()
+            except RuntimeError as error:  # the store's timeout (DistStoreError is a RuntimeError)
+                raise RuntimeError(
+                    f"rank {peer} of this pjrt group did not reach this rank's {mine} within the timeout ({error}); "
+                    "every rank must call the same collectives with tensors of the same shape and dtype."
+                ) from None
+            if theirs != mine:
+                raise ValueError(
+                    f"this pjrt collective got tensors of another shape or dtype on rank {peer}: this rank "
+                    f"{self._rank} has {mine}, rank {peer} has {theirs}; pass the same shapes on every rank."
+                )
+        self._checked.add(mine)
 
     def _reduce_options(self, op: dist.ReduceOp) -> tuple[Any, int, float | None]:
         kind = reduce_kind(op)
@@ -262,10 +291,9 @@ class XlaCollectives:
         do not)."""
         results = []
         for tensor in tensors:
-            array = _elements(tensor)
-            if array is None:
+            if not tensor.numel():
                 continue
-            result = self._run(kind, array, tensor.device.index, *options)
+            result = self._run(kind, tensor, *options)
             if keep:
                 _write(tensor, result)
             results.append(result)
@@ -283,7 +311,7 @@ class XlaCollectives:
             if not group:
                 continue
             flat = torch.cat([t.detach().reshape(-1) for t in group])
-            result = self._run("all_reduce", _elements(flat), flat.device.index, *options)
+            result = self._run("all_reduce", flat, *options)
             _write(flat, result)
             for t, piece in zip(group, flat.split([t.numel() for t in group]), strict=True):
                 t.copy_(piece.view(t.shape))
@@ -302,7 +330,7 @@ class XlaCollectives:
             )
         if output.numel() == 0:
             return _waiter.work([], [output])
-        result = self._run("reduce_scatter", _elements(input), input.device.index, *self._reduce_options(opts.reduceOp))
+        result = self._run("reduce_scatter", input, *self._reduce_options(opts.reduceOp))
         _write(output, result)
         return _waiter.work([result], [output])
 
@@ -325,7 +353,7 @@ class XlaCollectives:
             )
         if input.numel() == 0:
             return _waiter.work([], [output])
-        result = self._run("all_gather", _elements(input), input.device.index)
+        result = self._run("all_gather", input)
         _write(output, result)
         return _waiter.work([result], [output])
 
@@ -353,14 +381,14 @@ class XlaCollectives:
             else:
                 source = torch.zeros(self._size * output.numel(), dtype=output.dtype, device=output.device)
             if output.numel():
-                _write(output, self._run("scatter", _elements(source), output.device.index, root))
+                _write(output, self._run("scatter", source, root))
         return self.settled(outputs)
 
     def all_to_all_tensor(self, output: torch.Tensor, input: torch.Tensor) -> dist.Work:
         """Even splits: rank r's r-th block of the flattened input goes to rank r."""
         if input.numel() == 0:
             return _waiter.work([], [output])
-        result = self._run("all_to_all", _elements(input), input.device.index)
+        result = self._run("all_to_all", input)
         _write(output, result)
         return _waiter.work([result], [output])
 
