@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -93,3 +94,52 @@ def test_a_stored_graph_is_keyed_by_its_storage_arrays_shapes(tmp_path: Path) ->
     assert run_as("wide") == "0"
     assert run_as("tall") == "0"
     assert (run_as("wide"), run_as("tall")) == ("1", "1")
+
+
+MANY = textwrap.dedent(
+    """
+    import sys, torch, torch_pjrt
+    torch.manual_seed(int(sys.argv[1]))
+    values = []
+    for rows in range(1, 21):  # 20 programs of their own shapes, each written to the shared folder
+        x = torch.randn(rows, 3)
+        values.append(torch.allclose((x.to("pjrt") * 3).exp().sum(1).cpu(), (x * 3).exp().sum(1), rtol=1e-5))
+    counters = torch_pjrt.metrics.counters()
+    print(all(values), counters["persistent_cache_hits"], counters["persistent_cache_misses"])
+    """
+)
+
+
+def test_two_processes_filling_one_folder_at_once_leave_no_damaged_entry(tmp_path: Path) -> None:
+    """Two ranks of one job compile the same 20 programs at the same moment into one empty folder: every
+    entry either process wrote loads in a third process (no miss), and no partial file is left."""
+    env = {**os.environ, "TORCH_PJRT_CACHE_DIR": str(tmp_path)}
+    racers = [subprocess.Popen([sys.executable, "-c", MANY, str(seed)], env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True) for seed in (1, 2)]
+    for racer in racers:
+        out, err = racer.communicate(timeout=300)
+        assert racer.returncode == 0, err[-2000:]
+        assert out.split()[0] == "True"
+    close, hits, misses = run(tmp_path, MANY.replace("sys.argv[1]", "3"))
+    assert close == "True" and int(misses) == 0 and int(hits) >= 20
+    assert not list(tmp_path.rglob(".partial-*"))
+
+
+def test_the_cache_command_shows_prunes_and_clears(tmp_path: Path) -> None:
+    run(tmp_path)
+    env = {**os.environ, "TORCH_PJRT_CACHE_DIR": str(tmp_path)}
+
+    def cache(*args: str) -> str:
+        result = subprocess.run([sys.executable, "-m", "torch_pjrt", "cache", *args], env=env, capture_output=True,
+                                text=True, timeout=120)
+        assert result.returncode == 0, result.stderr[-2000:]
+        return result.stdout
+
+    shown = json.loads(cache("--format", "json"))
+    entries = shown["kinds"]["xla"]["entries"]
+    assert entries > 0 and shown["kinds"]["xla"]["bytes"] > 0
+    assert "xla/" in cache() and f"{entries} entries" in cache()
+    assert f"removed {entries} entries" in cache("prune", "--max-bytes", "0")
+    assert json.loads(cache("--format", "json"))["kinds"]["xla"]["entries"] == 0
+    run(tmp_path)
+    assert "cleared" in cache("clear") and not (tmp_path / "xla").exists()

@@ -7,7 +7,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-SUBCOMMANDS = ("info", "scan", "run", "bench", "ops", "zoo")
+SUBCOMMANDS = ("info", "cache", "scan", "run", "bench", "ops", "zoo")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -14,6 +14,7 @@ import functools
 import math
 import os
 import re
+import tempfile
 import threading
 import warnings
 from collections.abc import Iterator, Sequence
@@ -65,7 +66,9 @@ def cache_failed(error: OSError) -> None:
 
 class _GuardedCache:
     """jax's persistent cache with its I/O errors sent to `cache_failed`, not to jax (which warns once per
-    program); after a failure it reads and writes nothing."""
+    program); after a failure it reads and writes nothing. Entries are written whole: jax writes its file in
+    place, so a rank reading an entry another rank was writing (torchrun ranks share the folder) could load
+    a torn one; here each entry is written to a private file and renamed into place."""
 
     def __init__(self, base: Any) -> None:
         self.base = base
@@ -83,12 +86,24 @@ class _GuardedCache:
         if _cache_failures:
             return
         try:
-            self.base.put(key, value)
+            if getattr(self.base, "eviction_enabled", True) or "://" in str(getattr(self.base, "path", "")):
+                self.base.put(key, value)  # jax's size-bounded cache writes under its file lock; remote stores
+                return
+            final = os.path.join(self.base.path, f"{key}{_JAX_ENTRY_SUFFIX}")
+            if os.path.exists(final):
+                return
+            with tempfile.NamedTemporaryFile(dir=self.base.path, prefix=".partial-", delete=False) as partial:
+                partial.write(value)
+            os.replace(partial.name, final)
         except OSError as error:
             cache_failed(error)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.base, name)
+
+
+# The file name jax's cache gives an entry (jax._src.lru_cache, pinned with jaxlib).
+_JAX_ENTRY_SUFFIX = "-cache"
 
 
 def _guard_jax_cache() -> None:

@@ -1,0 +1,112 @@
+"""`torch-pjrt cache`: the persistent compile cache folder, shown, pruned and cleared.
+
+The folder holds XLA's executables (`xla/`, jax's persistent cache) and our traced torch.compile
+graphs (`graphs/`); ranks of one job and later processes share it (TORCH_PJRT_CACHE_DIR).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+KINDS = {"xla": "XLA executables", "graphs": "traced torch.compile graphs"}
+
+
+def _entries(folder: Path) -> list[Path]:
+    """The cache's entry files (not jax's access-time stamps, locks or unfinished writes)."""
+    found = []
+    for kind in KINDS:
+        root = folder / kind
+        if root.is_dir():
+            found += [path for path in root.iterdir() if path.is_file() and not path.name.startswith(".")
+                      and not path.name.endswith("-atime")]
+    return found
+
+
+def _last_used(path: Path) -> float:
+    stamp = path.with_name(path.name.removesuffix("-cache") + "-atime")
+    return max(path.stat().st_mtime, stamp.stat().st_mtime if stamp.exists() else 0.0)
+
+
+def summary(folder: Path) -> dict[str, Any]:
+    """Entries and bytes per kind."""
+    kinds = {}
+    for kind, meaning in KINDS.items():
+        files = [path for path in _entries(folder) if path.parent.name == kind]
+        kinds[kind] = {"meaning": meaning, "entries": len(files), "bytes": sum(p.stat().st_size for p in files)}
+    return {"folder": str(folder), "kinds": kinds}
+
+
+def _remove(path: Path) -> int:
+    size = path.stat().st_size
+    path.unlink(missing_ok=True)
+    path.with_name(path.name.removesuffix("-cache") + "-atime").unlink(missing_ok=True)
+    return size
+
+
+def prune(folder: Path, max_bytes: int | None, older_than_days: float | None) -> tuple[int, int]:
+    """Remove the least recently used entries until the folder holds at most `max_bytes`, and those unused
+    for `older_than_days`; returns (entries removed, bytes freed)."""
+    entries = sorted(_entries(folder), key=_last_used)
+    removed = freed = 0
+    if older_than_days is not None:
+        cutoff = time.time() - older_than_days * 86400
+        for path in [p for p in entries if _last_used(p) < cutoff]:
+            freed += _remove(path)
+            removed += 1
+        entries = [p for p in entries if p.exists()]
+    if max_bytes is not None:
+        total = sum(p.stat().st_size for p in entries)
+        for path in entries:
+            if total <= max_bytes:
+                break
+            size = _remove(path)
+            total -= size
+            freed += size
+            removed += 1
+    return removed, freed
+
+
+def command(args: argparse.Namespace) -> int:
+    from torch_pjrt.cli.run import format_bytes
+    from torch_pjrt.runtime import client
+
+    folder = client.cache_dir()
+    if folder is None:
+        print("the persistent cache is disabled (TORCH_PJRT_CACHE_DIR=0)")
+        return 1
+    path = Path(folder)
+    if args.action == "clear":
+        for kind in KINDS:
+            shutil.rmtree(path / kind, ignore_errors=True)
+        print(f"cleared {folder}")
+        return 0
+    if args.action == "prune":
+        if args.max_bytes is None and args.older_than_days is None:
+            print("torch-pjrt cache prune needs --max-bytes N or --older-than-days D")
+            return 2
+        removed, freed = prune(path, args.max_bytes, args.older_than_days)
+        print(f"removed {removed} entries ({format_bytes(freed)}) from {folder}")
+        return 0
+    found = summary(path)
+    if args.format == "json":
+        print(json.dumps(found, indent=2))
+        return 0
+    print(f"cache folder  {folder}{'' if os.path.isdir(folder) else ' (not created yet)'}")
+    for kind, row in found["kinds"].items():
+        print(f"  {kind + '/':<8} {row['entries']:>6} entries  {format_bytes(row['bytes']):>10}  {row['meaning']}")
+    return 0
+
+
+def add_parser(subparsers: Any) -> None:
+    parser = subparsers.add_parser("cache", help="show, prune or clear the persistent compile cache")
+    parser.add_argument("action", nargs="?", choices=("show", "prune", "clear"), default="show")
+    parser.add_argument("--max-bytes", type=int, help="prune: keep at most this many bytes, least recently used go")
+    parser.add_argument("--older-than-days", type=float, help="prune: remove entries unused for this many days")
+    parser.add_argument("--format", choices=("text", "json"), default="text")
+    parser.set_defaults(func=command)
