@@ -10,6 +10,8 @@ CPU tensors go to gloo untouched, so one group serves `cpu:gloo,pjrt:pjrt`.
 
 Collectives complete before they return: an `async_op=True` handle is already done, so
 `work.wait()` is honoured trivially and errors (timeouts, a peer that died) raise at the call.
+Send and receive are the exception: they return a Work in flight (`PointToPoint`), as pipeline
+schedules need.
 Cost: one device->host and one host->device copy per tensor, plus gloo's TCP transport.
 """
 
@@ -86,6 +88,42 @@ def _flatten_lists(lists: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor
 
 def _stage_lists(lists: Sequence[Sequence[torch.Tensor]]) -> list[list[torch.Tensor]]:
     return [_stage(inner) for inner in lists]
+
+
+class PointToPoint(dist.Work):
+    """A send or receive in flight on gloo, completed by `wait` (then a receive lands in its tensors).
+
+    Unlike the collectives these do not complete before they return: gloo's send waits until the
+    peer posts the matching receive, so two ranks that each send before they receive in one
+    `batch_isend_irecv` (1F1B's steady state) would deadlock. A failure (timeout, dead peer)
+    raises from `wait`, at every call.
+    """
+
+    def __init__(self, work: dist.Work, tensors: list[torch.Tensor], host: list[torch.Tensor], receive: bool) -> None:
+        super().__init__()
+        self._work: dist.Work | None = work
+        self._tensors, self._host, self._receive = tensors, host, receive
+
+    def wait(self, timeout: timedelta = timedelta(0)) -> bool:
+        if self._work is not None:
+            self._work.wait(timeout)
+            self._work = None
+            if self._receive:
+                _write_back(self._tensors, self._host)
+        return True
+
+    def is_completed(self) -> bool:
+        """Whether it is done; a finished receive is written back first, so its tensors are ready."""
+        if self._work is not None and self._work.is_completed():
+            self.wait()
+        return self._work is None
+
+    def get_future(self) -> torch.futures.Future:
+        """A finished future of the tensors; getting it completes the operation (it cannot run later)."""
+        self.wait()
+        future: torch.futures.Future = torch.futures.Future()
+        future.set_result(self._tensors)
+        return future
 
 
 # --- reductions --------------------------------------------------------------------------------
@@ -312,15 +350,14 @@ class HostCollectives:
     # -- point to point and barrier
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> dist.Work:
+        """Start a gloo send of host copies; the returned Work completes it (see `PointToPoint`)."""
         host = [t.contiguous() for t in _stage(tensors)]
-        self._run("send", host, dst, tag)
-        return _done(tensors)
+        return PointToPoint(self._gloo.send(host, dst, tag), tensors, host, receive=False)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> dist.Work:
-        host = _stage(tensors)
-        self._run("recv", host, src, tag)
-        _write_back(tensors, host)
-        return _done(tensors)
+        """Start a gloo receive into host buffers; the returned Work's `wait` writes them back."""
+        host = [torch.empty(t.shape, dtype=t.dtype) if _on_device(t) else t for t in tensors]
+        return PointToPoint(self._gloo.recv(host, src, tag), tensors, host, receive=True)
 
     def barrier(self, opts: Any = None) -> dist.Work:
         self._run("barrier", opts or dist.BarrierOptions())
