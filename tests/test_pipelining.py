@@ -66,7 +66,7 @@ def _outcome(outcomes: list[tuple[int, dict, str]], scenario: str) -> None:
 @pytest.fixture(scope="module")
 def default_job(tmp_path_factory: pytest.TempPathFactory) -> list[tuple[int, dict, str]]:
     """Strict eager mode, the backend's default engine choice."""
-    return launch(str(tmp_path_factory.mktemp("pipe")), ["gpipe", "1f1b"])
+    return launch(str(tmp_path_factory.mktemp("pipe")), ["exchange", "gpipe", "1f1b"])
 
 
 @pytest.fixture(scope="module")
@@ -85,6 +85,11 @@ def host_engine_job(tmp_path_factory: pytest.TempPathFactory) -> list[tuple[int,
 def test_schedule_matches_single_process(default_job: list[tuple[int, dict, str]], schedule: str) -> None:
     """Losses and final parameters of both stages equal the whole model trained on CPU."""
     _outcome(default_job, schedule)
+
+
+def test_send_before_receive_on_both_ranks(default_job: list[tuple[int, dict, str]]) -> None:
+    """send/recv in flight: no deadlock, receives written back below autograd and through views."""
+    _outcome(default_job, "exchange")
 
 
 def test_1f1b_fused_mode(fused_job: list[tuple[int, dict, str]]) -> None:

@@ -162,6 +162,26 @@ def scenario_1f1b(device: torch.device) -> None:
     check_training("1f1b", device)
 
 
+def scenario_exchange(device: torch.device) -> None:
+    """Both ranks send before they receive in one batch_isend_irecv (1F1B's steady state), into a leaf
+    that requires grad and a non-contiguous view; each gets its peer's random values."""
+    rank, peer = dist.get_rank(), 1 - dist.get_rank()
+    mine, theirs = (torch.randn(4, 6, generator=torch.Generator().manual_seed(SEED + r)) for r in (rank, peer))
+    leaf = torch.empty(4, 6, device=device, requires_grad=True)
+    base = torch.randn(6, 6)
+    on_device = base.to(device)
+    ops = [dist.P2POp(dist.isend, mine.to(device), peer), dist.P2POp(dist.isend, mine.to(device).t(), peer),
+           dist.P2POp(dist.irecv, leaf, peer), dist.P2POp(dist.irecv, on_device[:, 1:5], peer)]
+    works = dist.batch_isend_irecv(ops)
+    for work in works[:3]:
+        work.wait()
+    assert works[3].get_future().value()[0] is ops[3].tensor, "a receive's future holds its tensor"
+    torch.testing.assert_close(leaf.detach().cpu(), theirs, msg=lambda m: f"leaf: {m}")
+    assert leaf.requires_grad and leaf.grad_fn is None, "the receive left the leaf a leaf"
+    base[:, 1:5] = theirs.t()
+    torch.testing.assert_close(on_device.cpu(), base, msg=lambda m: f"view written through its base: {m}")
+
+
 def scenario_fail(device: torch.device) -> None:
     """Rank 1 raises in its second forward and stays alive; rank 0's schedule fails within the timeout."""
     limit = float(os.environ["DIST_TIMEOUT"])
