@@ -191,6 +191,23 @@ def test_changing_shapes_stay_correct_and_warn_past_the_budget() -> None:
             torch.testing.assert_close(compiled(x.to("pjrt")).cpu(), fn(x), atol=1e-5, rtol=1e-5)
 
 
+def test_recompile_budget_option_and_unknown_options() -> None:
+    """options={"recompile_budget": N} moves the warning to N compiles; an option the backend lacks raises."""
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return x.cos() + 1
+
+    compiled = torch.compile(fn, backend="pjrt", options={"recompile_budget": 2})
+    with pytest.warns(UserWarning, match=r"compiled for 3 input shapes \(budget 2"):
+        for length in range(2, 7):
+            x = torch.randn(length)
+            torch.testing.assert_close(compiled(x.to("pjrt")).cpu(), fn(x))
+    with pytest.raises(Exception, match="has no option 'donate'.*recompile_budget"):
+        torch.compile(fn, backend="pjrt", options={"donate": True})(torch.randn(3).to("pjrt"))
+    with pytest.raises(Exception, match="recompile_budget must be a positive int"):
+        torch.compile(fn, backend="pjrt", options={"recompile_budget": 0})(torch.randn(3).to("pjrt"))
+
+
 def _bounded(tensor: torch.Tensor, dim: int = 1, **bounds) -> torch.Tensor:
     tensor = tensor.to("pjrt")
     torch_pjrt.mark_dynamic(tensor, dim, **bounds)

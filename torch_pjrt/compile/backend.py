@@ -33,6 +33,11 @@ from torch_pjrt.runtime import checks, client, disk_store, metrics, programs, rn
 aten = torch.ops.aten
 # Compiles of one graph for distinct input shapes before a warning names what keeps changing.
 RECOMPILE_BUDGET = int(os.environ.get("TORCH_PJRT_RECOMPILE_BUDGET", "8"))
+# torch.compile(backend="pjrt", options={...}): what each option means.
+OPTIONS = {
+    "recompile_budget": "compiles of one graph for distinct input shapes before the warning naming the changing "
+                        "dimension (default TORCH_PJRT_RECOMPILE_BUDGET, 8)",
+}
 
 
 def _input_mutations(gm: torch.fx.GraphModule) -> list[tuple[int, torch.fx.Node]]:
@@ -141,11 +146,12 @@ class CompiledGraph:
     """A graph compiled per input signature; called with the graph's real inputs.
 
     Graphs whose dynamic sizes are bounded (see padding.py) are compiled per bucket of those
-    sizes; others per distinct input shape, with a warning past RECOMPILE_BUDGET compiles.
+    sizes; others per distinct input shape, with a warning past `recompile_budget` compiles.
     """
 
-    def __init__(self, gm: torch.fx.GraphModule) -> None:
+    def __init__(self, gm: torch.fx.GraphModule, recompile_budget: int = RECOMPILE_BUDGET) -> None:
         self.gm = gm
+        self.recompile_budget = recompile_budget
         self.metas = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
         mutations = _input_mutations(gm)
         eager = _eager_nodes(gm, {node.args[0] for _, node in mutations})
@@ -262,7 +268,7 @@ class CompiledGraph:
         program, layouts, made = found or (_graph_program(run), layouts, made)
         host_mutations = [index for index in mutated if signature[index][0] != "pjrt"]
         found = self.programs[key] = SignatureProgram(program, layouts, written, host_mutations, made)
-        if padded is None and len(self.programs) == RECOMPILE_BUDGET + 1:
+        if padded is None and len(self.programs) == self.recompile_budget + 1:
             warnings.warn(self._recompile_message(), stacklevel=3)
         return found
 
@@ -304,7 +310,8 @@ class CompiledGraph:
         line = " ".join(frames[files[-1]:files[-1] + 2]) if files else "an unknown line"
         return (
             f"torch_pjrt: a compiled graph has been compiled for {len(self.programs)} input shapes "
-            f"(budget {RECOMPILE_BUDGET}, TORCH_PJRT_RECOMPILE_BUDGET); changing: {', '.join(changing) or 'none'}; "
+            f"(budget {self.recompile_budget}: TORCH_PJRT_RECOMPILE_BUDGET, or torch.compile's "
+            f"options={{'recompile_budget': N}}); changing: {', '.join(changing) or 'none'}; "
             f"at {line}. Bound them with torch_pjrt.mark_dynamic(tensor, dim, min=, max=) so they are padded "
             f"to a few bucket sizes."
         )
@@ -589,17 +596,38 @@ def _constant(value: Any, values: dict[Any, int]) -> Any:
     return padding.concrete(value, values) if isinstance(value, torch.SymInt) else value
 
 
-def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
+                  recompile_budget: int = RECOMPILE_BUDGET) -> Callable[..., Any]:
     from functorch.compile import make_boxed_func
 
-    return make_boxed_func(CompiledGraph(gm))
+    return make_boxed_func(CompiledGraph(gm, recompile_budget))
 
 
-def pjrt_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable[..., Any]:
-    """The torch.compile backend (registered as "pjrt" through the torch_dynamo_backends entry point)."""
+def _checked_options(options: dict[str, Any]) -> dict[str, Any]:
+    """torch.compile's `options` for this backend; an option it does not know is an error, never ignored."""
+    unknown = sorted(set(options) - set(OPTIONS))
+    if unknown:
+        known = "; ".join(f"{name}: {meaning}" for name, meaning in OPTIONS.items())
+        named = ", ".join(map(repr, unknown))
+        raise ValueError(f"torch.compile(backend='pjrt') has no option {named}; it takes {known}.")
+    budget = options.get("recompile_budget", RECOMPILE_BUDGET)
+    if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
+        raise ValueError(f"torch.compile(backend='pjrt'): recompile_budget must be a positive int, not {budget!r}.")
+    return {"recompile_budget": budget}
+
+
+def pjrt_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], mode: str | None = None,
+                 options: dict[str, Any] | None = None) -> Callable[..., Any]:
+    """The torch.compile backend (registered as "pjrt" through the torch_dynamo_backends entry point);
+    `options` are torch.compile's `options={...}` (see OPTIONS). Inductor's modes have no meaning here:
+    one is named in a warning (CUDA scripts pass them), not silently dropped."""
     from torch._dynamo.backends.common import aot_autograd
 
+    if mode is not None:
+        warnings.warn(f"torch.compile(backend='pjrt') does not use mode={mode!r} (Inductor's); the graph compiles "
+                      "to one XLA program either way.", stacklevel=2)
     _torch_private.dynamo_skip_our_packages()
-    backend = aot_autograd(fw_compiler=compile_graph, bw_compiler=compile_graph, keep_inference_input_mutations=True)
+    compiler = functools.partial(compile_graph, **_checked_options(options or {}))
+    backend = aot_autograd(fw_compiler=compiler, bw_compiler=compiler, keep_inference_input_mutations=True)
     return backend(gm, example_inputs)
 
