@@ -6,10 +6,7 @@ running tests/distributed/worker.py; one job runs many scenarios to pay start-up
 
 from __future__ import annotations
 
-import json
 import os
-import socket
-import subprocess
 import sys
 import time
 from typing import Any
@@ -17,44 +14,17 @@ from typing import Any
 import pytest
 
 WORKER = os.path.join(os.path.dirname(__file__), "distributed", "worker.py")
+sys.path.insert(0, os.path.dirname(WORKER))
+import ranks  # noqa: E402 (tests/distributed/ranks.py, shared with the rank scripts)
+
 COLLECTIVES = (
     "all_reduce", "all_reduce_views", "async", "broadcast", "all_gather", "reduce_scatter", "all_to_all",
     "reduce_gather_scatter", "send_recv", "coalescing", "functional", "compiled", "cpu_tensors",
 )
 TRAINING = ("ddp", "fsdp", "fsdp_mixed_precision", "dtensor")
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def launch(out_dir: str, scenarios: list[str], world_size: int = 2, timeout: float = 240, **env: str) -> list[Any]:
-    """Start `world_size` ranks of the worker; returns (exit code, results) per rank."""
-    port = str(_free_port())
-    processes = []
-    for rank in range(world_size):
-        rank_env = {
-            **os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "RANK": str(rank),
-            "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size),
-            "TORCH_PJRT_CPU_DEVICES": "2", "OMP_NUM_THREADS": "1", **env,
-        }
-        processes.append(subprocess.Popen(
-            [sys.executable, WORKER, out_dir, ",".join(scenarios)], env=rank_env,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        ))
-    outcomes = []
-    deadline = time.monotonic() + timeout
-    for rank, process in enumerate(processes):
-        try:
-            output, _ = process.communicate(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for other in processes:
-                other.kill()
-            raise AssertionError(f"rank {rank} hung past {timeout}s") from None
-        path = os.path.join(out_dir, f"rank{rank}.json")
-        results = json.load(open(path)) if os.path.exists(path) else {}
-        outcomes.append((process.returncode, results, output))
-    return outcomes
+    """Start `world_size` ranks of the worker; returns (exit code, results, output) per rank."""
+    return ranks.launch(WORKER, out_dir, scenarios, world_size, timeout, **env)
 
 
 def _outcome(outcomes: list[Any], scenario: str) -> None:

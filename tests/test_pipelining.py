@@ -8,52 +8,20 @@ configuration runs several scenarios, to pay the ranks' start-up once.
 
 from __future__ import annotations
 
-import json
 import os
-import socket
-import subprocess
 import sys
-import time
 from typing import Any
 
 import pytest
 
 WORKER = os.path.join(os.path.dirname(__file__), "distributed", "pipeline_worker.py")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+sys.path.insert(0, os.path.dirname(WORKER))
+import ranks  # noqa: E402 (tests/distributed/ranks.py, shared with the rank scripts)
 
 
 def launch(out_dir: str, scenarios: list[str], timeout: float = 180, **env: str) -> list[tuple[int, dict, str]]:
     """Two ranks of the pipeline worker in torchrun's environment; (exit code, results, output) per rank."""
-    port = str(_free_port())
-    processes = []
-    for rank in range(2):
-        rank_env = {
-            **os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "RANK": str(rank), "WORLD_SIZE": "2",
-            "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2", "TORCH_PJRT_CPU_DEVICES": "2", "OMP_NUM_THREADS": "1",
-            "DIST_TIMEOUT": "30", **env,
-        }
-        processes.append(subprocess.Popen(
-            [sys.executable, WORKER, out_dir, ",".join(scenarios)], env=rank_env,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        ))
-    outcomes = []
-    deadline = time.monotonic() + timeout
-    for rank, process in enumerate(processes):
-        try:
-            output, _ = process.communicate(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for other in processes:
-                other.kill()
-            raise AssertionError(f"rank {rank} hung past {timeout}s") from None
-        path = os.path.join(out_dir, f"rank{rank}.json")
-        results = json.load(open(path)) if os.path.exists(path) else {}
-        outcomes.append((process.returncode, results, output))
-    return outcomes
+    return ranks.launch(WORKER, out_dir, scenarios, 2, timeout, **{"DIST_TIMEOUT": "30", **env})
 
 
 def _outcome(outcomes: list[tuple[int, dict, str]], scenario: str) -> None:

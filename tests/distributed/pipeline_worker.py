@@ -8,19 +8,14 @@ model on CPU, from the same seed and batches, as the reference.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
-import traceback
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-
-import torch_pjrt.distributed as pjrt_dist
 
 SEED = 4321
 VOCAB, DIM, HEADS, SEQ, BLOCKS = 32, 16, 2, 8, 4
@@ -202,22 +197,7 @@ def scenario_fail(device: torch.device) -> None:
 SCENARIOS = {name[len("scenario_"):]: fn for name, fn in globals().items() if name.startswith("scenario_")}
 
 
-def main(out_dir: str, names: str) -> None:
-    pjrt_dist.register()
-    dist.init_process_group(timeout=timedelta(seconds=float(os.environ.get("DIST_TIMEOUT", "60"))))
-    device = pjrt_dist.local_device()
-    torch.pjrt.set_device(device)
-    results = {}
-    for name in names.split(","):
-        try:
-            SCENARIOS[name](device)
-            results[name] = "ok"
-        except Exception:
-            results[name] = traceback.format_exc()
-        with open(os.path.join(out_dir, f"rank{dist.get_rank()}.json"), "w") as handle:
-            json.dump(results, handle)
-    dist.destroy_process_group()
-
-
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    from ranks import run_scenarios
+
+    run_scenarios(SCENARIOS, sys.argv[1], sys.argv[2])

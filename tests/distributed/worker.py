@@ -8,12 +8,9 @@ Each rank writes OUT_DIR/rank{R}.json: {scenario: "ok" | error text}.
 from __future__ import annotations
 
 import copy
-import json
 import os
 import sys
 import time
-import traceback
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -581,23 +578,7 @@ def scenario_fail(device: torch.device) -> None:
 SCENARIOS = {name[len("scenario_"):]: fn for name, fn in globals().items() if name.startswith("scenario_")}
 
 
-def main(out_dir: str, names: str) -> None:
-    pjrt_dist.register()
-    timeout = timedelta(seconds=float(os.environ.get("DIST_TIMEOUT", "60")))
-    dist.init_process_group(backend=os.environ.get("DIST_BACKEND") or None, timeout=timeout)
-    device = pjrt_dist.local_device()
-    torch.pjrt.set_device(device)
-    results = {}
-    for name in names.split(","):
-        try:
-            SCENARIOS[name](device)
-            results[name] = "ok"
-        except Exception:
-            results[name] = traceback.format_exc()
-        with open(os.path.join(out_dir, f"rank{rank()}.json"), "w") as handle:
-            json.dump(results, handle)
-    dist.destroy_process_group()
-
-
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    from ranks import run_scenarios
+
+    run_scenarios(SCENARIOS, sys.argv[1], sys.argv[2])
