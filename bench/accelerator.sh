@@ -25,7 +25,10 @@ mkdir -p "$results"
 "$PY" bench/device_checks.py > "$results/device_checks.txt" 2>&1
 "$PY" bench/flash_attention.py > "$results/flash_attention.txt" 2>&1
 "$PY" bench/paged_attention.py > "$results/paged_attention.txt" 2>&1
-for table in dispatch train_step breakdown first_step device_checks flash_attention paged_attention; do
+# Collectives on the single-GPU machine: world size 1, the XLA engine's one-device mesh (per-call latency;
+# multi-GPU NCCL needs a machine with several GPUs). vLLM (bench/serving.py) is not installed there.
+"$PY" -m torch.distributed.run --nproc-per-node 1 bench/allreduce.py --rounds 2 --steps 8 > "$results/allreduce.txt" 2>&1
+for table in dispatch train_step breakdown first_step device_checks flash_attention paged_attention allreduce; do
     echo "== $table"
     grep -v "^W[0-9]" "$results/$table.txt" | tail -14
 done
