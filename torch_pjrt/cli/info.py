@@ -94,6 +94,8 @@ def format_text(info: dict[str, Any]) -> str:
 
 def _engine_text(engine: dict[str, Any]) -> str:
     """Which engine c10d's backend "pjrt" uses here, and why."""
+    if engine["engine"] == "xla" and engine["processes"] == 1:
+        return "XLA programs (a job of one process)"
     if engine["engine"] == "xla":
         return (f"XLA programs on jax's multi-process runtime (process {engine['process']} of {engine['processes']}, "
                 f"coordinator {engine['coordinator']})")

@@ -93,9 +93,12 @@ def joined() -> bool:
 
 
 def status() -> dict[str, Any]:
-    """What `torch-pjrt info` and c10d's backend report: joined or not, and why not."""
+    """What `torch-pjrt info` and c10d's backend report for groups of this job's processes: the XLA engine
+    (joined, or a job of one process) or the host engine, and why."""
     if _state["joined"]:
         return {"engine": "xla", "process": int(os.environ["RANK"]), "processes": int(os.environ["WORLD_SIZE"]),
                 "coordinator": coordinator_address(), "collective_timeout_s": _state["timeout_s"]
                 or DEFAULT_COLLECTIVE_TIMEOUT_S}
+    if _state["reason"] == "WORLD_SIZE is 1":  # a one-process group's mesh is this process's device
+        return {"engine": "xla", "process": 0, "processes": 1, "coordinator": None, "collective_timeout_s": None}
     return {"engine": "host", "reason": _state["reason"]}
