@@ -4,25 +4,29 @@ Each layer's cache is vLLM's `[num_blocks, num_kv_heads, block_size, 2 * head_si
 key and value share one row of it (key in the first half, value in the second). One step's batch mixes
 prefills, chunked prefills and decodes: every query token writes its key and value at its slot
 (`slot_mapping`), then gathers its request's keys and values through the block table and attends to the
-positions at or before its own. The host builds the index tensors once per step (on CPU, from vLLM's
-host-side metadata) and ships them in one transfer each; the layers then run only device ops.
+positions at or before its own (within its layer's sliding window, if it has one). The host builds the
+index tensors once per step (on CPU, from vLLM's host-side metadata) and ships them in one transfer each;
+the layers then run only device ops.
 
 The key/value length is padded to a power of two (at least one block), so decode steps of growing
 length reuse one set of programs per bucket instead of compiling per length. The torch-op path
 gathers each token's context: O(query tokens x padded context) of memory per layer. With
 TORCH_PJRT_PAGED_ATTENTION=1 (or inside `kernels.paged.switch.scoped(True)`) the attention
 reads the cache through the block tables with the Pallas kernel `torch_pjrt.kernels.paged_attention`
-instead, which takes the whole cache buffer and gathers nothing.
+instead, which takes the whole cache buffer and gathers nothing (layers with a sliding window still
+gather: the kernel attends to the whole context).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import numpy as np
 import torch
+from vllm.config import get_layers_from_vllm_config
 from vllm.logger import init_logger
+from vllm.model_executor.layers.attention import Attention
 from vllm.v1.attention.backend import (
     AttentionBackend,
     AttentionImpl,
@@ -62,6 +66,8 @@ class PjrtAttentionMetadata:
     """(tokens, padded context / block size) int32: the blocks of each token's request, for the kernel."""
     context_lengths: torch.Tensor | None = None
     """(tokens,) int32: the context positions each token sees (its position + 1), for the kernel."""
+    visible_in_window: dict[int, torch.Tensor] = field(default_factory=dict)
+    """Sliding window W -> `visible` narrowed to the token's last W positions, for the windowed layers."""
 
 
 def padded_context_length(max_seq_len: int, block_size: int, max_context: int) -> int:
@@ -81,6 +87,9 @@ class PjrtAttentionMetadataBuilder(AttentionMetadataBuilder[PjrtAttentionMetadat
     def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any, device: torch.device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.block_size = kv_cache_spec.block_size
+        layers = get_layers_from_vllm_config(vllm_config, Attention, layer_names)
+        self.sliding_windows = sorted({window for layer in layers.values()
+                                       if (window := getattr(layer.impl, "sliding_window", None))})
 
     def build(
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
@@ -116,6 +125,13 @@ class PjrtAttentionMetadataBuilder(AttentionMetadataBuilder[PjrtAttentionMetadat
         def to_device(array: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(np.ascontiguousarray(array)).to(device)
 
+        # A layer with sliding window W sees the last W positions up to its own (vLLM's and Hugging Face's
+        # rule); the blocks vLLM frees behind the window read as the null block and are masked out here.
+        visible_in_window = {}
+        for window in self.sliding_windows:
+            in_window = visible.copy()
+            in_window[:tokens] &= context_positions[None, :] > positions[:, None] - window
+            visible_in_window[window] = to_device(in_window)
         kernel_indices = {}
         if paged.switch.enabled():
             lengths = np.ones(padded, np.int32)
@@ -129,12 +145,14 @@ class PjrtAttentionMetadataBuilder(AttentionMetadataBuilder[PjrtAttentionMetadat
             context_blocks=to_device(context_blocks),
             context_offsets=to_device(context_positions % self.block_size),
             visible=to_device(visible),
+            visible_in_window=visible_in_window,
             **kernel_indices,
         )
 
 
 class PjrtAttentionImpl(AttentionImpl[PjrtAttentionMetadata]):
-    """Decoder self-attention over the paged cache; refuses what it would not honour (ALiBi, windows, sinks)."""
+    """Decoder self-attention over the paged cache, sliding windows included; refuses what it would not
+    honour (ALiBi, sinks, other attention types, quantized caches)."""
 
     def __init__(
         self,
@@ -152,7 +170,6 @@ class PjrtAttentionImpl(AttentionImpl[PjrtAttentionMetadata]):
     ) -> None:
         unsupported = {
             "ALiBi slopes": alibi_slopes is not None,
-            "a sliding window": sliding_window is not None,
             "attention sinks": sinks is not None,
             f"attention type {attn_type!r}": attn_type != AttentionType.DECODER,
             f"KV cache dtype {kv_cache_dtype!r}": kv_cache_dtype != "auto",
@@ -161,6 +178,7 @@ class PjrtAttentionImpl(AttentionImpl[PjrtAttentionMetadata]):
         if refused:
             raise NotImplementedError(f"the pjrt attention backend does not support {', '.join(refused)} yet")
         self.num_heads = num_heads
+        self.sliding_window = sliding_window
         self.head_size = head_size
         self.scale = float(scale)
         self.num_kv_heads = num_kv_heads or num_heads
@@ -194,7 +212,9 @@ class PjrtAttentionImpl(AttentionImpl[PjrtAttentionMetadata]):
                 (attn_metadata.slot_blocks[:, None], kv_head_index[None, :], attn_metadata.slot_offsets[:, None]),
                 rows.to(kv_cache.dtype),
             )
-        whole = _layers_of(kv_cache) if attn_metadata.block_tables is not None else None
+        # the kernel attends to the whole context: windowed layers gather with torch ops
+        kernel = attn_metadata.block_tables is not None and self.sliding_window is None
+        whole = _layers_of(kv_cache) if kernel else None
         if whole is not None:
             buffer, layer_index = whole
             attended = paged.paged_attention(
@@ -202,9 +222,11 @@ class PjrtAttentionImpl(AttentionImpl[PjrtAttentionMetadata]):
                 attn_metadata.context_lengths, layer=layer_index, scale=self.scale, soft_cap=self.logits_soft_cap)
             output[:tokens].copy_(attended.reshape(output[:tokens].shape))
             return output
+        visible = (attn_metadata.visible if self.sliding_window is None
+                   else attn_metadata.visible_in_window[self.sliding_window])
         attended = paged.gathered_attention(
             query[:tokens].view(tokens, heads, size), kv_cache, attn_metadata.context_blocks,
-            attn_metadata.context_offsets, attn_metadata.visible, scale=self.scale, soft_cap=self.logits_soft_cap)
+            attn_metadata.context_offsets, visible, scale=self.scale, soft_cap=self.logits_soft_cap)
         output[:tokens].copy_(attended.reshape(output[:tokens].shape).to(output.dtype))
         return output
 
@@ -252,6 +274,10 @@ class PjrtAttentionBackend(AttentionBackend):
     @classmethod
     def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
         return (KVCacheLayout.LBHNC,)
+
+    @classmethod
+    def supports_sliding_window(cls) -> bool:
+        return True
 
     @classmethod
     def supports_attn_type(cls, attn_type: str) -> bool:
