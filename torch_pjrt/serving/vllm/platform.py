@@ -22,6 +22,10 @@ logger = init_logger(__name__)
 WORKER_CLASS = "torch_pjrt.serving.vllm.worker.PjrtWorker"
 COMPILER_CLASS = "torch_pjrt.serving.vllm.compiler.PjrtCompiler"
 DEFAULT_BLOCK_SIZE = 16
+# vLLM's mixture-of-experts custom ops (the layer's routing and experts, PjrtFusedMoEMethod on pjrt)
+EAGER_SPLITTING_OPS = ("vllm::moe_forward", "vllm::moe_forward_shared")
+# what vLLM adds to its default splitting ops (its attention ops) without Inductor's graph partition
+VLLM_DEFAULT_CACHE_UPDATE_OPS = ("vllm::unified_kv_cache_update", "vllm::unified_mla_kv_cache_update")
 
 
 class PjrtPlatform(Platform):
@@ -139,7 +143,18 @@ class PjrtPlatform(Platform):
             os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
             if compilation_config.compile_sizes is None:
                 compilation_config.compile_sizes = []  # one piece per range of token counts, none per size
+            _split_at_eager_ops(compilation_config)
             _no_fusion_passes(compilation_config.pass_config)
+
+
+def _split_at_eager_ops(compilation_config: Any) -> None:
+    """Graphs split at vLLM's attention ops (its default) and at its MoE ops: those run eagerly between the
+    compiled pieces, since the pjrt backend cannot run vLLM's Python custom ops inside an XLA program."""
+    if compilation_config.splitting_ops is None:  # vLLM fills in its default after this hook: the same here
+        compilation_config.splitting_ops = [*compilation_config._attention_ops, *VLLM_DEFAULT_CACHE_UPDATE_OPS]
+    for op in EAGER_SPLITTING_OPS:
+        if op not in compilation_config.splitting_ops:
+            compilation_config.splitting_ops.append(op)
 
 
 def _no_fusion_passes(pass_config: Any) -> None:

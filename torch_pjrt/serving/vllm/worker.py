@@ -36,6 +36,7 @@ from vllm.v1.worker.gpu_worker import Worker, init_worker_distributed_environmen
 
 from torch_pjrt import envvars
 from torch_pjrt.serving.vllm.attention import padded_token_count
+from torch_pjrt.serving.vllm.moe import register_fused_moe_method
 
 logger = init_logger(__name__)
 
@@ -66,6 +67,7 @@ class PjrtModelRunner(CPUModelRunner):
             self.device = host
 
     def load_model(self, load_dummy_weights: bool = False) -> None:
+        register_fused_moe_method()  # before the model's layers are built
         with self._on_model_device():
             super().load_model(load_dummy_weights)
         compute_logits = self.model.compute_logits
