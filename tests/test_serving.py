@@ -105,11 +105,11 @@ def _serve(llm: Any, prompts: list[list[int]]) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
-def _hugging_face_greedy(folder: Path, new_tokens: int) -> list[list[int]]:
-    """Hugging Face greedy generate() on CPU with the same weights, one prompt at a time."""
+def _hugging_face_greedy(folder: Path, new_tokens: int, prompts: list[list[int]] | None = None) -> list[list[int]]:
+    """Hugging Face greedy generate() on CPU with the same weights, one prompt at a time (_prompts() by default)."""
     model = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     tokens = []
-    for prompt in _prompts():
+    for prompt in _prompts() if prompts is None else prompts:
         ids = torch.tensor([prompt])
         # min_new_tokens bans EOS as vLLM's min_tokens does (the tiny model's EOS, 2, can win a step)
         lengths = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens)
@@ -325,36 +325,72 @@ def test_padded_token_count_is_a_power_of_two_from_eight() -> None:
     assert [padded_token_count(n) for n in (1, 8, 9, 33, 512)] == [8, 8, 16, 64, 512]
 
 
-QWEN3_IN_A_NEW_PROCESS = """
-import sys, torch, transformers
+# Shrunk configs with random weights: 2 layers, hidden size 128, 4 query heads of head_dim 32 on 2 KV heads
+# (32 is a head size vLLM's CPU attention takes too), vocabulary 256; what each architecture adds on top.
+ARCHITECTURES: dict[str, dict[str, Any]] = {
+    "qwen2": {},  # q/k/v biases
+    "qwen3": {},  # q/k norms
+    "mistral": {"sliding_window": 16},  # shorter than the longest prompt: the window masks
+    "gemma": {},  # (1 + w) RMS norms, a scaled embedding, tied weights
+    # alternating sliding-window and global layers, soft-capped attention and final logits
+    "gemma2": {"sliding_window": 16, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
+               "query_pre_attn_scalar": 32},
+    # partial rotary embedding; its defaults' special tokens (32000) are outside the vocabulary
+    "phi3": {"partial_rotary_factor": 0.5, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},  # top-2 of 4 experts, renormalized
+    # top-2 of 4 experts, not renormalized, and a gated shared expert
+    "qwen2_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+                  "shared_expert_intermediate_size": 128},
+}
+
+ARCHITECTURE_IN_A_NEW_PROCESS = """
+import gc, json, sys, torch, transformers
 from vllm import LLM, SamplingParams
+from vllm.compilation.counter import compilation_counter
 from vllm.inputs import TokensPrompt
-folder = sys.argv[1]
-config = transformers.Qwen3Config(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256)
+folder, model_type, overrides, prompts = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), json.loads(sys.argv[4])
+shrunk = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=32, max_position_embeddings=256)
+config = transformers.AutoConfig.for_model(model_type, **{**shrunk, **overrides})
 torch.manual_seed(0)
-model = transformers.Qwen3ForCausalLM(config).eval()
+model = transformers.AutoModelForCausalLM.from_config(config).eval()
 model.save_pretrained(folder)
-prompts = [[(5 * i + 3 * j) % 250 + 3 for j in range(n)] for i, n in enumerate((5, 13, 30))]
 expected = []
 for p in prompts:
     ids = torch.tensor([p])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, min_new_tokens=8, do_sample=False)
     expected.append(out[0, len(p):].tolist())
-llm = LLM(model=folder, skip_tokenizer_init=True, enforce_eager=True, dtype="float32", max_model_len=128,
-          max_num_seqs=4, kv_cache_memory_bytes=1 << 24)
-params = SamplingParams(temperature=0, max_tokens=8, detokenize=False)
-outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-print("EQUAL", [list(o.outputs[0].token_ids) for o in outputs] == expected)
+result = {"expected": expected}
+params = SamplingParams(temperature=0, max_tokens=8, min_tokens=8, detokenize=False)
+for mode, enforce_eager in (("strict", True), ("compiled", False)):
+    traced = compilation_counter.num_graphs_seen
+    llm = LLM(model=folder, skip_tokenizer_init=True, enforce_eager=enforce_eager, dtype="float32",
+              max_model_len=128, max_num_seqs=4, kv_cache_memory_bytes=1 << 24)
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    result[mode] = [list(o.outputs[0].token_ids) for o in outputs]
+    result[mode + "_traced"] = compilation_counter.num_graphs_seen - traced
+    llm.llm_engine.engine_core.shutdown()
+    del llm, outputs
+    gc.collect()
+print("RESULT " + json.dumps(result))
 """
 
 
-def test_qwen3_greedy_tokens_equal_hugging_face_on_cpu(tmp_path: Path) -> None:
-    # A second architecture (q/k norms), in a process of its own: one vLLM engine per process here.
-    done = subprocess.run(
-        [sys.executable, "-c", QWEN3_IN_A_NEW_PROCESS, str(tmp_path)], capture_output=True, text=True, timeout=600
-    )
-    assert "EQUAL True" in done.stdout, done.stderr[-3000:]
+@pytest.mark.parametrize("model_type", ARCHITECTURES)
+def test_architecture_gives_hugging_faces_greedy_tokens_strict_and_compiled(model_type: str, tmp_path: Path) -> None:
+    """One batch of four prompts (5..40 tokens) through a shrunk random model of each architecture: vLLM's
+    greedy tokens with enforce_eager=True and on vLLM's compile path equal Hugging Face generate() on CPU.
+    Both engines in one process of its own (one after the other), so each architecture starts vLLM once."""
+    command = [sys.executable, "-c", ARCHITECTURE_IN_A_NEW_PROCESS, str(tmp_path), model_type,
+               json.dumps(ARCHITECTURES[model_type]), json.dumps(_prompts())]
+    done = subprocess.run(command, env=dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0"),
+                          capture_output=True, text=True, timeout=600)
+    results = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert done.returncode == 0 and results, done.stderr[-3000:]
+    result = json.loads(results[-1][len("RESULT ") :])
+    assert result["strict"] == result["expected"]
+    assert result["compiled"] == result["expected"]
+    assert result["strict_traced"] == 0 and result["compiled_traced"] == 1  # the compiled engine traced the model
 
 
 def _free_port() -> int:
@@ -441,6 +477,70 @@ def test_openai_server_serves_concurrent_completions_of_tokens_and_text_equal_to
     finally:
         _stop_server(server)
     assert server.returncode is not None
+
+
+def test_the_moe_layer_refuses_routing_it_would_not_honour() -> None:
+    from types import SimpleNamespace
+
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+
+    from torch_pjrt.serving.vllm.moe import PjrtFusedMoEMethod
+
+    layer = SimpleNamespace(use_grouped_topk=True, custom_routing_function=None, e_score_correction_bias=None,
+                            expert_map=None, apply_router_weight_on_input=False, routing_sink=None,
+                            scoring_func="softmax", activation=MoEActivation.RELU2)
+    method = object.__new__(PjrtFusedMoEMethod)  # no vLLM config needed: the check runs before any arithmetic
+    with pytest.raises(NotImplementedError, match="does not support grouped top-k routing, activation 'relu2'"):
+        method.apply_monolithic(layer, torch.zeros(1, 8), torch.zeros(1, 4))
+
+
+CHUNKED_AND_CACHED_IN_A_NEW_PROCESS = """
+import json, sys
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+folder, prompts, sharing = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
+# a step's budget of 16 tokens: the 73 prompt tokens of the first batch prefill in chunks, over several steps
+llm = LLM(model=folder, skip_tokenizer_init=True, enforce_eager=True, dtype="float32", max_model_len=128,
+          max_num_seqs=4, kv_cache_memory_bytes=1 << 24, enable_chunked_prefill=True, max_num_batched_tokens=16,
+          enable_prefix_caching=True)
+scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+chunks = []
+schedule = scheduler.schedule
+def recorded(*args, **kwargs):
+    output = schedule(*args, **kwargs)
+    chunks.append(output.total_num_scheduled_tokens)
+    return output
+scheduler.schedule = recorded
+params = SamplingParams(temperature=0, max_tokens=8, min_tokens=8, detokenize=False)
+def serve(batch):
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs], [o.num_cached_tokens for o in outputs]
+chunked, _ = serve(prompts)
+steps = len(chunks)
+shared, cached = serve(sharing)
+print("RESULT " + json.dumps({"chunked": chunked, "step_tokens": chunks[:steps], "shared": shared,
+                              "cached": cached}))
+"""
+
+
+def test_chunked_prefill_and_prefix_cache_hits_give_hugging_faces_tokens(tiny_llama: Path) -> None:
+    """max_num_batched_tokens=16: prompts of 5..40 tokens prefill in chunks across steps, mixed with decodes;
+    then prompts that share the 40-token prompt's first 32 tokens (2 blocks) read them from the prefix cache."""
+    prompts = _prompts()
+    sharing = [prompts[3][:32] + suffix for suffix in ([7, 8, 9], [10] * 12)]
+    command = [sys.executable, "-c", CHUNKED_AND_CACHED_IN_A_NEW_PROCESS, str(tiny_llama), json.dumps(prompts),
+               json.dumps(sharing)]
+    done = subprocess.run(command, env=dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0"),
+                          capture_output=True, text=True, timeout=600)
+    results = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert done.returncode == 0 and results, done.stderr[-3000:]
+    result = json.loads(results[-1][len("RESULT ") :])
+    # every prompt token and 7 decodes a request, at most 16 tokens a step: the 73 prompt tokens took 5+ steps
+    assert sum(result["step_tokens"]) == sum(PROMPT_LENGTHS) + 4 * (NEW_TOKENS - 1)
+    assert max(result["step_tokens"]) <= 16
+    assert result["chunked"] == _hugging_face_greedy(tiny_llama, NEW_TOKENS)
+    assert result["cached"] == [32, 32]  # the shared blocks, from the first batch's request
+    assert result["shared"] == _hugging_face_greedy(tiny_llama, NEW_TOKENS, sharing)
 
 
 # The tiny Llama's KV cache takes 1 KiB a token (2 layers x keys and values x 2 heads x 32 x 4 bytes): a block of
