@@ -230,6 +230,28 @@ class DeviceStorage:
                 self.array = jax.device_put(zeros, client.device_for(self.device.index))
         return self.array
 
+    def resize(self, nbytes: int) -> None:
+        """Follow the PyTorch storage's resize to nbytes (`untyped_storage().resize_`, as FSDP2 frees and
+        re-allocates its unsharded parameters). As on CUDA, the elements that still fit are kept and the
+        rest are uninitialised; at 0 bytes the device array is dropped (a pending fused value with it, so
+        the fused program no longer computes it). A size that is not a whole number of elements holds
+        the partial last element too."""
+        numel = -(-nbytes // self.dtype.itemsize)
+        if numel > self.numel:
+            client.check_fits(self.device.index, (numel - self.numel) * self.dtype.itemsize)
+        array = None
+        if self.array is not None and min(numel, self.numel) > 0:
+            flat = flat_array(self.materialize())
+            if numel <= self.numel:
+                array = flat[:numel]
+            else:
+                jnp = client.jax_module().numpy
+                with client.out_of_memory_translated((), self.device.index):
+                    array = jnp.concatenate([flat, jnp.zeros(numel - self.numel, flat.dtype)])
+        self.array = array
+        self.numel = numel
+        self.nbytes = numel * self.dtype.itemsize
+
 
 class CountedDeviceStorage(DeviceStorage):
     """A DeviceStorage that counts its bytes in the device's memory figures itself (no native module)."""
@@ -242,6 +264,54 @@ class CountedDeviceStorage(DeviceStorage):
 
     def __del__(self) -> None:
         memory.stats.add(self.device.index, -self.nbytes)
+
+    def resize(self, nbytes: int) -> None:
+        before = self.nbytes
+        super().resize(nbytes)
+        memory.stats.add(self.device.index, self.nbytes - before)
+
+
+def resize_device_storage(st: DeviceStorage, nbytes: int) -> None:
+    """The native resize hook's call (csrc/storage_link.cpp), before it resizes the PyTorch storage."""
+    st.resize(nbytes)
+
+
+def _resize_without_native(untyped: Any, nbytes: int) -> None:
+    """`resize_` of a pjrt storage where torch_pjrt._hooks is not built: PyTorch's Python hooks cannot
+    resize a PrivateUse1 storage, so the storage's bytes are swapped for a new storage's (the same
+    fake address while it fits the span reserved there, a new one beyond it)."""
+    if nbytes < 0:
+        raise RuntimeError(f"cannot resize a pjrt storage to {nbytes} bytes")
+    try:
+        st = untyped._pjrt
+    except AttributeError:
+        raise RuntimeError("this pjrt storage was not made by torch_pjrt, so it cannot be resized.") from None
+    st.resize(nbytes)
+    device, address, before = untyped.device, untyped.data_ptr(), untyped.nbytes()
+    if nbytes > 0 and (address == 0 or nbytes > max(_ALIGN, -(-before // _ALIGN) * _ALIGN)):
+        address = _new_address(nbytes)
+    # _swap_data_ptr_ swaps two storages' bytes where one of them holds none.
+    untyped._swap_data_ptr_(_torch_private.new_storage(0, device, 0))
+    if nbytes > 0:
+        untyped._swap_data_ptr_(_torch_private.new_storage(address, device, nbytes))
+
+
+def _install_resize_without_native() -> None:
+    """Route pjrt storages' `UntypedStorage.resize_` to `_resize_without_native` (idempotent). Only
+    where the native module is not built: its hooks resize the storage themselves."""
+    original = torch.UntypedStorage.resize_
+    if getattr(original, "_pjrt_resize", False):
+        return
+
+    def resize_(self: Any, size: int) -> Any:
+        if self.device.type != "pjrt":
+            return original(self, size)
+        _resize_without_native(self, int(size))
+        return self
+
+    resize_._pjrt_resize = True  # type: ignore[attr-defined]
+    resize_.__doc__ = original.__doc__
+    torch.UntypedStorage.resize_ = resize_
 
 
 def _storage_class() -> type[DeviceStorage]:
@@ -550,3 +620,7 @@ def iter_tensors(values: Any) -> Any:
         elif isinstance(value, (list, tuple)):
             yield from iter_tensors(value)
 
+
+
+if native.counting_module() is None:
+    _install_resize_without_native()

@@ -4,7 +4,8 @@
 // generators, so autograd gets a single device queue and torch.Generator(device="pjrt")
 // fails. These C++ versions are registered before the Python ones (which then skip
 // their own registration). Streams and events are trivial: pjrt ops are ordered by jax.
-// Storages sit at fake addresses from one allocator; what their DataPtrs hold is storage_link.cpp's.
+// Storages sit at fake addresses from one allocator; what their DataPtrs hold, and resizing them in
+// place (the hooks' resizePrivateUse1Bytes), is storage_link.cpp's.
 
 #include <ATen/core/Generator.h>
 #include <c10/core/CPUAllocator.h>
@@ -313,8 +314,9 @@ struct Hooks final : public at::PrivateUse1HooksInterface {
     return PinnedAllocator::owns(data);
   }
 
-  void resizePrivateUse1Bytes(const c10::Storage& /*storage*/, size_t /*newsize*/) const override {
-    TORCH_CHECK(false, "pjrt storages cannot be resized in place; create a new tensor instead.");
+  // untyped_storage().resize_(n), as FSDP2 frees (n = 0) and re-allocates its unsharded parameters.
+  void resizePrivateUse1Bytes(const c10::Storage& storage, size_t newsize) const override {
+    resize_storage(storage.unsafeGetStorageImpl(), newsize);
   }
 
   mutable std::mutex mutex_;
@@ -435,9 +437,12 @@ py::object new_storage(int64_t index, int64_t address, int64_t nbytes) {
 
 }  // namespace
 
+int64_t address_span(int64_t nbytes) {
+  return std::max(kAlign, (nbytes + kAlign - 1) / kAlign * kAlign);
+}
+
 int64_t new_address(int64_t nbytes) {
-  const int64_t span = std::max(kAlign, (nbytes + kAlign - 1) / kAlign * kAlign);
-  return next_address.fetch_add(span, std::memory_order_relaxed);
+  return next_address.fetch_add(address_span(nbytes), std::memory_order_relaxed);
 }
 
 at::Tensor make_tensor(

@@ -13,6 +13,9 @@ namespace torch_pjrt {
 // A fresh fake address for a storage of nbytes: unique for the process, never dereferenced.
 int64_t new_address(int64_t nbytes);
 
+// The bytes new_address(nbytes) reserves: no other storage's address falls within them.
+int64_t address_span(int64_t nbytes);
+
 // A pjrt tensor over a new non-owning storage at `address`.
 at::Tensor make_tensor(
     c10::DeviceIndex index,
@@ -24,6 +27,10 @@ at::Tensor make_tensor(
 
 // A pjrt storage's DataPtr at a fake address: counts its bytes until freed, and holds the link.
 c10::DataPtr counted_data_ptr(int64_t address, c10::Device device, int64_t nbytes);
+
+// Resizes a pjrt storage in place to newsize bytes (the PrivateUse1 hook of untyped_storage().resize_):
+// its DeviceStorage follows (storage.py: resize_device_storage), the device's figures count the new size.
+void resize_storage(c10::StorageImpl* impl, size_t newsize);
 
 // The DeviceStorage linked to a pjrt storage (borrowed), or nullptr: none set, or not a pjrt storage.
 PyObject* device_storage_of(const c10::StorageImpl* impl);

@@ -7,12 +7,20 @@
 // Python reads and sets it as `untyped_storage()._pjrt`, a descriptor this file adds to
 // torch.UntypedStorage. The context owns a reference to the DeviceStorage, dropped (under the GIL)
 // on whichever thread frees the storage.
+//
+// Resizing a storage in place (`untyped_storage().resize_(n)`, as FSDP2 frees and re-allocates its
+// unsharded parameters) gives it a new DataPtr: the old bytes are uncounted, the new ones counted, the
+// DeviceStorage moves over (storage.py updates its numel and array first), and the fake address stays
+// while the storage fits the span reserved there, a new one is taken beyond it.
 
 #include <torch/csrc/Storage.h>
 #include <torch/extension.h>
 
+#include <torch/csrc/Exceptions.h>
+
 #include <atomic>
 #include <cstdint>
+#include <limits>
 #include <tuple>
 
 #include "native.h"
@@ -35,6 +43,8 @@ DeviceBytes& bytes_of(c10::DeviceIndex index) {
 struct StorageLink {
   c10::DeviceIndex index;
   int64_t nbytes;
+  int64_t address;  // the storage's fake address, kept while it holds no bytes (its data pointer is then null)
+  int64_t span;     // the bytes reserved at `address`: the storage may grow in place up to this
   PyObject* device_storage = nullptr;  // owned; nullptr until Python or the native dispatch sets it
 };
 
@@ -96,9 +106,8 @@ void reset_peak(int64_t index) {
   bytes.peak.store(bytes.allocated.load());
 }
 
-}  // namespace
-
-c10::DataPtr counted_data_ptr(int64_t address, c10::Device device, int64_t nbytes) {
+// Counts nbytes on the device (until release_link) and returns a DataPtr at `data` holding the new link.
+c10::DataPtr link_data_ptr(void* data, int64_t address, int64_t span, c10::Device device, int64_t nbytes) {
   DeviceBytes& bytes = bytes_of(device.index());
   const int64_t now = bytes.allocated.fetch_add(nbytes, std::memory_order_relaxed) + nbytes;
   int64_t peak = bytes.peak.load(std::memory_order_relaxed);
@@ -107,8 +116,45 @@ c10::DataPtr counted_data_ptr(int64_t address, c10::Device device, int64_t nbyte
   if (nbytes > 0) {
     bytes.allocations.fetch_add(1, std::memory_order_relaxed);
   }
-  return c10::DataPtr(reinterpret_cast<void*>(static_cast<intptr_t>(address)),
-                      new StorageLink{device.index(), nbytes}, &release_link, device);
+  return c10::DataPtr(data, new StorageLink{device.index(), nbytes, address, span}, &release_link, device);
+}
+
+void* fake_pointer(int64_t address) {
+  return reinterpret_cast<void*>(static_cast<intptr_t>(address));
+}
+
+}  // namespace
+
+c10::DataPtr counted_data_ptr(int64_t address, c10::Device device, int64_t nbytes) {
+  return link_data_ptr(fake_pointer(address), address, address_span(nbytes), device, nbytes);
+}
+
+void resize_storage(c10::StorageImpl* impl, size_t newsize) {
+  StorageLink* link = link_of(impl);
+  TORCH_CHECK(link != nullptr, "this pjrt storage was not made by torch_pjrt, so it cannot be resized.");
+  TORCH_CHECK(newsize <= static_cast<size_t>(std::numeric_limits<int64_t>::max()),
+              "cannot resize a pjrt storage to ", newsize, " bytes");
+  const auto nbytes = static_cast<int64_t>(newsize);
+  py::gil_scoped_acquire gil;  // held throughout: Python threads see the storage and its DeviceStorage change together
+  if (link->device_storage != nullptr) {
+    // The DeviceStorage follows first (it may raise: out of memory), so a failure changes nothing.
+    try {
+      py::module_::import("torch_pjrt.storage").attr("resize_device_storage")(py::handle(link->device_storage), nbytes);
+    } catch (py::error_already_set& error) {
+      error.restore();
+      throw python_error();
+    }
+  }
+  const bool in_place = nbytes <= link->span;
+  const int64_t address = in_place ? link->address : new_address(nbytes);
+  const int64_t span = in_place ? link->span : address_span(nbytes);
+  // Null at 0 bytes, as a CUDA storage resized to 0.
+  c10::DataPtr data = link_data_ptr(nbytes > 0 ? fake_pointer(address) : nullptr, address, span, impl->device(), nbytes);
+  auto* fresh = static_cast<StorageLink*>(data.get_context());
+  fresh->device_storage = link->device_storage;  // moves: the old link must not drop it when freed below
+  link->device_storage = nullptr;
+  impl->set_data_ptr_noswap(std::move(data));  // frees the old DataPtr: its bytes leave the figures
+  impl->set_nbytes(newsize);
 }
 
 PyObject* device_storage_of(const c10::StorageImpl* impl) {
