@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import _create_work_from_future
 
-from torch_pjrt.distributed import fsdp, host_engine, xla_engine
+from torch_pjrt.distributed import host_engine, xla_engine
 from torch_pjrt.runtime import client, metrics, multiprocess, spmd
 
 NAME = "pjrt"
@@ -230,7 +230,6 @@ def _program_mesh(group_name: Any, device_index: int) -> Any:
 
 def create(store: dist.Store, rank: int, size: int, timeout: timedelta) -> ProcessGroupPjrt:
     """The creator c10d calls for `init_process_group("pjrt")` and `new_group(backend="pjrt")`."""
-    fsdp.install()
     multiprocess.set_collective_timeout(timeout.total_seconds())
     spmd.install_mesh_resolver(_program_mesh)
     from torch_pjrt.distributed import lowerings  # noqa: F401 (compiled functional collectives)
