@@ -1,10 +1,11 @@
 # `make demo` and `make test` create .venv (pinned versions) when it is missing.
+# Targets with environments of their own (serving, TorchTitan, other libraries) live in make/*.mk, one file each.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-serving test-python-dispatch bench battery-ops battery-errors battery-device-tests zoo venv clean
+.PHONY: demo test test-python-dispatch bench battery-ops battery-errors battery-device-tests zoo venv clean
 
 venv: $(STAMP)
 
@@ -23,22 +24,6 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/ruff check torch_pjrt tests bench examples battery
 	$(PY) -m pytest -q -n 2 --dist loadfile --durations=20 tests
-
-# vLLM serving on pjrt (tests/test_serving.py) in an environment of its own: vLLM pulls packages
-# (torchvision, torchaudio, torchcodec) that do not load against CPU torch and are removed here.
-VLLM_VENV ?= .venv-vllm
-VLLM_STAMP := $(VLLM_VENV)/.installed
-
-$(VLLM_STAMP): pyproject.toml
-	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade "pip>=23.2"
-	$(VLLM_VENV)/bin/python -m pip install --quiet torch==2.13.0 "setuptools>=68" wheel
-	$(VLLM_VENV)/bin/python -m pip install --quiet --no-build-isolation -e ".[dev,vllm]"
-	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
-	touch $(VLLM_STAMP)
-
-test-serving: $(VLLM_STAMP)
-	$(VLLM_VENV)/bin/python -m pytest -q tests/test_serving.py
 
 # The whole suite with the native hit path off (every eager op through its Python kernel), for bisecting;
 # `make test` runs tests/test_native_dispatch.py, which compares both paths bit for bit.
@@ -90,4 +75,6 @@ zoo: $(STAMP)
 		--report docs/model-coverage.md --json build/zoo/results.json --log build/zoo/workers.log
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info torch_pjrt/_hooks*.so
+	rm -rf $(VENV) $(EXTRA_VENVS) build *.egg-info torch_pjrt/_hooks*.so
+
+include $(wildcard make/*.mk)

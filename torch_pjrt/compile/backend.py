@@ -173,6 +173,7 @@ class CompiledGraph:
         self.collective_groups = {node.args[spmd.COLLECTIVES[node.target]] for node in gm.graph.nodes
                                   if node.op == "call_function" and node.target in spmd.COLLECTIVES}
         self.mesh: Any = None
+        self.mesh_resolved = not self.collective_groups
 
     def _program(self, signature: tuple, padded: dict[Any, int] | None, example: tuple,
                  out_buckets: tuple[int, ...] = ()) -> SignatureProgram:
@@ -372,8 +373,10 @@ class CompiledGraph:
             else:
                 signature.append(("static", value))
         device = device or torch.device("pjrt", 0)
-        if len(self.collective_groups) == 1 and self.mesh is None:
-            self.mesh = spmd.mesh_of(next(iter(self.collective_groups)), device.index)
+        if not self.mesh_resolved:  # once: the group's engine and mesh do not change
+            if len(self.collective_groups) == 1:
+                self.mesh = spmd.mesh_of(next(iter(self.collective_groups)), device.index)
+            self.mesh_resolved = True
         key = rng.state(device.index).next_key() if self.random else None
         # True sizes are traced program arguments: a new size in the same bucket must not recompile.
         true = [] if padded is None else [np.asarray(values[s], np.int64) for s in padded]

@@ -61,18 +61,24 @@ class ProcessGroupPjrt(dist.ProcessGroup):
 
     def program_mesh(self, device_index: int) -> Any:
         """The mesh compiled graphs run their collectives of this group on (XLA engine), or None (host)."""
-        self._engine([])
-        return None if self._xla is None or self._host_only else self._xla.mesh(device_index)
+        engine = self._xla_engine()
+        return None if engine is None else engine.mesh(device_index)
 
-    def _engine(self, tensors: Sequence[torch.Tensor], usable: bool = True) -> Any:
-        """The XLA engine where it can run a collective of `tensors`, else the host engine."""
+    def _xla_engine(self) -> xla_engine.XlaCollectives | None:
+        """The group's XLA engine, or None where its ranks are not joined in jax's runtime or the group is
+        sent through the host; decided at the first collective (after jax has started)."""
         if not self._xla_decided:
             client.jax_module()
             if multiprocess.joined() or self.size() == 1:
-                self._xla = xla_engine.XlaCollectives(self._store, self.rank(), self.size(), self._timeout)
+                self._xla = xla_engine.XlaCollectives(self._store, self.rank(), self.size())
             self._xla_decided = True
-        if usable and self._xla is not None and not self._host_only and xla_engine.supports(tensors):
-            return self._xla
+        return None if self._host_only else self._xla
+
+    def _engine(self, tensors: Sequence[torch.Tensor], usable: bool = True) -> Any:
+        """The XLA engine where it can run a collective of `tensors`, else None (the host engine)."""
+        engine = self._xla_engine()
+        if usable and engine is not None and xla_engine.supports(tensors):
+            return engine
         if any(t.device.type == NAME for t in tensors):
             metrics.bump("collectives_host")
         return None

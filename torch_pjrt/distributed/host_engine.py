@@ -253,15 +253,6 @@ class HostCollectives:
             _write_back([output], [flat.view(output.shape)])
         return _done(outputs)
 
-    def reduce_scatter_tensor_coalesced(
-        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
-    ) -> dist.Work:
-        for output, input in zip(outputs, inputs, strict=True):
-            self._reduce_scatter_base(output, input, opts)
-        return _done(outputs)
-
-    # -- data movement
-
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
         opts = opts or dist.BroadcastOptions()
         host = _stage(tensors)
@@ -295,20 +286,6 @@ class HostCollectives:
         self._run("_allgather_base", gathered, host_input, opts)
         _write_back([output], [host_output])
         return _done([output])
-
-    def allgather_into_tensor_coalesced(
-        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
-    ) -> dist.Work:
-        for output, input in zip(outputs, inputs, strict=True):
-            self._allgather_base(output, input, opts)
-        return _done(outputs)
-
-    def allgather_coalesced(
-        self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
-    ) -> dist.Work:
-        for outputs, input in zip(output_lists, inputs, strict=True):
-            self.allgather([outputs], [input], opts)
-        return _done(output_lists)
 
     def gather(
         self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None

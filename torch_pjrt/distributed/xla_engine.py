@@ -19,7 +19,6 @@ import functools
 import queue
 import threading
 from collections.abc import Callable, Sequence
-from datetime import timedelta
 from typing import Any
 
 import numpy as np
@@ -88,15 +87,20 @@ _waiter = _Waiter()
 # --- tensors as shards --------------------------------------------------------------------------
 
 
+def _whole_storage(tensor: torch.Tensor) -> storage.DeviceStorage | None:
+    """The tensor's storage when the tensor is all of it, in its dtype and not padded; else None."""
+    st = storage.storage_of(tensor)
+    view = storage.view_of(tensor)
+    whole = view.covers(st.numel) and view.dtype == st.dtype and not isinstance(st.array, storage.Padded)
+    return st if whole else None
+
+
 def _elements(tensor: torch.Tensor) -> Any:
     """A tensor's elements as its storage's value (a device array, or in fused mode a pending one), in
     row-major order; a view is first copied out (an op like any other, recorded in fused mode)."""
     if tensor.numel() == 0:
         return None
-    st = storage.storage_of(tensor)
-    view = storage.view_of(tensor)
-    if not (view.covers(st.numel) and view.dtype == st.dtype) or isinstance(st.array, storage.Padded):
-        st = storage.storage_of(tensor.clone(memory_format=torch.contiguous_format))
+    st = _whole_storage(tensor) or storage.storage_of(tensor.clone(memory_format=torch.contiguous_format))
     if st.array is None or not modes.state.fusing:
         return st.materialize()
     return st.array
@@ -104,9 +108,8 @@ def _elements(tensor: torch.Tensor) -> Any:
 
 def _write(tensor: torch.Tensor, array: Any) -> None:
     """Make `tensor` hold `array`'s elements: the storage takes it whole, a view gets it copied in."""
-    st = storage.storage_of(tensor)
-    view = storage.view_of(tensor)
-    if view.covers(st.numel) and view.dtype == st.dtype and not isinstance(st.array, storage.Padded):
+    st = _whole_storage(tensor)
+    if st is not None:
         st.array = array
         return
     source = storage.new_tensor(array, tensor.dtype, tensor.device, (tensor.numel(),), numel=tensor.numel())
@@ -212,9 +215,9 @@ def _entry(mesh: Any, kind: str, *options: Any) -> CollectiveEntry:
 class XlaCollectives:
     """The collectives of one c10d group as XLA programs over its ranks' devices."""
 
-    def __init__(self, store: dist.Store, rank: int, size: int, timeout: timedelta) -> None:
+    def __init__(self, store: dist.Store, rank: int, size: int) -> None:
         self._store = dist.PrefixStore("pjrt-xla/", store)
-        self._rank, self._size, self._timeout = rank, size, timeout
+        self._rank, self._size = rank, size
         self._mesh: Any = None
         self._index: int | None = None
         self._checked: set[str] = set()
@@ -322,17 +325,21 @@ class XlaCollectives:
         keep = self._rank == opts.rootRank
         return self._each("all_reduce", tensors, self._reduce_options(opts.reduceOp), keep)
 
+    def _into(self, kind: str, output: torch.Tensor, input: torch.Tensor, *options: Any) -> dist.Work:
+        """A collective of `input` whose result `output` takes (all_gather, reduce_scatter, all_to_all)."""
+        if input.numel() == 0:
+            return _waiter.work([], [output])
+        result = self._run(kind, input, *options)
+        _write(output, result)
+        return _waiter.work([result], [output])
+
     def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> dist.Work:
         if input.numel() != output.numel() * self._size:
             raise ValueError(
                 f"reduce_scatter_tensor: the input has {input.numel()} elements, not the output's "
                 f"{output.numel()} times the group size {self._size}; size the tensors as on CUDA."
             )
-        if output.numel() == 0:
-            return _waiter.work([], [output])
-        result = self._run("reduce_scatter", input, *self._reduce_options(opts.reduceOp))
-        _write(output, result)
-        return _waiter.work([result], [output])
+        return self._into("reduce_scatter", output, input, *self._reduce_options(opts.reduceOp))
 
     def reduce_scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]],
                        opts: Any) -> dist.Work:
@@ -351,26 +358,25 @@ class XlaCollectives:
                 f"all_gather_into_tensor: the output has {output.numel()} elements, not the input's "
                 f"{input.numel()} times the group size {self._size}; size the tensors as on CUDA."
             )
-        if input.numel() == 0:
-            return _waiter.work([], [output])
-        result = self._run("all_gather", input)
-        _write(output, result)
-        return _waiter.work([result], [output])
+        return self._into("all_gather", output, input)
+
+    def _gathered(self, input: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Every rank's `input`, in rank order (one all_gather into a flat buffer)."""
+        gathered = torch.empty(self._size * input.numel(), dtype=input.dtype, device=input.device)
+        self.all_gather_tensor(gathered, input)
+        return gathered.chunk(self._size)
 
     def allgather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor]) -> dist.Work:
         for outputs, input in zip(output_lists, inputs, strict=True):
-            gathered = torch.empty(self._size * input.numel(), dtype=input.dtype, device=input.device)
-            self.all_gather_tensor(gathered, input)
-            for output, piece in zip(outputs, gathered.chunk(self._size), strict=True):
+            for output, piece in zip(outputs, self._gathered(input), strict=True):
                 output.copy_(piece.view(output.shape))
         return self.settled(output_lists)
 
     def gather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], root: int) -> dist.Work:
         for input in inputs:
-            gathered = torch.empty(self._size * input.numel(), dtype=input.dtype, device=input.device)
-            self.all_gather_tensor(gathered, input)
+            pieces = self._gathered(input)
             if self._rank == root:
-                for output, piece in zip(output_lists[0], gathered.chunk(self._size), strict=True):
+                for output, piece in zip(output_lists[0], pieces, strict=True):
                     output.copy_(piece.view(output.shape))
         return self.settled(output_lists)
 
@@ -386,11 +392,7 @@ class XlaCollectives:
 
     def all_to_all_tensor(self, output: torch.Tensor, input: torch.Tensor) -> dist.Work:
         """Even splits: rank r's r-th block of the flattened input goes to rank r."""
-        if input.numel() == 0:
-            return _waiter.work([], [output])
-        result = self._run("all_to_all", input)
-        _write(output, result)
-        return _waiter.work([result], [output])
+        return self._into("all_to_all", output, input)
 
     def settled(self, value: Any) -> dist.Work:
         """A Work for results written by collectives above (their programs are ordered before any reader)."""
