@@ -17,7 +17,7 @@ import torch
 from torch_pjrt import _torch_private, envvars
 from torch_pjrt.runtime import startup
 
-NAME = "pjrt"
+NAME = startup.NAME
 # Device queues the autograd engine is told about before the real device count is known.
 ENGINE_DEVICES = 8
 

@@ -62,9 +62,7 @@ def jax_trace_dir_of(profile: Any) -> str | None:
 
 
 def _wants_device(profile: Any) -> bool:
-    from torch_pjrt._registration import NAME
-
-    return getattr(profile, "use_device", None) == NAME
+    return getattr(profile, "use_device", None) == startup.NAME
 
 
 def _started(profile: Any) -> None:

@@ -104,7 +104,7 @@ def _default(argument: Any) -> Any:
 
 @functools.cache
 def plan_for(op: OpOverload) -> OpPlan | None:
-    lowering = registry.lookup(op)
+    lowering = graph.lookup(op)
     if lowering is None:
         return None
     schema = op._schema

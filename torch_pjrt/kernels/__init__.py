@@ -10,16 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch_pjrt.kernels.jax_ops import jax_op
+from torch_pjrt.kernels.jax_ops import interpret_mode, jax_op
 from torch_pjrt.kernels.op_checks import opcheck
-
-
-def interpret_mode() -> bool:
-    """Whether Pallas kernels should run in interpret mode (`pallas_call(..., interpret=...)`): on
-    the CPU platform, which has no Pallas compiler; on GPU and TPU kernels compile for real."""
-    from torch_pjrt.runtime import client
-
-    return client.platform() == "cpu"
 
 
 def __getattr__(name: str) -> Any:

@@ -25,7 +25,7 @@ import jax
 import torch
 
 from torch_pjrt import envvars
-from torch_pjrt.kernels import interpret_mode, jax_ops
+from torch_pjrt.kernels import jax_ops
 from torch_pjrt.runtime import client
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -89,7 +89,7 @@ def _gpu_attention(q: jax.Array, k: jax.Array, v: jax.Array, causal: bool, scale
     # the kernel's layout is (batch, seq, heads, head_dim)
     q_in, k_in, v_in = (jnp.pad(jnp.swapaxes(t, 1, 2), ((0, 0), (0, target - t.shape[2]), (0, 0), (0, 0)))
                         for t, target in ((q, q_target), (k, k_target), (v, k_target)))
-    interpret = interpret_mode()
+    interpret = jax_ops.interpret_mode()
     blocks = attention.BlockSizes(q_block, k_block, *_backward_blocks(q_target, k_target, interpret))
     out = attention.mha(q_in, k_in, v_in, segment_ids, sm_scale=scale, causal=causal, block_sizes=blocks,
                         interpret=interpret)

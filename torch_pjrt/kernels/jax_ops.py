@@ -40,6 +40,12 @@ WIDE_DTYPES = frozenset(np.dtype(name) for name in ("float64", "int64", "uint64"
 STATIC_TYPES = (int, float, bool, str, type(None))
 
 
+def interpret_mode() -> bool:
+    """Whether Pallas kernels should run in interpret mode (`pallas_call(..., interpret=...)`): on
+    the CPU platform, which has no Pallas compiler; on GPU and TPU kernels compile for real."""
+    return client.platform() == "cpu"
+
+
 def jax_op(name: str, fn: Callable | None = None, /, *, donate_argnums: int | tuple[int, ...] | None = None,
            vjp: str | None = None) -> Any:
     """A `torch.library` custom op `name` ("namespace::op") running the JAX function `fn` on pjrt tensors.

@@ -25,7 +25,7 @@ import torch
 from jax.experimental import pallas as pl
 
 from torch_pjrt import envvars
-from torch_pjrt.kernels import interpret_mode, jax_ops
+from torch_pjrt.kernels import jax_ops
 
 # cached positions one kernel step reads at most (its pages' rows)
 STEP_POSITIONS = 128
@@ -85,7 +85,7 @@ def _paged_attention(query: jax.Array, cache: jax.Array, block_tables: jax.Array
     _, blocks, kv_heads, block_size, _ = cache.shape
     group = heads // kv_heads
     # Triton's dots want at least 16 rows a side: a kv head's query heads padded to a power of two from 16
-    rows = group if interpret_mode() else max(16, 1 << (group - 1).bit_length())
+    rows = group if jax_ops.interpret_mode() else max(16, 1 << (group - 1).bit_length())
     grouped = query.reshape(tokens, kv_heads, group, size)
     if rows != group:
         grouped = jnp.pad(grouped, ((0, 0), (0, 0), (0, rows - group), (0, 0)))
@@ -103,7 +103,7 @@ def _paged_attention(query: jax.Array, cache: jax.Array, block_tables: jax.Array
                   pl.BlockSpec((None, 1), lambda t, h: (t, 0))],
         out_specs=token_heads,
         out_shape=jax.ShapeDtypeStruct(grouped.shape, query.dtype),
-        interpret=interpret_mode(),
+        interpret=jax_ops.interpret_mode(),
         name="torch_pjrt_paged_attention",
     )(grouped, cache, cache, block_tables.astype(jnp.int32), lengths.astype(jnp.int32).reshape(tokens, 1))
     return out[:, :, :group].reshape(tokens, heads, size)

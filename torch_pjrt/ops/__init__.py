@@ -18,6 +18,7 @@ from torch_pjrt.ops import (
     shape,  # noqa: F401
     sorting,  # noqa: F401
 )
-from torch_pjrt.ops.registry import LOWERINGS, lookup, register
+from torch_pjrt.ops.graph import lookup
+from torch_pjrt.ops.registry import LOWERINGS, register
 
 __all__ = ["LOWERINGS", "lookup", "register"]

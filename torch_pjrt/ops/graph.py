@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -60,7 +61,7 @@ class KeySource:
 
 
 def call_lowering(op: Any, args: tuple, kwargs: dict, rng: KeySource | None, meta: Any = None) -> Any:
-    entry = registry.lookup(op)
+    entry = lookup(op)
     if entry is None:
         raise registry.MissingLowering(op)
     extra = {}
@@ -180,3 +181,50 @@ def _hashable(value: Any) -> Any:
         return value
     except TypeError:
         return repr(value)
+
+
+# --- resolution: the table, else a related op's lowering, else PyTorch's decomposition traced -----
+
+_decomposing: set[Any] = set()
+
+
+def lookup(op: Any) -> registry.Lowering | None:
+    """The lowering for an op: written by hand, else its functional counterpart's or its `*_copy` twin's,
+    else its decomposition traced into a graph of lowered ops (cached in the table)."""
+    entry = registry.LOWERINGS.get(op)
+    if entry is not None:
+        return entry
+    if registry.mutated_arguments(op):
+        functional = registry.functional_counterpart(op)
+        if functional is not None:
+            entry = lookup(functional)
+            if entry is not None:
+                entry = registry.LOWERINGS[op] = dataclasses.replace(entry, drops_out_arguments=True)
+                return entry
+    copy = registry.view_copy(op)
+    if copy is not None and lookup(copy) is not None:
+        entry = registry.LOWERINGS[op] = lookup(copy)
+        return entry
+    found = registry.decomposition(op)
+    if found is not None and not registry.mutated_arguments(op):
+        entry = registry.Lowering(decomposed(op, found), random=registry.is_random(op), static_scalars=True)
+        registry.LOWERINGS[op] = entry
+        return entry
+    return None
+
+
+def decomposed(op: Any, decomposition: Callable) -> Callable:
+    """A lowering that traces PyTorch's decomposition on meta tensors and lowers that graph."""
+
+    def lower(*args: Any, rng: Any = None, **kwargs: Any) -> Any:
+        if op in _decomposing:
+            raise registry.MissingLowering(op)  # its decomposition leads back to itself
+        _decomposing.add(op)
+        try:
+            keys = KeySource(rng) if rng is not None else None
+            return lower_callable(decomposition, args, kwargs, keys)
+        finally:
+            _decomposing.discard(op)
+
+    lower.__name__ = f"decomposed_{op.name()}"
+    return lower

@@ -21,8 +21,9 @@ import torch
 from jax import lax
 
 from torch_pjrt import storage
+from torch_pjrt.ops.graph import decomposed
 from torch_pjrt.ops.pointwise import rounded_like
-from torch_pjrt.ops.registry import LOWERINGS, Lowering, decomposed, register
+from torch_pjrt.ops.registry import LOWERINGS, Lowering, register
 
 aten = torch.ops.aten
 

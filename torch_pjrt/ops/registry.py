@@ -142,31 +142,6 @@ def _decompositions() -> dict[OpOverload, Callable]:
     return dict(decomposition_table)
 
 
-def lookup(op: OpOverload) -> Lowering | None:
-    """The lowering for an op: written by hand, else its functional counterpart's, else traced."""
-    entry = LOWERINGS.get(op)
-    if entry is not None:
-        return entry
-    if mutated_arguments(op):
-        functional = functional_counterpart(op)
-        if functional is not None:
-            entry = lookup(functional)
-            if entry is not None:
-                entry = dataclasses.replace(entry, drops_out_arguments=True)
-                LOWERINGS[op] = entry
-                return entry
-    copy = view_copy(op)
-    if copy is not None and lookup(copy) is not None:
-        entry = LOWERINGS[op] = lookup(copy)
-        return entry
-    found = decomposition(op)
-    if found is not None and not mutated_arguments(op):
-        entry = Lowering(decomposed(op, found), random=is_random(op), static_scalars=True)
-        LOWERINGS[op] = entry
-        return entry
-    return None
-
-
 def view_copy(op: OpOverload) -> OpOverload | None:
     """The `*_copy` twin of a view op (select.int -> select_copy.int): what the view computes, in a
     graph where values never alias (torch.compile's functional graphs, traced decompositions)."""
@@ -191,28 +166,6 @@ class MissingLowering(NotImplementedError):
     def __init__(self, op: Any) -> None:
         super().__init__(f"{op}")
         self.op = op
-
-
-_decomposing: set[OpOverload] = set()
-
-
-def decomposed(op: OpOverload, decomposition: Callable) -> Callable:
-    """A lowering that traces PyTorch's decomposition on meta tensors and lowers that graph."""
-
-    def lower(*args: Any, rng: Any = None, **kwargs: Any) -> Any:
-        from torch_pjrt.ops import graph
-
-        if op in _decomposing:
-            raise MissingLowering(op)  # its decomposition leads back to itself
-        _decomposing.add(op)
-        try:
-            keys = graph.KeySource(rng) if rng is not None else None
-            return graph.lower_callable(decomposition, args, kwargs, keys)
-        finally:
-            _decomposing.discard(op)
-
-    lower.__name__ = f"decomposed_{op.name()}"
-    return lower
 
 
 def is_random(op: OpOverload) -> bool:

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+NAME = "pjrt"  # the device type, as PyTorch names the PrivateUse1 backend
 _starter: list[Callable[[], None]] = []
 _started = threading.Event()
 _local = threading.local()
