@@ -804,3 +804,46 @@ def test_the_cpu_fallback_the_error_names_serves_that_model(
 ) -> None:
     (result,), _ = _serve_unlowered_op_model(tiny_llama, tmp_path, TORCH_PJRT_CPU_FALLBACK="1")
     assert result.get("tokens") == reference_tokens, result
+
+
+NGRAM_IN_A_NEW_PROCESS = """
+import json, sys
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+folder, prompts, new_tokens = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
+speculative = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+llm = LLM(model=folder, skip_tokenizer_init=True, enforce_eager=True, dtype="float32", max_model_len=128,
+          max_num_seqs=4, kv_cache_memory_bytes=1 << 24, speculative_config=speculative)
+scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+drafted = []
+schedule = scheduler.schedule
+def recorded(*args, **kwargs):
+    output = schedule(*args, **kwargs)
+    drafted.append(sum(len(draft) for draft in output.scheduled_spec_decode_tokens.values()))
+    return output
+scheduler.schedule = recorded
+params = SamplingParams(temperature=0, max_tokens=new_tokens, min_tokens=new_tokens, detokenize=False)
+outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+print("RESULT " + json.dumps({"tokens": [list(o.outputs[0].token_ids) for o in outputs], "steps": len(drafted),
+                              "drafted": sum(drafted)}))
+"""
+
+
+@pytest.mark.parametrize("sampling", ["auto", "device"])
+def test_ngram_speculative_decoding_gives_hugging_faces_greedy_tokens_in_fewer_steps(
+    tiny_llama: Path, sampling: str
+) -> None:
+    """vLLM's n-gram drafter proposes tokens from the prompt and output so far; greedy verification keeps the
+    tokens Hugging Face's greedy generate() gives, and accepted drafts save steps. Asked to sample on the
+    device, the runner samples on the host (vLLM's rejection sampler is C++ CPU kernels reading host memory)."""
+    new_tokens = 24
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", TORCH_PJRT_VLLM_SAMPLING=sampling)
+    command = [sys.executable, "-c", NGRAM_IN_A_NEW_PROCESS, str(tiny_llama), json.dumps(_prompts()), str(new_tokens)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    results = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert done.returncode == 0 and results, done.stderr[-3000:]
+    result = json.loads(results[-1][len("RESULT ") :])
+    assert result["tokens"] == _hugging_face_greedy(tiny_llama, new_tokens)
+    # without drafts: one step for the prompts and the first token, then one a token
+    assert result["drafted"] > 0
+    assert result["steps"] < new_tokens

@@ -48,6 +48,12 @@ class PjrtModelRunner(CPUModelRunner):
         super().__init__(vllm_config, torch.device("cpu"))
         self.model_device = model_device
         self.samples_on_device = samples_on_device(model_device)
+        if self.samples_on_device and vllm_config.speculative_config is not None:
+            # vLLM's rejection sampler is Triton kernels, whose stand-ins here are vLLM's C++ CPU kernels:
+            # they read host memory, so they must be given host tensors.
+            logger.warning("Speculative decoding on pjrt samples on the host: vLLM's rejection sampler runs "
+                           "its CPU kernels, which read host memory (TORCH_PJRT_VLLM_SAMPLING is not honoured).")
+            self.samples_on_device = False
         self._sampling_metadata_copy: tuple[SamplingMetadata, SamplingMetadata] | None = None
         if self.samples_on_device:
             # vLLM's logits processors keep their per-request tensors on the device they are built for
