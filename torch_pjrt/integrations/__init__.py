@@ -14,6 +14,8 @@ the accelerator": where accelerate (or Trainer) would settle on the CPU without 
 it gets pjrt instead, and a launched process group uses the c10d backend "pjrt". Autocast follows
 the device type; fp16 gets a GradScaler on pjrt; RNG checkpoints gain the pjrt generator states.
 `cpu=True`, `use_cpu=True` and `TORCH_PJRT_ACCELERATE=0` keep the CPU.
+
+PyTorch Lightning gets the accelerator "pjrt" (lightning.py).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from typing import Any
 import torch
 
 from torch_pjrt import envvars
+from torch_pjrt.integrations import lightning
 
 
 def _is_pjrt(device: Any) -> bool:
@@ -285,6 +288,9 @@ PATCHES = {
     "accelerate.checkpointing": _patch_accelerate_checkpointing,
     "transformers.training_args": _patch_training_args,
     "transformers.trainer": _patch_trainer,
+    "pytorch_lightning.accelerators": lightning.register_accelerator,
+    "pytorch_lightning.trainer.connectors.accelerator_connector": lightning.patch_connector,
+    "pytorch_lightning.strategies.ddp": lightning.patch_ddp,
 }
 
 

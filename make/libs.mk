@@ -1,0 +1,20 @@
+# Libraries beyond Transformers on pjrt (issue 34: PyTorch Lightning, torchao, diffusers; tests/test_libraries*.py,
+# docs/libraries.md) in an environment of their own. torch is pinned first, and the libraries resolve together
+# with this project's pinned [dev] extra in one pip call (tests/fixtures/libs/requirements.txt pins torch too), so
+# that no requirement can pull another torch build. None of them needs torchvision, which is not installed.
+LIBS_VENV ?= .venv-libs
+LIBS_STAMP := $(LIBS_VENV)/.installed
+LIBS_REQUIREMENTS := tests/fixtures/libs/requirements.txt
+
+.PHONY: test-libs
+EXTRA_VENVS += $(LIBS_VENV)
+
+$(LIBS_STAMP): pyproject.toml $(LIBS_REQUIREMENTS)
+	test -x $(LIBS_VENV)/bin/python || $(PYTHON) -m venv $(LIBS_VENV)
+	$(LIBS_VENV)/bin/python -m pip install --quiet --upgrade "pip>=23.2"
+	$(LIBS_VENV)/bin/python -m pip install --quiet torch==2.13.0 "setuptools>=68" wheel
+	$(LIBS_VENV)/bin/python -m pip install --quiet --no-build-isolation -r $(LIBS_REQUIREMENTS) -e ".[dev]"
+	touch $(LIBS_STAMP)
+
+test-libs: $(LIBS_STAMP)
+	$(LIBS_VENV)/bin/python -m pytest -q tests/test_libraries*.py
