@@ -1,13 +1,22 @@
-"""Time to first step of a fresh process, cold compile cache against warm, side by side.
+"""Time to first step of a fresh process, cold compile cache against warm, side by side, and where each second goes.
 
-Each row is a new Python process that imports torch, builds the GPT of bench/train_step.py and runs
-one training step (compiled with backend="pjrt", or in strict eager), timed from before `import torch`
-to the step's loss on the host. Cold: an empty TORCH_PJRT_CACHE_DIR; warm: the same folder again.
-Run: .venv/bin/python bench/first_step.py
+Each run is a new Python process that imports torch, builds the GPT of bench/train_step.py and runs
+one training step (compiled with backend="pjrt", in DEFER_AND_FUSE, or in strict eager), timed from
+before `import torch` to the step's loss on the host. Cold: an empty TORCH_PJRT_CACHE_DIR; warm: the
+same folder again. Cold and warm processes alternate over `--rounds` rounds (each round a new folder);
+the best of each is kept.
+
+The phases are self times (a nested phase is not counted in the one around it): imports (every
+module loaded, at start or lazily), Dynamo tracing, AOTAutograd, jax's tracing and lowering of our
+programs (the lowering table running), XLA compile or persistent-cache load, and the rest (building
+the model, the first run of the programs, Python around them).
+Run: .venv/bin/python bench/first_step.py [--rounds 2]
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import subprocess
 import sys
@@ -18,44 +27,123 @@ CHILD = textwrap.dedent(
     """
     import time
     start = time.perf_counter()
-    import sys, torch
-    sys.path.insert(0, {examples!r})
+    import importlib._bootstrap as bootstrap
+    import json, sys
+    seconds = {}
+    stack = ["rest"]
+    mark = [start]
+
+    def enter(name):
+        now = time.perf_counter()
+        seconds[stack[-1]] = seconds.get(stack[-1], 0.0) + now - mark[0]
+        stack.append(name)
+        mark[0] = now
+
+    def leave():
+        now = time.perf_counter()
+        name = stack.pop()
+        seconds[name] = seconds.get(name, 0.0) + now - mark[0]
+        mark[0] = now
+
+    def timed(name, fn):
+        def wrapper(*args, **kwargs):
+            enter(name)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                leave()
+        return wrapper
+
+    original_find_and_load = bootstrap._find_and_load
+    def find_and_load(name, import_):
+        if not stack or stack[-1] == "imports":
+            return original_find_and_load(name, import_)
+        return timed("imports", original_find_and_load)(name, import_)
+    bootstrap._find_and_load = find_and_load
+
+    import torch
+    jax_seconds = {}
+    def jax_event(event, duration, **_):
+        jax_seconds[event] = jax_seconds.get(event, 0.0) + duration
+
+    sys.path.insert(0, EXAMPLES)
     from gpt import GPT, batches, corpus_bytes, train_step
     torch.manual_seed(0)
     model = GPT(width=128, layers=2, heads=4, context=64).to("pjrt")
+    import jax
+    jax.monitoring.register_event_duration_secs_listener(jax_event)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     tokens, targets = batches(corpus_bytes(), 8, 64, 1)[0]
     step = train_step
-    if {compiled!r}:
+    if MODE == "compiled":
+        import torch._dynamo.convert_frame as convert_frame
+        import torch._dynamo.backends.common as common
+        convert_frame._compile = timed("dynamo", convert_frame._compile)
+        common.aot_module_simplified = timed("aot", common.aot_module_simplified)
         step = torch.compile(train_step, backend="pjrt")
+    if MODE == "fused":
+        import torch_pjrt
+        torch_pjrt.set_eager_mode(torch_pjrt.EagerMode.DEFER_AND_FUSE)
     loss = step(model, optimizer, tokens.to("pjrt"), targets.to("pjrt")).item()
-    seconds = time.perf_counter() - start
+    leave()
+    total = time.perf_counter() - start
+    trace = sum(jax_seconds.get(e, 0.0) for e in ("/jax/core/compile/jaxpr_trace_duration",
+                                                  "/jax/core/compile/jaxpr_to_mlir_module_duration"))
+    xla = jax_seconds.get("/jax/core/compile/backend_compile_duration", 0.0)
+    seconds["trace"] = trace
+    seconds["xla"] = xla
+    seconds["rest"] -= trace + xla
     import torch_pjrt
     counters = torch_pjrt.metrics.counters()
-    print(seconds, counters["persistent_cache_hits"], counters["disk_store_hits"])
+    print(json.dumps({"total": total, "phases": seconds, "loss": loss,
+                      "executables": counters["persistent_cache_hits"], "graphs": counters["disk_store_hits"]}))
     """
 )
+MODES = (("torch.compile(backend='pjrt')", "compiled"), ("DEFER_AND_FUSE", "fused"), ("strict eager", "strict"))
+PHASES = (("imports", "imports"), ("dynamo", "Dynamo"), ("aot", "AOTAutograd"), ("trace", "jax trace+lower"),
+          ("xla", "XLA compile/load"), ("rest", "rest"))
 
 
-def first_step(cache: str, compiled: bool) -> tuple[float, int, int]:
-    """Seconds to the first step's loss, XLA executables and traced graphs read from the cache."""
+def first_step(cache: str, mode: str) -> dict:
+    """One fresh process's first step: total seconds, seconds per phase, loss and cache hits."""
     examples = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples")
-    code = CHILD.format(examples=examples, compiled=compiled)
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+    code = CHILD.replace("EXAMPLES", repr(examples)).replace("MODE", repr(mode))
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             env={**os.environ, "TORCH_PJRT_CACHE_DIR": cache})
-    seconds, executables, graphs = result.stdout.split()[-3:]
-    return float(seconds), int(executables), int(graphs)
+    if result.returncode != 0:
+        raise RuntimeError(f"the {mode} child failed:\n{result.stderr[-3000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
-    print(f"{'first training step of a new process':<40}{'cold s':>9}{'warm s':>9}{'warm/cold':>11}"
-          f"{'warm hits: executables':>24}{'graphs':>8}")
-    for label, compiled in (("torch.compile(backend='pjrt')", True), ("strict eager", False)):
-        with tempfile.TemporaryDirectory() as cache:
-            cold, _, _ = first_step(cache, compiled)
-            warm, executables, graphs = first_step(cache, compiled)
-        print(f"{label:<40}{cold:>9.2f}{warm:>9.2f}{warm / cold:>11.2f}{executables:>24}{graphs:>8}")
-    print("goal (compiled): warm at most half of cold")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=2, help="cold/warm pairs per mode; the best of each is kept")
+    parser.add_argument("--modes", default="compiled,fused,strict")
+    arguments = parser.parse_args()
+    wanted = arguments.modes.split(",")
+    best: dict[tuple[str, str], dict] = {}
+    for _ in range(arguments.rounds):
+        for _, mode in MODES:
+            if mode not in wanted:
+                continue
+            with tempfile.TemporaryDirectory() as cache:
+                for kind in ("cold", "warm"):
+                    run = first_step(cache, mode)
+                    if (mode, kind) not in best or run["total"] < best[(mode, kind)]["total"]:
+                        best[(mode, kind)] = run
+    header = "".join(f"{title:>17}" for _, title in PHASES)
+    print(f"{'first training step of a new process':<36}{'total s':>8}{header}   hits: executables graphs")
+    for label, mode in MODES:
+        if mode not in wanted:
+            continue
+        for kind in ("cold", "warm"):
+            run = best[(mode, kind)]
+            phases = "".join(f"{run['phases'].get(key, 0.0):>17.2f}" for key, _ in PHASES)
+            print(f"{label + ', ' + kind:<36}{run['total']:>8.2f}{phases}{run['executables']:>19}{run['graphs']:>7}")
+        cold, warm = best[(mode, "cold")], best[(mode, "warm")]
+        equal = "equal" if cold["loss"] == warm["loss"] else f"DIFFER ({cold['loss']} vs {warm['loss']})"
+        print(f"{'  warm / cold':<36}{warm['total'] / cold['total']:>8.2f}   (losses {equal})")
+    print("goal: warm at most half of cold (compiled, fused and strict)")
 
 
 if __name__ == "__main__":

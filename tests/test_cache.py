@@ -62,12 +62,20 @@ COMPILED = textwrap.dedent(
 
 def test_traced_graphs_are_stored_for_the_next_process_and_damage_is_survived(tmp_path: Path) -> None:
     loss, grad, hits, writes, damaged = run(tmp_path, COMPILED)
-    assert (int(hits), int(writes), int(damaged)) == (0, 2, 0)  # the forward and the backward graph
-    assert run(tmp_path, COMPILED) == [loss, grad, "2", "0", "0"]
+    # the forward and the backward graph, each traced and its executable
+    assert (int(hits), int(writes), int(damaged)) == (0, 4, 0)
+    assert len(list((tmp_path / "executables").iterdir())) == 2
+    assert run(tmp_path, COMPILED) == [loss, grad, "4", "0", "0"]
     stored = sorted((tmp_path / "graphs").iterdir())
     stored[0].write_bytes(stored[0].read_bytes()[:100])
-    assert run(tmp_path, COMPILED) == [loss, grad, "1", "1", "1"]
-    assert run(tmp_path, COMPILED) == [loss, grad, "2", "0", "0"]
+    # the damaged graph is traced again; its executable still loads
+    assert run(tmp_path, COMPILED) == [loss, grad, "3", "1", "1"]
+    assert run(tmp_path, COMPILED) == [loss, grad, "4", "0", "0"]
+    executables = sorted((tmp_path / "executables").iterdir())
+    executables[1].write_bytes(executables[1].read_bytes()[:-50])
+    # compiled again from XLA's cache, whose executables are not stored again (they lose their code)
+    assert run(tmp_path, COMPILED) == [loss, grad, "3", "0", "1"]
+    assert run(tmp_path, COMPILED) == [loss, grad, "3", "0", "0"]
 
 
 RESHAPED = textwrap.dedent(
@@ -93,7 +101,7 @@ def test_a_stored_graph_is_keyed_by_its_storage_arrays_shapes(tmp_path: Path) ->
 
     assert run_as("wide") == "0"
     assert run_as("tall") == "0"
-    assert (run_as("wide"), run_as("tall")) == ("1", "1")
+    assert (run_as("wide"), run_as("tall")) == ("2", "2")  # each its graph and its executable
 
 
 MANY = textwrap.dedent(

@@ -183,6 +183,24 @@ def dynamo_skip_our_packages() -> None:
         trace_rules.add(name)
 
 
+@functools.cache
+def dynamo_optimizer_without_cudagraph_import() -> None:
+    """Let Dynamo trace `optimizer.step()` on non-CUDA tensors without importing Inductor's CUDA graph trees.
+
+    Dynamo asks `_is_static_for_cudagraphs` of every optimizer state tensor; it imports
+    torch._inductor.cudagraph_trees (all of Inductor's compile_fx, about 1 s) and answers True for
+    any tensor not on CUDA. Those tensors now get the same True without the import; CUDA tensors go
+    to PyTorch's function as before, so no backend's behaviour changes."""
+    from torch._dynamo.variables import optimizer
+
+    original = optimizer._is_static_for_cudagraphs
+
+    def is_static_for_cudagraphs(tensor: torch.Tensor) -> bool:
+        return True if not tensor.is_cuda else original(tensor)
+
+    optimizer._is_static_for_cudagraphs = is_static_for_cudagraphs
+
+
 # c10::ScalarType numbering, for schema defaults that arrive as plain numbers.
 _SCALAR_TYPES = {
     0: torch.uint8, 1: torch.int8, 2: torch.int16, 3: torch.int32, 4: torch.int64, 5: torch.float16,

@@ -1,7 +1,8 @@
 """`torch-pjrt cache`: the persistent compile cache folder, shown, pruned and cleared.
 
-The folder holds XLA's executables (`xla/`, jax's persistent cache) and our traced torch.compile
-graphs (`graphs/`); ranks of one job and later processes share it (TORCH_PJRT_CACHE_DIR).
+The folder holds XLA's executables (`xla/`, jax's persistent cache), our traced torch.compile
+graphs (`graphs/`) and their executables (`executables/`); ranks of one job and later processes
+share it (TORCH_PJRT_CACHE_DIR).
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-KINDS = {"xla": "XLA executables", "graphs": "traced torch.compile graphs"}
+KINDS = {"xla": "XLA executables", "graphs": "traced torch.compile graphs",
+         "executables": "compiled graphs' executables, loaded without tracing"}
 
 
 def _entries(folder: Path) -> list[Path]:

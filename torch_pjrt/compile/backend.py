@@ -31,6 +31,8 @@ from torch_pjrt.ops import graph, linalg, registry
 from torch_pjrt.runtime import checks, client, disk_store, metrics, programs, rng, spmd
 
 aten = torch.ops.aten
+# Imported when torch.compile looks this backend up, before Dynamo traces a user's optimizer step.
+_torch_private.dynamo_optimizer_without_cudagraph_import()
 # Compiles of one graph for distinct input shapes before a warning names what keeps changing.
 RECOMPILE_BUDGET = int(os.environ.get("TORCH_PJRT_RECOMPILE_BUDGET", "8"))
 # torch.compile(backend="pjrt", options={...}): what each option means.
@@ -265,7 +267,7 @@ class CompiledGraph:
             found = (spmd.MeshProgram(run, self.mesh, "compiled_graph", counter="graph_compiles"), layouts, made)
         elif padded is None and _can_store():
             stored = self._stored_key(signature, array_shapes)
-            found = _load_stored(stored) or _export_stored(run, example, layouts, made, stored)
+            found = _load_stored(stored, example) or _export_stored(run, example, layouts, made, stored)
         program, layouts, made = found or (_graph_program(run), layouts, made)
         host_mutations = [index for index in mutated if signature[index][0] != "pjrt"]
         found = self.programs[key] = SignatureProgram(program, layouts, written, host_mutations, made)
@@ -490,8 +492,9 @@ def _has_serializer() -> bool:
     return importlib.util.find_spec("flatbuffers") is not None
 
 
-def _load_stored(key: str) -> tuple[programs.Program, list[Any], list[checks.Check]] | None:
-    """A graph's program as an earlier process traced it (its StableHLO, output layouts and checks)."""
+def _load_stored(key: str, example: tuple) -> tuple[programs.Program, list[Any], list[checks.Check]] | None:
+    """A graph's program as an earlier process traced it (its StableHLO, output layouts and checks), run by
+    the executable that process stored for it where there is one."""
     payload = disk_store.read("graphs", key)
     if payload is None:
         return None
@@ -499,7 +502,8 @@ def _load_stored(key: str) -> tuple[programs.Program, list[Any], list[checks.Che
     described = json.loads(header)
     layouts = [_layout_from_json(item) for item in described["layouts"]]
     made = [checks.Check(op, message, _ERRORS[error], where) for op, message, error, where in described["checks"]]
-    return _graph_program(client.jax_module().export.deserialize(bytearray(module)).call), layouts, made
+    exported = client.jax_module().export.deserialize(bytearray(module))
+    return _stored_graph_program(exported.call, example, key), layouts, made
 
 
 # the exception classes a stored check may name
@@ -509,8 +513,8 @@ _ERRORS = {error.__name__: error for error in (RuntimeError, IndexError, ValueEr
 def _export_stored(
     run: Callable, example: tuple, layouts: list[Any], made: list[checks.Check], key: str
 ) -> tuple[programs.Program, list[Any], list[checks.Check]] | None:
-    """Trace a graph's program once, store it for later processes, and run it from the stored form
-    (so XLA's own cache holds the executable a later process will ask for)."""
+    """Trace a graph's program once, store it and its executable for later processes, and run it from
+    the stored form."""
     jax = client.jax_module()
     start = time.perf_counter()
     try:
@@ -522,11 +526,15 @@ def _export_stored(
     header = {"layouts": [_layout_to_json(layout) for layout in layouts],
               "checks": [[c.op, c.message, c.error.__name__, c.where] for c in made]}
     disk_store.write("graphs", key, json.dumps(header).encode() + b"\n" + exported.serialize())
-    return _graph_program(exported.call), layouts, made
+    return _stored_graph_program(exported.call, example, key), layouts, made
 
 
 def _graph_program(fn: Callable) -> programs.Program:
     return programs.Program(fn, "compiled_graph", counter="graph_compiles")
+
+
+def _stored_graph_program(fn: Callable, example: tuple, key: str) -> programs.Program:
+    return programs.stored_executable(fn, example, key, "compiled_graph", "graph_compiles")
 
 
 def _layout_to_json(layout: tuple | None) -> list | None:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import hashlib
+import os
+import pickle
 import time
 import warnings
 from collections.abc import Callable, Hashable
 from typing import Any
 
-from torch_pjrt.runtime import client, metrics, profiling
+from torch_pjrt.runtime import client, disk_store, metrics, profiling
 
 
 class Program:
@@ -28,6 +31,14 @@ class Program:
         self.counter = counter
         self.device_index = device_index
         self._run = self._first_call
+
+    @classmethod
+    def of_executable(cls, executable: Any, name: str, counter: str | None = None) -> Program:
+        """A program already compiled (or loaded): its calls compile nothing."""
+        program = cls.__new__(cls)
+        program._jitted = program._run = executable
+        program.name, program.counter, program.device_index = name, counter, None
+        return program
 
     def call(self, *args: Any) -> Any:
         """Run the program. Every program runs here, so faults are handled here, not per op: an allocation
@@ -70,6 +81,49 @@ class Program:
 
     def lower_text(self, *args: Any) -> str:
         return self._jitted.lower(*args).as_text()
+
+
+def stored_executable(fn: Callable, example: tuple, key: str, name: str, counter: str) -> Program:
+    """The program of `fn` for the example's shapes, as an executable an earlier process stored under
+    `key` (a digest of everything `fn` traces to), or compiled now and stored for later processes.
+
+    A loaded executable skips jax's tracing and lowering and XLA's cache lookup: a warm process
+    deserializes it and runs. The key adds what an executable depends on besides the traced program:
+    jax, the device kind, the devices of the inputs and XLA's flags."""
+    jax = client.jax_module()
+    devices = sorted({device.id for leaf in jax.tree_util.tree_leaves(example) if isinstance(leaf, jax.Array)
+                      for device in leaf.devices()})
+    backend = client.devices()[0].client
+    digest = hashlib.sha256()
+    for part in (key, jax.__version__, backend.platform_version, client.devices()[0].device_kind, devices,
+                 os.environ.get("XLA_FLAGS", "")):
+        digest.update(str(part).encode())
+    stored = digest.hexdigest()
+    payload = disk_store.read("executables", stored)
+    if payload is not None:
+        from jax.experimental import serialize_executable
+
+        serialized, in_tree, out_tree = pickle.loads(payload)
+        by_id = {device.id: device for device in client.devices()}
+        executable = serialize_executable.deserialize_and_load(
+            serialized, in_tree, out_tree, backend=backend, execution_devices=[by_id[i] for i in devices] or None)
+        return Program.of_executable(executable, name, counter)
+    start = time.perf_counter()
+    loaded_before = metrics.counters_now("persistent_cache_hits")
+    executable = jax.jit(fn).lower(*example).compile()
+    metrics.bump(counter)
+    metrics.bump(f"{counter}_seconds", time.perf_counter() - start)
+    if metrics.counters_now("persistent_cache_hits") != loaded_before:
+        # XLA's cache gave it: such a CPU executable serializes without its code ("Function ... not found").
+        return Program.of_executable(executable, name, counter)
+    from jax.experimental import serialize_executable
+
+    try:
+        serialized = serialize_executable.serialize(executable)
+    except (ValueError, NotImplementedError):
+        return Program.of_executable(executable, name, counter)  # an executable XLA cannot serialize
+    disk_store.write("executables", stored, pickle.dumps(serialized))
+    return Program.of_executable(executable, name, counter)
 
 
 class ProgramCache:
