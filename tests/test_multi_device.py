@@ -264,6 +264,26 @@ def fused_mode() -> None:
 
 
 @scenario
+def in_place_random_init() -> None:
+    """uniform_ overwrites its input whole (jit drops the unused input); nn.init's trunc_normal_ and
+    kaiming_uniform_ run on it. Their results must stay on the tensor's device."""
+    weight = torch.randn(64, 16).to(SECOND)
+    with torch.no_grad():
+        weight.uniform_(-0.5, 0.25)
+    assert_on_second(weight)
+    values = weight.cpu()
+    assert values.min() >= -0.5 and values.max() < 0.25 and values.std() > 0.1, values
+    # (init, the bound of its values): kaiming_uniform_'s is sqrt(6 / fan_in) = sqrt(6 / 16)
+    for init, bound in ((lambda w: nn.init.trunc_normal_(w, std=0.02, a=-0.04, b=0.04), 0.04),
+                        (nn.init.kaiming_uniform_, (6 / 16) ** 0.5)):
+        weight = torch.empty(64, 16, device=SECOND)
+        init(weight)
+        assert_on_second(weight)
+        values = weight.cpu()
+        assert values.abs().max() <= bound and values.std() > bound / 4, (bound, values)
+
+
+@scenario
 def compiled() -> None:
     torch._dynamo.reset()
     train_alongside(AttentionBlock(), lambda: torch.randn(2, 6, 16),
@@ -286,7 +306,8 @@ def run_scenarios(out_path: str, names: list[str]) -> None:
 
 # --- the tests ---------------------------------------------------------------------------------------
 
-FUSED = ["mlp_training", "attention_training", "factories_in_backward", "copies_between_devices", "fused_mode"]
+FUSED = ["mlp_training", "attention_training", "factories_in_backward", "copies_between_devices", "fused_mode",
+         "in_place_random_init"]
 # job: (scenarios, environment); "python" runs every op through the Python kernels
 JOBS = {
     "native": (list(SCENARIOS), {}),

@@ -664,7 +664,9 @@ def _build(plan: OpPlan, scan: Scan, values: list[Any], described: list[Any], fo
                     flats[slot] = storage.write_view(flats[slot], storage_dtype, view, item)
         return (*flat_outputs, *resized, *(flats[s] for s in mutated_slots))
 
-    device_index = scan.device.index if not passed_slots else None
+    # Results go on the op's device even when no input decides it: a program whose passed storages go
+    # unused (uniform_ overwrites its input whole, so jit drops it) would otherwise run on jax's default device.
+    device_index = scan.device.index
     compiled = programs.Program(program, str(plan.op), donate=donate, device_index=device_index)
     if form is not None:
         output_count = len(out_factors)
