@@ -454,3 +454,21 @@ def test_bessel_j0_y1_float64_against_series() -> None:
     expected_y1 = torch.tensor([_bessel_series(1, v) for v in x.tolist()], dtype=torch.float64)
     torch.testing.assert_close(j0, expected_j0, atol=1e-13, rtol=1e-12)
     torch.testing.assert_close(y1, expected_y1, atol=1e-13, rtol=1e-12)
+
+
+@pytest.mark.parametrize("mode", ["strict", "fused", "compiled"])
+def test_division_by_a_broadcast_divisor_rounds_once(mode: str) -> None:
+    """XLA would multiply by the reciprocal (one ulp off in most float32 quotients); CPU divides."""
+    x, column = uniform((256, 64), -3, 3), uniform((256, 1), 0.5, 2)
+
+    def divide(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return a / 127.5, a / b, torch.div(a, b[0, 0]), torch.ops.prims.div(a, 127.5)
+
+    expected = divide(x, column)
+    if mode == "compiled":
+        actual = torch.compile(divide, backend="pjrt", fullgraph=True)(*to_device((x, column)))
+    else:
+        with torch.pjrt.set_eager_mode("defer_and_fuse" if mode == "fused" else "defer_never"):
+            actual = divide(*to_device((x, column)))
+    for a, e in zip(actual, expected):
+        assert torch.equal(a.cpu().view(torch.int32), e.view(torch.int32))

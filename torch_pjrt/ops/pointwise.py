@@ -129,10 +129,19 @@ def _floor_divide(a: Any, b: Any, op: str = "aten::div") -> Any:
     return jnp.where(b == 0, a / b, floored)
 
 
+def true_divide(a: Any, b: Any) -> Any:
+    """a / b rounded once, as CPU divides. XLA's algebraic simplifier turns a division by a broadcast divisor
+    (a scalar, a size-1 dimension) into a multiplication by its reciprocal, one ulp off in most float32
+    quotients (and so off by one step after quantization rounding); a barrier on the broadcast divisor keeps it."""
+    shape = jnp.broadcast_shapes(jnp.shape(a), jnp.shape(b))
+    if jnp.shape(b) != shape and not is_integral(b):
+        b = jax.lax.optimization_barrier(jnp.broadcast_to(b, shape))
+    return a / b
+
+
 @register(aten.div.Tensor, aten.div.Scalar)
 def div(self: Any, other: Any) -> Any:
-    a, b = promote(self, other, kind=KIND.INT_TO_FLOAT)
-    return a / b
+    return true_divide(*promote(self, other, kind=KIND.INT_TO_FLOAT))
 
 
 @register(aten.div.Tensor_mode, aten.div.Scalar_mode)

@@ -74,7 +74,7 @@ for _prim, _aten in SAME_AS_ATEN.items():
 def div(self: Any, other: Any) -> Any:
     """True division for floats, truncation for integers."""
     a, b = pointwise.promote(self, other)
-    return jax.lax.div(*jnp.broadcast_arrays(a, b)) if pointwise.is_integral(a) else a / b
+    return jax.lax.div(*jnp.broadcast_arrays(a, b)) if pointwise.is_integral(a) else pointwise.true_divide(a, b)
 
 
 @register(prims.cbrt.default)
