@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+
+import pytest
+import torch
+
+import torch_pjrt
 
 STEP = textwrap.dedent(
     """
@@ -62,7 +68,6 @@ def test_a_compiled_optimizer_step_equals_cpu_cold_and_warm_without_inductors_cu
 
 def test_dynamo_still_asks_pytorch_about_cuda_tensors() -> None:
     """The optimizer check answers for non-CUDA tensors only; a CUDA tensor goes to PyTorch's own function."""
-    import torch
     from torch._dynamo.variables import optimizer
 
     from torch_pjrt import _torch_private
@@ -84,3 +89,43 @@ def test_dynamo_still_asks_pytorch_about_cuda_tensors() -> None:
         assert wrapped(cuda) is False and asked == [cuda]
     finally:
         cell.cell_contents = original
+
+
+@pytest.mark.parametrize("mode", ["strict", "fused", "compiled"])
+def test_warmup_compiles_every_bucket_so_later_sizes_compile_nothing(mode: str) -> None:
+    """After warming sizes 3, 9 and 40 of a dim marked up to 64 (buckets 4, 16, 64), new sizes in those buckets
+    compile nothing and equal CPU; a size past the bound (70, exact) still compiles."""
+    torch.manual_seed(11)
+    model = torch.nn.Sequential(torch.nn.Linear(7, 13), torch.nn.GELU(), torch.nn.Linear(13, 5))
+    on_device = copy.deepcopy(model).to("pjrt")
+    fn = torch.compile(on_device, backend="pjrt") if mode == "compiled" else on_device
+
+    def marked(host: torch.Tensor) -> torch.Tensor:
+        torch_pjrt.mark_dynamic(host, 1, max=64)  # padded as it moves
+        return host.to("pjrt")
+
+    if mode == "fused":
+        torch_pjrt.set_eager_mode(torch_pjrt.EagerMode.DEFER_AND_FUSE)
+    try:
+        warmed = torch_pjrt.warmup(fn, marked(torch.randn(3, 10, 7)), sizes={(0, 1): [3, 9, 40]})
+        assert [w.sizes for w in warmed] == [{(0, 1): 3}, {(0, 1): 9}, {(0, 1): 40}]
+        assert all(w.programs_compiled > 0 for w in warmed)
+        for length, compiles in ((4, 0), (12, 0), (57, 0), (70, None)):
+            host = torch.randn(3, length, 7)
+            before = torch_pjrt.metrics.counters()["compiles"]
+            with torch.no_grad():
+                result = fn(marked(host))
+            torch.pjrt.synchronize()  # fused mode runs (and compiles) here
+            made = torch_pjrt.metrics.counters()["compiles"] - before
+            assert made == compiles if compiles is not None else made > 0, (length, made)
+            # (in fused mode this read compiles a program per true length: its graph unpads the result)
+            torch.testing.assert_close(result.cpu(), model(host).detach(), rtol=1e-4, atol=1e-5)
+    finally:
+        torch_pjrt.set_eager_mode(torch_pjrt.EagerMode.DEFER_NEVER)
+
+
+def test_warmup_refuses_sizes_of_an_argument_that_is_not_a_tensor() -> None:
+    with pytest.raises(ValueError, match="argument 1, which is not a tensor"):
+        torch_pjrt.warmup(lambda x, n: x * n, torch.randn(2).to("pjrt"), 3, sizes={(1, 0): [4]})
+    with pytest.raises(ValueError, match="no dim 2"):
+        torch_pjrt.warmup(lambda x: x * 2, torch.randn(2, 3).to("pjrt"), sizes={(0, 2): [4]})
