@@ -22,6 +22,7 @@ _LAZY = {
     "export_stablehlo": ("torch_pjrt.compile.export", "export_stablehlo"),
     "mark_dynamic": ("torch_pjrt.eager.dynamic", "mark_dynamic"),
     "get_dynamism_info": ("torch_pjrt.eager.dynamic", "get_dynamism_info"),
+    "warmup": ("torch_pjrt.compile.warmup", "warmup"),
 }
 
 
@@ -37,5 +38,5 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "EagerMode", "cpu_fallback", "export_stablehlo", "get_dynamism_info", "kernels", "mark_dynamic", "metrics",
-    "register", "set_eager_mode",
+    "register", "set_eager_mode", "warmup",
 ]
