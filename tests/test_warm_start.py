@@ -129,3 +129,32 @@ def test_warmup_refuses_sizes_of_an_argument_that_is_not_a_tensor() -> None:
         torch_pjrt.warmup(lambda x, n: x * n, torch.randn(2).to("pjrt"), 3, sizes={(1, 0): [4]})
     with pytest.raises(ValueError, match="no dim 2"):
         torch_pjrt.warmup(lambda x: x * 2, torch.randn(2, 3).to("pjrt"), sizes={(0, 2): [4]})
+
+
+TWO_DEVICES = textwrap.dedent(
+    """
+    import torch, torch_pjrt
+    torch.manual_seed(int(__import__("sys").argv[1]))
+    f = torch.compile(lambda x: (x.sin() * 3).sum(0), backend="pjrt")
+    for device in ("pjrt:0", "pjrt:1"):
+        x = torch.randn(5, 3)
+        y = f(x.to(device))
+        assert y.device == torch.device(device), y.device
+        torch.testing.assert_close(y.cpu(), (x.sin() * 3).sum(0))
+    counters = torch_pjrt.metrics.counters()
+    print(counters["disk_store_hits"], counters["disk_store_writes"], counters["graph_compiles"])
+    """
+)
+
+
+def test_a_stored_executable_runs_on_the_device_it_was_compiled_for(tmp_path: Path) -> None:
+    """One graph on two devices: one traced program, an executable per device, each loaded for its own device."""
+    def run(seed: int) -> list[str]:
+        result = subprocess.run([sys.executable, "-c", TWO_DEVICES, str(seed)], capture_output=True, text=True,
+                                timeout=300, env={**os.environ, "TORCH_PJRT_CACHE_DIR": str(tmp_path),
+                                                  "TORCH_PJRT_CPU_DEVICES": "2"})
+        assert result.returncode == 0, result.stderr[-3000:]
+        return result.stdout.split()
+
+    assert run(1) == ["1", "3", "2"]  # the graph stored once (device 1 finds it), an executable per device
+    assert run(2) == ["4", "0", "0"]
