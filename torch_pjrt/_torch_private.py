@@ -168,6 +168,11 @@ def exclude_key(key: str) -> Any:
     return torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key)))
 
 
+def composite_kernel(op: torch._ops.HigherOrderOperator) -> Callable[..., Any] | None:
+    """A higher-order op's CompositeExplicitAutograd kernel (flex_attention's: its dense math in ATen ops)."""
+    return op.py_kernels.get(torch._C.DispatchKey.CompositeExplicitAutograd)
+
+
 # Packages whose frames run inside our kernels: Dynamo must never try to compile them.
 DYNAMO_SKIPPED = ("torch_pjrt", "jax", "jaxlib", "ml_dtypes", "opt_einsum")
 

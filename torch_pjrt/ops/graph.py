@@ -10,7 +10,7 @@ import torch
 import torch.fx
 from torch.utils import _pytree as pytree
 
-from torch_pjrt import storage
+from torch_pjrt import _torch_private, storage
 from torch_pjrt.ops import casts, registry
 from torch_pjrt.runtime import checks, client
 
@@ -110,6 +110,8 @@ def evaluate(
                 env[node] = call_lowering(node.target, args, kwargs, rng, node.meta.get("val"))
             elif node.target is torch.ops.higher_order.with_effects:
                 env[node] = _with_effects(args, kwargs, rng)
+            elif isinstance(node.target, torch._ops.HigherOrderOperator):
+                env[node] = conform(_higher_order(node.target, args, kwargs, rng), node.meta.get("val"))
             else:
                 env[node] = node.target(*args, **kwargs)
         elif node.op == "output":
@@ -136,6 +138,17 @@ def _with_effects(args: tuple, kwargs: dict, rng: KeySource | None) -> tuple:
     return (token, *result) if isinstance(result, tuple) else (token, result)
 
 
+def _higher_order(op: torch._ops.HigherOrderOperator, args: tuple, kwargs: dict, rng: KeySource | None) -> Any:
+    """A higher-order op (flex_attention and its backward) as its composite kernel traced to ATen ops;
+    its subgraph arguments (score and mask functions) are traced inline. Traced on CPU tensors: the
+    dense kernels make tensor constants (the -inf of masked scores)."""
+    kernel = _torch_private.composite_kernel(op)
+    if kernel is None:
+        raise RuntimeError(f"torch_pjrt cannot lower the higher-order op {op.name()} in a compiled graph (it has no "
+                           "composite ATen implementation); run that part of the model outside torch.compile.")
+    return lower_callable(kernel, args, kwargs, rng, trace_device="cpu")
+
+
 _traced: dict[Any, torch.fx.GraphModule] = {}
 
 
@@ -152,14 +165,19 @@ def trace_to_graph(fn: Callable, metas: list[torch.Tensor]) -> torch.fx.GraphMod
         return make_fx(fn, tracing_mode="real")(*metas)
 
 
-def lower_callable(fn: Callable, args: tuple, kwargs: dict, rng: KeySource | None = None) -> Any:
-    """Trace a torch function of these arguments to an ATen graph and lower it on jax values."""
+def lower_callable(fn: Callable, args: tuple, kwargs: dict, rng: KeySource | None = None,
+                   trace_device: str = "meta") -> Any:
+    """Trace a torch function of these arguments to an ATen graph and lower it on jax values. It is traced
+    on meta tensors, or on zero-filled CPU tensors with trace_device="cpu" where it makes tensor
+    constants (`torch.tensor(-inf, device=x.device)`), whose values a meta trace would lose."""
     leaves, spec = pytree.tree_flatten((args, kwargs))
-    leaves = [torch.device("meta") if isinstance(leaf, torch.device) else leaf for leaf in leaves]
+    leaves = [torch.device(trace_device) if isinstance(leaf, torch.device) else leaf for leaf in leaves]
     positions = [i for i, leaf in enumerate(leaves) if is_array(leaf)]
     metas = [meta_like(leaves[i]) for i in positions]
+    if trace_device != "meta":
+        metas = [torch.zeros(m.shape, dtype=m.dtype, device=trace_device) for m in metas]
     static = tuple(None if i in positions else leaves[i] for i in range(len(leaves)))
-    key = (fn, spec, _hashable(static), tuple((m.shape, m.dtype) for m in metas))
+    key = (fn, spec, _hashable(static), tuple((m.shape, m.dtype, m.device) for m in metas))
     gm = _traced.get(key)
     if gm is None:
 
