@@ -100,7 +100,8 @@ def evaluate(
             env[node] = next(feed)
         elif node.op == "get_attr":
             constant = getattr(gm, node.target)
-            env[node] = jnp.asarray(constant.detach().cpu().numpy()) if isinstance(constant, torch.Tensor) else constant
+            is_tensor = isinstance(constant, torch.Tensor)
+            env[node] = jnp.asarray(storage.host_array(constant.detach().cpu())) if is_tensor else constant
         elif node.op == "call_function":
             args, kwargs = load(node.args), load(node.kwargs)
             checks.at_source(node.meta.get("stack_trace"))
