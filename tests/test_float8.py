@@ -295,5 +295,53 @@ def test_float8_promotion_is_rejected_like_cpu() -> None:
 
 
 def test_unheld_dtypes_name_the_ones_that_are() -> None:
-    with pytest.raises(TypeError, match="float8_e4m3fn"):
-        torch.zeros(2, dtype=torch.float4_e2m1fn_x2).to("pjrt")
+    with pytest.raises(TypeError, match="float8_e4m3fn.*float4_e2m1fn_x2"):
+        torch.zeros(2, dtype=torch.complex32).to("pjrt")
+
+
+def _fp4_pairs(generator: torch.Generator, *shape: int) -> torch.Tensor:
+    """Random bytes as torch.float4_e2m1fn_x2: two e2m1 values per byte, every code (NaN-free format) possible."""
+    return torch.randint(0, 256, shape, dtype=torch.uint8, generator=generator).view(torch.float4_e2m1fn_x2)
+
+
+@pytest.mark.parametrize("mode", ["strict", "fused"])
+def test_fp4_pairs_move_and_select_byte_for_byte(mode: str, generator: torch.Generator) -> None:
+    """What CPU does with packed fp4 (held on pjrt as its bytes): copies, views, joins, selection, equality."""
+    x, y = _fp4_pairs(generator, 4, 6), _fp4_pairs(generator, 4, 6)
+    mask = torch.randn(4, 6, generator=generator) > 0
+
+    def ops(x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> list[torch.Tensor]:
+        return [x.clone(), torch.empty_like(x).copy_(y), torch.cat([x, y]), torch.stack([x, y]), x.t().contiguous(),
+                x[1:3, ::2].clone(), torch.where(mask, x, y), x.flip(0), x == y, x != y, x.view(torch.uint8),
+                torch.zeros(3, 2, dtype=x.dtype, device=x.device)]
+
+    expected = ops(x, y, mask)
+    with MODES[mode]():
+        outputs = ops(*to_device((x, y, mask)))
+        assert {t.device.type for t in outputs} == {"pjrt"}
+        actual = [t.cpu() for t in outputs]
+    for a, e in zip(actual, expected):
+        assert a.dtype == e.dtype and torch.equal(_bytes(a), _bytes(e)), (a, e)
+    buffer = io.BytesIO()
+    torch.save(x.to("pjrt"), buffer)
+    buffer.seek(0)
+    assert torch.equal(_bytes(torch.load(buffer)), _bytes(x))
+
+
+# What CPU refuses on packed fp4 (every cast and arithmetic, fills other than zeros, gathers).
+FP4_REFUSED: dict[str, Callable[[torch.Tensor], object]] = {
+    "to float32": lambda x: x.float(), "from float32": lambda x: torch.ones(2, device=x.device).to(x.dtype),
+    "to float8": lambda x: x.to(torch.float8_e4m3fn), "mul": lambda x: x * x, "fill_": lambda x: x.clone().fill_(1),
+    "ones": lambda x: torch.ones(3, dtype=x.dtype, device=x.device), "index": lambda x: x[[2, 0]],
+    "sum": lambda x: x.sum(),
+}
+
+
+@pytest.mark.parametrize("mode", ["strict", "fused"])
+@pytest.mark.parametrize("name", list(FP4_REFUSED))
+def test_what_cpu_refuses_on_fp4_pairs_pjrt_refuses(name: str, mode: str, generator: torch.Generator) -> None:
+    x = _fp4_pairs(generator, 4, 6)
+    with pytest.raises(NotImplementedError, match="not implemented for 'Float4_e2m1fn_x2'"):
+        FP4_REFUSED[name](x)
+    with MODES[mode](), pytest.raises(NotImplementedError, match="not implemented for 'Float4_e2m1fn_x2'"):
+        FP4_REFUSED[name](x.to("pjrt"))

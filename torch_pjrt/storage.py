@@ -51,6 +51,12 @@ ML_DTYPES: tuple[torch.dtype, ...] = (
     torch.float8_e8m0fnu,
 )
 FLOAT8_DTYPES: tuple[torch.dtype, ...] = tuple(d for d in ML_DTYPES if d.itemsize == 1)
+# Dtypes held as their raw bytes (uint8): PyTorch's pair of fp4 e2m1 values packed in a byte (MX fp4) has no jax
+# dtype (ml_dtypes' float4_e2m1fn is one value per element, and XLA packs it itself). CPU only moves, compares
+# and selects these bytes; every other op refuses them, on pjrt as on CPU (ops/arguments.py).
+BYTE_DTYPES: tuple[torch.dtype, ...] = (torch.float4_e2m1fn_x2,)
+# Dtypes whose few CPU kernels pjrt follows by trying the op on CPU stand-ins first.
+NARROW_DTYPES: tuple[torch.dtype, ...] = FLOAT8_DTYPES + BYTE_DTYPES
 # The same-size integer dtype whose bits carry an ml_dtypes value between torch and numpy.
 _CARRIER = {1: torch.uint8, 2: torch.int16}
 
@@ -64,13 +70,15 @@ def numpy_dtype(dtype: torch.dtype) -> Any:
     """The numpy/jax dtype holding a torch dtype's elements (bfloat16 and float8 through ml_dtypes)."""
     if dtype in TORCH_TO_NUMPY:
         return np.dtype(TORCH_TO_NUMPY[dtype])
+    if dtype in BYTE_DTYPES:
+        return np.dtype(np.uint8)
     if dtype in ML_DTYPES:
         import ml_dtypes
 
         return np.dtype(getattr(ml_dtypes, str(dtype).removeprefix("torch.")))
     raise UnsupportedDtype(
         f"pjrt tensors cannot hold {dtype}; use one of "
-        + ", ".join(str(d) for d in [*TORCH_TO_NUMPY, *ML_DTYPES])
+        + ", ".join(str(d) for d in [*TORCH_TO_NUMPY, *ML_DTYPES, *BYTE_DTYPES])
         + "."
     )
 
@@ -94,7 +102,7 @@ def host_array(tensor: torch.Tensor) -> np.ndarray:
     """
     held = numpy_dtype(tensor.dtype)  # raises UnsupportedDtype first for a dtype no pjrt tensor holds
     tensor = tensor.detach().resolve_conj().resolve_neg().clone(memory_format=torch.contiguous_format)
-    if tensor.dtype in ML_DTYPES:
+    if tensor.dtype in ML_DTYPES or tensor.dtype in BYTE_DTYPES:
         return tensor.view(_CARRIER[tensor.dtype.itemsize]).numpy().view(held)
     return tensor.numpy()
 

@@ -57,7 +57,7 @@ def to_cpu(tensor: torch.Tensor) -> torch.Tensor:
     if isinstance(st.array, storage.Padded):
         flat = storage.host_tensor(st.array.host()).view(tensor.dtype)
         return torch.as_strided(flat, tensor.shape, tensor.stride(), tensor.storage_offset()).clone()
-    return storage.host_tensor(dispatch.read_to_host(tensor))
+    return storage.host_tensor(dispatch.read_to_host(tensor)).view(tensor.dtype)  # byte dtypes come back as uint8
 
 
 def resolve_device(device: Any) -> torch.device:

@@ -45,7 +45,9 @@ def check(op: OpOverload, arguments: dict[str, Any]) -> None:
 
 def _holds_float8(value: Any) -> bool:
     if isinstance(value, torch.Tensor):
-        return value.dtype in storage.FLOAT8_DTYPES
+        return value.dtype in storage.NARROW_DTYPES
+    if isinstance(value, torch.dtype):
+        return value in storage.BYTE_DTYPES  # CPU casts to float8 but never to a byte dtype
     return isinstance(value, (list, tuple)) and any(_holds_float8(v) for v in value)
 
 
@@ -66,13 +68,17 @@ def refuse_float8_like_cpu(op: OpOverload, arguments: dict[str, Any]) -> None:
     CPU runs few ops on float8 (copies, indexing, `cat`, `where`, `mul`, `mm`, `abs`, `==`, ...), and
     which ones, with which message, is its kernels' business: the op runs once on small CPU zeros of
     the same dtypes (CPU's random state kept) and its float8 refusal, if any, is raised here. Ops that
-    take a size (factories) are not tried: they fill, which CPU does for float8, and a size is not cut.
+    take a size (factories) are not tried for float8: they fill, which CPU does for float8, and a size is not
+    cut; for a byte dtype, which CPU fills with nothing but zeros, they are tried with every size 1.
     Other failures of the stand-ins (a size argument no longer fitting) say nothing and are ignored.
     """
     if op.namespace != "aten" or not any(_holds_float8(v) for v in arguments.values()):
         return
     if any(argument.name == "size" for argument in op._schema.arguments):
-        return
+        if not isinstance(arguments.get("size"), (list, tuple)) or not any(
+                isinstance(v, torch.dtype) and v in storage.BYTE_DTYPES for v in arguments.values()):
+            return
+        arguments = {**arguments, "size": [1] * len(arguments["size"])}
     # type(value) is object: a keyword-only argument the caller left at its default
     stand_ins = {name: _small_zeros(value) for name, value in arguments.items() if type(value) is not object}
     with warnings.catch_warnings(), torch.random.fork_rng(devices=[]):
@@ -80,7 +86,7 @@ def refuse_float8_like_cpu(op: OpOverload, arguments: dict[str, Any]) -> None:
         try:
             op(**stand_ins)
         except NotImplementedError as error:
-            if "not implemented for 'Float8" in str(error):
+            if "not implemented for 'Float8" in str(error) or "not implemented for 'Float4" in str(error):
                 raise NotImplementedError(str(error)) from None
         except Exception:  # noqa: BLE001, S110  (a stand-in that does not fit says nothing about float8)
             pass
