@@ -1,4 +1,4 @@
-# Libraries beyond Transformers on pjrt (issue 34: PyTorch Lightning, torchao, diffusers; tests/test_libraries*.py,
+# Libraries beyond Transformers on pjrt (issue 34: PyTorch Lightning, torchao, diffusers, TRL; tests/test_libraries*.py,
 # docs/libraries.md) in an environment of their own. torch is pinned first, and the libraries resolve together
 # with this project's pinned [dev] extra in one pip call (tests/fixtures/libs/requirements.txt pins torch too), so
 # that no requirement can pull another torch build. None of them needs torchvision, which is not installed.
