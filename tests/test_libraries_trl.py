@@ -46,12 +46,12 @@ def tiny_llama() -> Any:
     return transformers.LlamaForCausalLM(config)
 
 
-def fine_tune(output_dir: Path, use_cpu: bool) -> tuple[list[float], set[str]]:
+def fine_tune(output_dir: Path, use_cpu: bool, bf16: bool) -> tuple[list[float], set[str]]:
     AcceleratorState._reset_state(reset_partial_state=True)
     # Batches padded to 16 tokens: one shape, so pjrt compiles each program once rather than per length.
     args = trl.SFTConfig(output_dir=str(output_dir), max_steps=STEPS, per_device_train_batch_size=2, optim="sgd",
                          learning_rate=0.5, pad_to_multiple_of=16, max_length=16, logging_steps=1, report_to=[],
-                         save_strategy="no", seed=0, use_cpu=use_cpu)
+                         save_strategy="no", seed=0, use_cpu=use_cpu, bf16=bf16)
     trainer = trl.SFTTrainer(model=tiny_llama(), args=args, train_dataset=texts(), processing_class=tokenizer())
     trainer.train()
     AcceleratorState._reset_state(reset_partial_state=True)
@@ -59,9 +59,11 @@ def fine_tune(output_dir: Path, use_cpu: bool) -> tuple[list[float], set[str]]:
     return losses, {p.device.type for p in trainer.model.parameters()}
 
 
-def test_sft_trainer_trains_on_pjrt_with_cpu_losses(tmp_path: Path) -> None:
-    expected, cpu_devices = fine_tune(tmp_path / "cpu", use_cpu=True)
-    actual, devices = fine_tune(tmp_path / "pjrt", use_cpu=False)
+# TRL turns bf16 autocast on by default (on pjrt as on CPU); float32 gives CPU's losses to rounding.
+@pytest.mark.parametrize(("bf16", "rtol"), [(False, 1e-6), (True, 1e-4)], ids=["float32", "bf16-autocast"])
+def test_sft_trainer_trains_on_pjrt_with_cpu_losses(tmp_path: Path, bf16: bool, rtol: float) -> None:
+    expected, cpu_devices = fine_tune(tmp_path / "cpu", use_cpu=True, bf16=bf16)
+    actual, devices = fine_tune(tmp_path / "pjrt", use_cpu=False, bf16=bf16)
     assert devices == {"pjrt"} and cpu_devices == {"cpu"}
     assert len(actual) == STEPS
-    torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(actual, expected, rtol=rtol, atol=0)
