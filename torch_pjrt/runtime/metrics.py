@@ -22,6 +22,8 @@ COUNTER_NAMES = (
     "fused_programs",
     "fused_ops",
     "fused_compiles",
+    # traces of fused programs by jax (none where a stored executable is loaded)
+    "fused_traces",
     "fused_donated_buffers",
     "graph_compiles",
     "graph_compiles_seconds",
