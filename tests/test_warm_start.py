@@ -48,8 +48,9 @@ STEP = textwrap.dedent(
 )
 
 
-def run_step(cache: Path, seed: int) -> dict:
-    result = subprocess.run([sys.executable, "-c", STEP, str(seed)], capture_output=True, text=True, timeout=300,
+def run_step(cache: Path, seed: int, code: str = STEP) -> dict:
+    """A fresh process running `code` with this cache folder and seed: what its last line reports."""
+    result = subprocess.run([sys.executable, "-c", code, str(seed)], capture_output=True, text=True, timeout=300,
                             env={**os.environ, "TORCH_PJRT_CACHE_DIR": str(cache)})
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
@@ -158,3 +159,72 @@ def test_a_stored_executable_runs_on_the_device_it_was_compiled_for(tmp_path: Pa
 
     assert run(1) == ["1", "3", "2"]  # the graph stored once (device 1 finds it), an executable per device
     assert run(2) == ["4", "0", "0"]
+
+
+FUSED = textwrap.dedent(
+    """
+    import json, sys, torch, torch_pjrt
+    from torch_pjrt.eager import fusion
+    keys = []
+    stored_key = fusion._stored_key
+    fusion._stored_key = lambda *args: keys.append(stored_key(*args)) or keys[-1]
+    torch.manual_seed(int(sys.argv[1]))
+
+    def variant(name, x, w, scale):
+        y = x @ w
+        y = y + (w if name == "wiring" else x)
+        y = y.softmax(dim=0 if name == "static argument" else 1)
+        return y.add(0 if name == "scalar constant" else 1).mul(scale)
+
+    names = ("base", "static argument", "dtype", "wiring", "scalar constant", "traced scalar")
+    programs = {}
+    with torch_pjrt.set_eager_mode(torch_pjrt.EagerMode.DEFER_AND_FUSE):
+        for name in names:
+            dtype = torch.float64 if name == "dtype" else torch.float32
+            x, w = torch.randn(4, 4, dtype=dtype), torch.randn(4, 4, dtype=dtype)
+            scale = 3.5 if name == "traced scalar" else 2.5
+            before = len(keys)
+            found = variant(name, x.to("pjrt"), w.to("pjrt"), scale).cpu()
+            torch.testing.assert_close(found, variant(name, x, w, scale))
+            programs[name] = keys[before:]
+
+        torch.manual_seed(0)
+        reference = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
+        model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
+        model.load_state_dict(reference.state_dict())
+        model.to("pjrt")
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+        torch.manual_seed(int(sys.argv[1]))
+        for _ in range(3):
+            x, y = torch.randn(6, 5), torch.randn(6, 3)
+            for net, opt, device in ((model, optimizer, "pjrt"), (reference, reference_optimizer, "cpu")):
+                opt.zero_grad(set_to_none=True)
+                loss = torch.nn.functional.mse_loss(net(x.to(device)), y.to(device))
+                loss.backward()
+                opt.step()
+                if device == "cpu":
+                    torch.testing.assert_close(found_loss, loss.detach(), rtol=1e-4, atol=1e-5)
+                found_loss = loss.detach().cpu()
+    for mine, theirs in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(mine.cpu(), theirs, rtol=1e-4, atol=1e-5)
+    counters = torch_pjrt.metrics.counters()
+    print(json.dumps({"programs": programs, "keys": keys, "fused_traces": counters["fused_traces"],
+                      "fused_compiles": counters["fused_compiles"]}))
+    """
+)
+
+
+def test_a_warm_process_loads_the_stored_fused_programs_and_never_a_wrong_one(tmp_path: Path) -> None:
+    """Fused programs that differ only in a static argument, a dtype, the wiring or a constant scalar are
+    stored under different keys (a traced scalar's value is no part of it); a fresh process with the same
+    cache folder runs them and a fused AdamW step from the store, with CPU's results, tracing none."""
+    cold = run_step(tmp_path, 5, FUSED)
+    assert all(key is not None for key in cold["keys"]) and cold["fused_traces"] == len(set(cold["keys"])) > 0
+    variants = cold["programs"]
+    assert variants.pop("traced scalar") == []  # base's program, already made in this process
+    assert all(len(keys) == 1 for keys in variants.values()), variants
+    assert len({keys[0] for keys in variants.values()}) == len(variants)
+    warm = run_step(tmp_path, 6, FUSED)  # other random values through the same programs
+    assert warm["keys"] == cold["keys"] and warm["programs"] == {**variants, "traced scalar": []}
+    assert warm["fused_traces"] == 0 and warm["fused_compiles"] == cold["fused_compiles"]

@@ -346,6 +346,18 @@ class Entry:
     checks: tuple[checks.Check, ...] = ()
     # storages donated to the program (a custom op's donate_argnums): their tensors are consumed
     consumed_slots: tuple[int, ...] = ()
+    # its cache key as text that means the same in every process (None: a part of it is known only in this
+    # one); a fused program made of such entries is stored for later processes under a key built from these
+    structure: str | None = None
+
+
+def _structure(key: Any, plan: OpPlan | None) -> str | None:
+    """A cache key as process-independent text: its repr (dtypes, views, static values, types of traced
+    numbers), with the custom kernel's fingerprint; None where an object is known only by its address."""
+    text = repr(key)
+    if " at 0x" in text:
+        return None
+    return text if plan is None else f"{text} {plan.lowering.fingerprint}"
 
 
 def _meta_tensor(view: View) -> torch.Tensor:
@@ -795,7 +807,8 @@ def _compacted(layout: storage.Padded, device_index: int) -> Any:
         def fn(array: Any) -> tuple[Any]:
             return (compact(array),)
 
-        entry = _compactions[key] = Entry(programs.Program(fn, "compact_padded"), fn, [], [], [], [0], False, 1)
+        entry = _compactions[key] = Entry(programs.Program(fn, "compact_padded"), fn, [], [], [], [0], False, 1,
+                                          structure=_structure(("compact_padded", *key), None))
     metrics.bump("dynamic_compactions")
     inner = layout.array
     if not modes.state.fusing and isinstance(inner, storage.PendingArray):
@@ -898,6 +911,7 @@ def _execute(plan: OpPlan, args: tuple, kwargs: dict) -> tuple[Any, Replay | Non
             inputs = _inputs(entry, scan, plan, values)
             if modes.state.fusing:
                 _trace_now(entry, scan, inputs)
+            entry.structure = _structure(key, plan)
             outputs = _run(entry, inputs, scan.device.index)
         except registry.MissingLowering as missing:
             from torch_pjrt.eager import fallback
@@ -999,6 +1013,7 @@ def _padded_entry(plan: OpPlan, scan: Scan, values: list[Any], described: list[A
     entry = form.entries.get(padded)
     if entry is None:
         entry = _build(plan, scan, values, described, form, padded)
+        entry.structure = _structure((key, padded), plan)
         inputs = _inputs(entry, scan, plan, values)
         try:
             _trace_now(entry, scan, inputs)

@@ -19,6 +19,7 @@ state updated in place) are donated to it.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 import threading
@@ -27,8 +28,10 @@ import weakref
 from collections import Counter
 from typing import Any
 
+import torch
+
 from torch_pjrt import storage
-from torch_pjrt.runtime import checks, client, metrics, programs, spmd
+from torch_pjrt.runtime import checks, client, disk_store, metrics, programs, spmd
 
 MAX_NODES = int(os.environ.get("TORCH_PJRT_FUSE_MAX_NODES", "1000"))
 DEBUG_RECOMPILE = os.environ.get("TORCH_PJRT_DEBUG_RECOMPILE", "") not in ("", "0")
@@ -149,7 +152,8 @@ class PendingGraph:
                 metrics.bump("fused_compiles")
                 if DEBUG_RECOMPILE:
                     _explain_recompile(nodes, where)
-                program = _programs.put(structure, _fused_program(nodes, wanted, donated, self.device_index, mesh))
+                program = _programs.put(structure, _fused_program(nodes, wanted, donated, self.device_index, mesh,
+                                                                  inputs))
                 _seen.append((nodes, where))
             try:
                 results = program.call(*inputs)
@@ -178,8 +182,10 @@ def _unreferenced(inputs: list[Any]) -> tuple[int, ...]:
 
 def _fused_program(
     nodes: list[tuple[Any, tuple[Any, ...]]], wanted: tuple[tuple[int, int], ...], donated: tuple[int, ...],
-    device_index: int, mesh: Any = None,
+    device_index: int, mesh: Any, inputs: list[Any],
 ) -> Any:
+    """The program of a pending graph: stored for later processes (and loaded from an earlier one's store)
+    where the cache folder is on and every op's entry has a process-independent structure."""
     functions = [entry.fn for entry, _ in nodes]
     wiring = [refs for _, refs in nodes]
     # ops with device-side checks: their programs' last output is a code; the graph returns one for all
@@ -189,6 +195,7 @@ def _fused_program(
         offsets.append(offsets[-1] + len(nodes[node][0].checks))
 
     def fused(*inputs: Any) -> tuple[Any, ...]:
+        metrics.bump("fused_traces")  # (this runs only while jax traces the program)
         values: list[Any] = []
         for fn, refs in zip(functions, wiring):
             args = [values[r[1]][r[2]] if r[0] == "n" else inputs[r[1]] for r in refs]
@@ -200,8 +207,35 @@ def _fused_program(
 
     if mesh is not None:
         return spmd.MeshProgram(fused, mesh, f"fused[{len(nodes)}]", donate=donated)
+    name = f"fused[{len(nodes)}]"
+    stored = _stored_key(nodes, wanted, donated, inputs) if disk_store.enabled() else None
+    if stored is not None:
+        return programs.stored_executable(fused, tuple(inputs), stored, name, donate=donated,
+                                          device_index=device_index)
     # placed on its device: a graph of factories alone has no input that would place it
-    return programs.Program(fused, f"fused[{len(nodes)}]", donate=donated, device_index=device_index)
+    return programs.Program(fused, name, donate=donated, device_index=device_index)
+
+
+def _stored_key(nodes: list[tuple[Any, tuple[Any, ...]]], wanted: tuple[tuple[int, int], ...],
+                donated: tuple[int, ...], inputs: list[Any]) -> str | None:
+    """What a pending graph's program depends on, the same in every process: our code and the versions,
+    each op's structure (overload, views, static arguments, default dtype, matmul precision, kernel
+    fingerprint), the wiring, the outputs kept, the donated inputs and each input's type; None when
+    an op's structure is known only in this process."""
+    digest = hashlib.sha256()
+    for part in (disk_store.code_version(), torch.__version__, client.platform(), checks.ENABLED, wanted, donated):
+        digest.update(repr(part).encode())
+    for entry, refs in nodes:
+        structure = getattr(entry, "structure", None)
+        if structure is None:
+            return None
+        digest.update(f"{structure}\0{refs!r}\n".encode())
+    for value in inputs:
+        shape = getattr(value, "shape", None)
+        described = type(value).__name__ if shape is None else (tuple(shape), str(value.dtype),
+                                                                getattr(value, "weak_type", False))
+        digest.update(repr(described).encode())
+    return digest.hexdigest()
 
 
 _programs = programs.ProgramCache()

@@ -21,11 +21,7 @@ class Program:
 
     def __init__(self, fn: Callable, name: str, donate: tuple[int, ...] = (), device_index: int | None = None,
                  counter: str | None = None) -> None:
-        jax = client.jax_module()
-        options: dict[str, Any] = {"donate_argnums": donate}
-        if device_index is not None:
-            options["out_shardings"] = jax.sharding.SingleDeviceSharding(client.device_for(device_index))
-        self._jitted = jax.jit(fn, **options)
+        self._jitted = _jit(fn, donate, device_index)
         self.name = name
         # A metrics counter of its own kind (e.g. "graph_compiles"), counted besides "compiles".
         self.counter = counter
@@ -33,11 +29,12 @@ class Program:
         self._run = self._first_call
 
     @classmethod
-    def of_executable(cls, executable: Any, name: str, counter: str | None = None) -> Program:
+    def of_executable(cls, executable: Any, name: str, counter: str | None = None,
+                      device_index: int | None = None) -> Program:
         """A program already compiled (or loaded): its calls compile nothing."""
         program = cls.__new__(cls)
         program._jitted = program._run = executable
-        program.name, program.counter, program.device_index = name, counter, None
+        program.name, program.counter, program.device_index = name, counter, device_index
         return program
 
     def call(self, *args: Any) -> Any:
@@ -83,20 +80,33 @@ class Program:
         return self._jitted.lower(*args).as_text()
 
 
-def stored_executable(fn: Callable, example: tuple, key: str, name: str, counter: str) -> Program:
+def _jit(fn: Callable, donate: tuple[int, ...], device_index: int | None) -> Any:
+    """jax.jit of a program: its donated inputs, and its results placed on pjrt:device_index when given."""
+    jax = client.jax_module()
+    options: dict[str, Any] = {"donate_argnums": donate}
+    if device_index is not None:
+        options["out_shardings"] = jax.sharding.SingleDeviceSharding(client.device_for(device_index))
+    return jax.jit(fn, **options)
+
+
+def stored_executable(fn: Callable, example: tuple, key: str, name: str, counter: str | None = None,
+                      donate: tuple[int, ...] = (), device_index: int | None = None) -> Program:
     """The program of `fn` for the example's shapes, as an executable an earlier process stored under
     `key` (a digest of everything `fn` traces to), or compiled now and stored for later processes.
 
     A loaded executable skips jax's tracing and lowering and XLA's cache lookup: a warm process
     deserializes it and runs. The key adds what an executable depends on besides the traced program:
-    jax, the device kind, the devices of the inputs and XLA's flags."""
+    jax, the device kind, the devices of the inputs and results, donated inputs and XLA's flags."""
     jax = client.jax_module()
-    devices = sorted({device.id for leaf in jax.tree_util.tree_leaves(example) if isinstance(leaf, jax.Array)
-                      for device in leaf.devices()})
+    used = {device.id for leaf in jax.tree_util.tree_leaves(example) if isinstance(leaf, jax.Array)
+            for device in leaf.devices()}
+    if device_index is not None:
+        used.add(client.device_for(device_index).id)
+    devices = sorted(used)
     backend = client.devices()[0].client
     digest = hashlib.sha256()
     for part in (key, jax.__version__, backend.platform_version, client.devices()[0].device_kind, devices,
-                 os.environ.get("XLA_FLAGS", "")):
+                 os.environ.get("XLA_FLAGS", ""), donate):
         digest.update(str(part).encode())
     stored = digest.hexdigest()
     payload = disk_store.read("executables", stored)
@@ -107,23 +117,27 @@ def stored_executable(fn: Callable, example: tuple, key: str, name: str, counter
         by_id = {device.id: device for device in client.devices()}
         executable = serialize_executable.deserialize_and_load(
             serialized, in_tree, out_tree, backend=backend, execution_devices=[by_id[i] for i in devices] or None)
-        return Program.of_executable(executable, name, counter)
+        return Program.of_executable(executable, name, counter, device_index)
     start = time.perf_counter()
     loaded_before = metrics.counters_now("persistent_cache_hits")
-    executable = jax.jit(fn).lower(*example).compile()
-    metrics.bump(counter)
-    metrics.bump(f"{counter}_seconds", time.perf_counter() - start)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+        executable = _jit(fn, donate, device_index).lower(*example).compile()
+    if counter:
+        metrics.bump(counter)
+        metrics.bump(f"{counter}_seconds", time.perf_counter() - start)
+    made = Program.of_executable(executable, name, counter, device_index)
     if metrics.counters_now("persistent_cache_hits") != loaded_before:
         # XLA's cache gave it: such a CPU executable serializes without its code ("Function ... not found").
-        return Program.of_executable(executable, name, counter)
+        return made
     from jax.experimental import serialize_executable
 
     try:
         serialized = serialize_executable.serialize(executable)
     except (ValueError, NotImplementedError):
-        return Program.of_executable(executable, name, counter)  # an executable XLA cannot serialize
+        return made  # an executable XLA cannot serialize
     disk_store.write("executables", stored, pickle.dumps(serialized))
-    return Program.of_executable(executable, name, counter)
+    return made
 
 
 class ProgramCache:
