@@ -107,7 +107,11 @@ def test_memory_accounting_follows_tensors() -> None:
     torch.pjrt.reset_peak_memory_stats()
     assert torch.pjrt.max_memory_allocated() == before
     stats = torch.pjrt.memory_stats()
-    assert stats["allocated_bytes.all.current"] == before
+    assert stats["allocated_bytes.all.current"] == stats["active_bytes.all.current"] == before
+    assert stats["active_bytes.all.peak"] == torch.pjrt.max_memory_allocated()
+    assert stats["reserved_bytes.all.current"] == torch.pjrt.memory_reserved()
+    assert stats["reserved_bytes.all.peak"] == torch.pjrt.max_memory_reserved()
+    assert stats["num_alloc_retries"] == 0
 
 
 def test_events_time_work() -> None:

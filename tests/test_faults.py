@@ -40,8 +40,10 @@ def test_an_allocation_larger_than_the_device_raises_out_of_memory_and_the_proce
     assert asked > torch.pjrt.get_device_properties().total_memory
     held = torch.ones(1000, device="pjrt")
     before = torch.pjrt.memory_allocated()
+    ooms = torch.pjrt.memory_stats()["num_ooms"]
     with pytest.raises(torch.OutOfMemoryError) as raised:
         torch.empty(asked, dtype=torch.uint8, device="pjrt")
+    assert torch.pjrt.memory_stats()["num_ooms"] == ooms + 1
     message = str(raised.value)
     assert isinstance(raised.value, RuntimeError)
     assert "tried to allocate 9.09 TiB" in message

@@ -229,14 +229,24 @@ def max_memory_reserved(device: Any = None) -> int:
 
 
 def memory_stats(device: Any = None) -> dict[str, Any]:
-    """torch.cuda-style keys from torch_pjrt's accounting, plus PJRT's own figures as `pjrt.*`."""
+    """torch.cuda-style keys from torch_pjrt's accounting, plus PJRT's own figures as `pjrt.*`.
+
+    There is no caching allocator in between: active bytes are the allocated ones, reserved bytes are what
+    PJRT holds, and an allocation is never retried after freeing a cache."""
     from torch_pjrt.runtime import memory
 
     index = _index(device)
+    allocated, peak, allocations = memory.stats.counts(index)
     stats: dict[str, Any] = {
-        "allocated_bytes.all.current": memory_allocated(index),
-        "allocated_bytes.all.peak": max_memory_allocated(index),
-        "allocation.all.allocated": memory.stats.counts(index)[2],
+        "allocated_bytes.all.current": allocated,
+        "allocated_bytes.all.peak": peak,
+        "active_bytes.all.current": allocated,
+        "active_bytes.all.peak": peak,
+        "reserved_bytes.all.current": memory_reserved(index),
+        "reserved_bytes.all.peak": max_memory_reserved(index),
+        "allocation.all.allocated": allocations,
+        "num_alloc_retries": 0,
+        "num_ooms": memory.stats.out_of_memory_errors(index),
     }
     for key, value in _pjrt_stats(index).items():
         stats[f"pjrt.{key}"] = value

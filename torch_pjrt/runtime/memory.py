@@ -22,6 +22,7 @@ class MemoryStats:
         self._allocated: dict[int, int] = {}
         self._peak: dict[int, int] = {}
         self._allocations: dict[int, int] = {}
+        self._out_of_memory: dict[int, int] = {}
         # Reentrant: a storage's __del__ may run on this thread while it holds the lock.
         self._lock = threading.RLock()
 
@@ -41,6 +42,15 @@ class MemoryStats:
             return module.memory_counts(index)
         with self._lock:
             return self._allocated.get(index, 0), self._peak.get(index, 0), self._allocations.get(index, 0)
+
+    def out_of_memory_errors(self, index: int) -> int:
+        """How many allocations pjrt:index refused (torch.OutOfMemoryError raised), as CUDA's num_ooms."""
+        with self._lock:
+            return self._out_of_memory.get(index, 0)
+
+    def count_out_of_memory(self, index: int) -> None:
+        with self._lock:
+            self._out_of_memory[index] = self._out_of_memory.get(index, 0) + 1
 
     def allocated(self, index: int) -> int:
         return self.counts(index)[0]
@@ -74,6 +84,7 @@ def out_of_memory(
 ) -> torch.OutOfMemoryError:
     """The error for an allocation pjrt:index cannot hold: the size asked, the device, what is in use."""
     size = "an unknown size" if asked is None else format_size(asked)
+    stats.count_out_of_memory(index)
     free_part = "" if free is None else f", {format_size(free)} free"
     cause = f" ({detail})" if detail else ""
     return torch.OutOfMemoryError(
