@@ -3,6 +3,7 @@ parameters with resize_(0) and re-allocates them with resize_(nbytes) before wri
 
 from __future__ import annotations
 
+import copy
 import json
 import subprocess
 import sys
@@ -222,3 +223,19 @@ def test_native_hooks_resize_in_place() -> None:
     s.resize_(0)
     s.resize_(16)
     assert t.untyped_storage()._cdata == impl  # the same StorageImpl, as on CUDA
+
+
+def test_deepcopy_and_storage_clone_copy_the_bytes() -> None:
+    """PyTorch's UntypedStorage.clone allocates through a C++ allocator pjrt lacks (it crashed the process)."""
+    base = torch.randn(6, 5)
+    on_device = base.to("pjrt")
+    view = on_device[1:, ::2]
+    copied = copy.deepcopy(view)
+    assert copied.device == view.device and copied.shape == view.shape and copied.stride() == view.stride()
+    assert copied.untyped_storage().data_ptr() != view.untyped_storage().data_ptr()
+    on_device.zero_()  # the copy is independent of the original
+    torch.testing.assert_close(copied.cpu(), base[1:, ::2], rtol=0, atol=0)
+    cloned = torch.empty(0, device="pjrt").set_(on_device.untyped_storage().clone())
+    assert cloned.shape == (30,) and not cloned.cpu().any()
+    model = copy.deepcopy(torch.nn.Linear(3, 2).to("pjrt"))
+    assert all(p.device.type == "pjrt" for p in model.parameters())

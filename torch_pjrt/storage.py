@@ -322,6 +322,25 @@ def _install_resize_without_native() -> None:
     torch.UntypedStorage.resize_ = resize_
 
 
+def _install_clone() -> None:
+    """Route pjrt storages' `UntypedStorage.clone` (and so `copy.deepcopy` of a pjrt tensor) through a tensor clone:
+    PyTorch's own allocates `UntypedStorage(nbytes, device=...)`, which needs a C++ allocator and crashes without."""
+    original = torch.UntypedStorage.clone
+    if getattr(original, "_pjrt_clone", False):
+        return
+
+    def clone(self: Any) -> Any:
+        if self.device.type != "pjrt":
+            return original(self)
+        held = self._pjrt
+        whole = torch.empty(0, dtype=held.dtype, device=self.device).set_(self, 0, (held.numel,), (1,))
+        return whole.clone().untyped_storage()
+
+    clone._pjrt_clone = True  # type: ignore[attr-defined]
+    clone.__doc__ = original.__doc__
+    torch.UntypedStorage.clone = clone
+
+
 def _storage_class() -> type[DeviceStorage]:
     return DeviceStorage if native.counting_module() is not None else CountedDeviceStorage
 
@@ -632,3 +651,4 @@ def iter_tensors(values: Any) -> Any:
 
 if native.counting_module() is None:
     _install_resize_without_native()
+_install_clone()
