@@ -1,7 +1,8 @@
 """vLLM offline serving: the pjrt platform plugin (eager and compiled) against vLLM's CPU platform (eager).
 
 A 2-layer Llama (width 128, head_dim 32) with random weights saved to a temporary folder; N requests of
-mixed prompt lengths submitted at once (`LLM.generate` on prompt token ids, greedy, `--new-tokens` each).
+mixed prompt lengths (8, 17, ..., 53 tokens, repeating past 6 requests, each prompt's tokens its own)
+submitted at once (`LLM.generate` on prompt token ids, greedy, `--new-tokens` each).
 Each row is its own process (vLLM picks its platform once per process: `VLLM_PLUGINS=` with no name
 leaves vLLM's CPU platform); after one warm-up batch (the compiles), the best of `--repeats` timed batches
 (the second batch meets new token buckets, as prefix caching shortens its prefills; the third compiles nothing),
@@ -11,9 +12,11 @@ graph pieces compiled by the pjrt backend, attention between them in the eager m
 The rows run interleaved, `--rounds` times (a fresh process each), and each row keeps its best round, so a
 busy spell on a shared machine hits every row alike. Output tokens must equal across rows and rounds. Needs
 the vLLM environment: `make test-serving` builds it.
-With `--profile`, each pjrt row also prints torch.profiler's table of one more batch (docs/profiler.md).
+With `--profile`, each pjrt row also prints torch.profiler's table of one more batch (docs/profiler.md). With
+`--breakdown`, every row times one more batch phase by phase (vLLM's scheduler, the runner's input
+preparation, attention metadata, forward, logits, sampling) and a table of wall ms per engine step follows.
 Run: .venv-vllm/bin/python bench/serving.py [--requests N] [--new-tokens T] [--repeats R] [--rounds K]
-     [--kv-cache-mib M] [--profile] [--sampling auto|device|host]
+     [--kv-cache-mib M] [--profile | --breakdown] [--sampling auto|device|host] [--rows cpu,strict,fused,...]
 """
 
 from __future__ import annotations
@@ -29,6 +32,57 @@ import textwrap
 SERVE = textwrap.dedent(
     """
     import json, sys, time
+    from collections import defaultdict
+
+    # (phase, its parent phase, the object, its method): each one's wall time summed over a batch's steps
+    def step_breakdown(llm, batch):
+        core = llm.llm_engine.engine_core.engine_core
+        runner = core.model_executor.driver_worker.worker.model_runner
+        phases = [
+            ("engine step", None, core, "step_fn"),
+            ("schedule", "engine step", core.scheduler, "schedule"),
+            ("execute_model", "engine step", runner, "execute_model"),
+            ("update states", "execute_model", runner, "_update_states"),
+            ("prepare inputs", "execute_model", runner, "_prepare_inputs"),
+            ("attention metadata", "execute_model", runner, "_build_attention_metadata"),
+            ("preprocess", "execute_model", runner, "_preprocess"),
+            ("model forward", "execute_model", runner, "_model_forward"),
+            ("logits (and their copy to the host)", "execute_model", runner.model, "compute_logits"),
+            ("sample_tokens", "engine step", runner, "sample_tokens"),
+            ("sample", "sample_tokens", runner, "_sample"),
+            ("bookkeeping (sampled ids to lists)", "sample_tokens", runner, "_bookkeeping_sync"),
+            ("scheduler update", "engine step", core.scheduler, "update_from_output"),
+        ]
+        spent, calls = defaultdict(float), defaultdict(int)
+
+        def timed(label, method):
+            def wrapper(*args, **kwargs):
+                start = time.perf_counter()
+                try:
+                    return method(*args, **kwargs)
+                finally:
+                    spent[label] += time.perf_counter() - start
+                    calls[label] += 1
+            return wrapper
+
+        originals = [(owner, name, getattr(owner, name)) for _, _, owner, name in phases]
+        for label, _, owner, name in phases:
+            setattr(owner, name, timed(label, getattr(owner, name)))
+        start = time.perf_counter()
+        batch()
+        spent["generate"] = time.perf_counter() - start
+        for owner, name, method in originals:
+            setattr(owner, name, method)
+        steps = calls["execute_model"]
+        rows = [("generate (the whole batch)", spent["generate"], None)]
+        for label, parent, _, _ in phases:
+            children = sum(spent[child] for child, up, _, _ in phases if up == label)
+            rows.append((label, spent[label], parent))
+            if children:
+                rows.append((f"{label}: rest", spent[label] - children, label))
+        rows.append(("outside engine steps", spent["generate"] - spent["engine step"], None))
+        return {"steps": steps, "ms_per_step": [(label, 1000 * value / steps, parent) for label, value, parent in rows]}
+
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
     if __name__ == "__main__":
@@ -37,7 +91,7 @@ SERVE = textwrap.dedent(
         llm = LLM(model=folder, skip_tokenizer_init=True, enforce_eager=not mode.startswith("compiled"),
                   dtype="float32", max_model_len=256, max_num_seqs=requests, kv_cache_memory_bytes=kv_mib << 20)
         from vllm.platforms import current_platform
-        prompts = [TokensPrompt(prompt_token_ids=[(7 * i + 3 * j) % 250 + 3 for j in range(8 + 9 * i)])
+        prompts = [TokensPrompt(prompt_token_ids=[(7 * i + 3 * j) % 250 + 3 for j in range(8 + 9 * (i % 6))])
                    for i in range(requests)]
         params = SamplingParams(temperature=0, max_tokens=new_tokens, min_tokens=new_tokens, detokenize=False)
         context = None
@@ -60,13 +114,16 @@ SERVE = textwrap.dedent(
             llm.generate(fresh, first, use_tqdm=False)
             first_token = min(first_token, time.perf_counter() - start)
         tokens = [list(o.outputs[0].token_ids) for o in outputs]
+        breakdown = None
+        if profile == "breakdown":
+            breakdown = step_breakdown(llm, lambda: llm.generate(prompts, params, use_tqdm=False))
         if profile == "1" and current_platform.device_type == "pjrt":
             from torch.profiler import ProfilerActivity, profile as profiler
             with profiler(activities=[ProfilerActivity.CPU, ProfilerActivity.PrivateUse1]) as window:
                 llm.generate(prompts, params, use_tqdm=False)
             print(window.key_averages().table(sort_by="self_device_time_total", row_limit=12), file=sys.stderr)
         print("RESULT " + json.dumps({"platform": current_platform.device_type, "seconds": best,
-                                      "first_token": first_token, "tokens": tokens}))
+                                      "first_token": first_token, "tokens": tokens, "breakdown": breakdown}))
     """
 )
 
@@ -90,7 +147,8 @@ def _run(folder: str, args: argparse.Namespace, platform: str, mode: str) -> dic
     with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as script:
         script.write(SERVE)
     counts = [args.requests, args.new_tokens, args.repeats, args.kv_cache_mib]
-    command = [sys.executable, script.name, folder, *map(str, counts), mode, str(int(args.profile))]
+    profile = "breakdown" if args.breakdown else str(int(args.profile))
+    command = [sys.executable, script.name, folder, *map(str, counts), mode, profile]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
     os.unlink(script.name)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
@@ -102,6 +160,21 @@ def _run(folder: str, args: argparse.Namespace, platform: str, mode: str) -> dic
     return json.loads(lines[-1][len("RESULT ") :])
 
 
+def _print_breakdown(rows: list[tuple[str, dict]]) -> None:
+    """One column per row: wall ms per engine step in each phase of one more batch (nested phases indented)."""
+    tables = [row["breakdown"]["ms_per_step"] for _, row in rows]
+    print("| phase, wall ms per step | " + " | ".join(name for name, _ in rows) + " |")
+    print("|---" * (len(rows) + 1) + "|")
+    print("| steps | " + " | ".join(str(row["breakdown"]["steps"]) for _, row in rows) + " |")
+    depth = {label: 0 if parent is None else 1 for label, _, parent in tables[0]}
+    for label, _, parent in tables[0]:
+        if parent is not None:
+            depth[label] = depth[parent] + 1
+    for index, (label, _, _) in enumerate(tables[0]):
+        values = " | ".join(f"{table[index][1]:.2f}" for table in tables)
+        print(f"| {'. ' * depth[label]}{label} | {values} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=4)
@@ -110,8 +183,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--kv-cache-mib", type=int, default=16)
     parser.add_argument("--profile", action="store_true", help="print each pjrt row's device time per program")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="time one more batch's engine steps phase by phase (wall ms per step) in every row")
     parser.add_argument("--sampling", choices=["auto", "device", "host"], default="auto",
                         help="where the pjrt rows run vLLM's sampler (TORCH_PJRT_VLLM_SAMPLING)")
+    parser.add_argument("--rows", default="cpu,strict,fused,compiled,compiled-fused",
+                        help="the rows to run, comma-separated, of: cpu (vLLM's CPU platform, always run: the "
+                             "reference), strict, fused, compiled, compiled-fused")
     args = parser.parse_args()
     names = {
         ("cpu", "strict"): "vLLM CPU platform",
@@ -120,6 +198,8 @@ def main() -> None:
         ("pjrt", "compiled"): "pjrt plugin, compiled (strict eager attention)",
         ("pjrt", "compiled-fused"): "pjrt plugin, compiled (DEFER_AND_FUSE attention)",
     }
+    asked = set(args.rows.split(",")) | {"cpu"}
+    names = {key: name for key, name in names.items() if (key[0] if key[0] == "cpu" else key[1]) in asked}
     best: dict[tuple[str, str], dict] = {}
     with tempfile.TemporaryDirectory() as folder:
         _tiny_llama(folder)
@@ -133,9 +213,11 @@ def main() -> None:
                 if key not in best or row["seconds"] < best[key]["seconds"]:
                     best[key] = row
     rows = [(names[key], best[key]) for key in names]
+    if args.breakdown:
+        _print_breakdown(rows)
     reference = rows[0][1]["tokens"]
     output_tokens = args.requests * args.new_tokens
-    longest = 8 + 9 * (args.requests - 1)
+    longest = 8 + 9 * min(args.requests - 1, 5)
     print(
         f"{args.requests} requests (prompts 8..{longest} tokens), {args.new_tokens} new tokens each, "
         f"KV cache {args.kv_cache_mib} MiB; pjrt rows sample with TORCH_PJRT_VLLM_SAMPLING={args.sampling}; "
