@@ -9,10 +9,16 @@ STAMP := $(VENV)/.installed
 
 venv: $(STAMP)
 
+# A virtual environment at $(1) holding pip and the pinned CPU torch before anything else, so that no later
+# requirement can make pip resolve another torch build (an unpinned torch is a multi-GB CUDA download).
+define new_venv
+test -x $(1)/bin/python || $(PYTHON) -m venv $(1)
+$(1)/bin/python -m pip install --quiet --upgrade "pip>=23.2"
+$(1)/bin/python -m pip install --quiet torch==2.13.0 "setuptools>=68" wheel
+endef
+
 $(STAMP): pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade "pip>=23.2"
-	$(PY) -m pip install --quiet torch==2.13.0 "setuptools>=68" wheel
+	$(call new_venv,$(VENV))
 	$(PY) -m pip install --quiet --no-build-isolation -e ".[dev]"
 	touch $(STAMP)
 

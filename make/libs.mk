@@ -10,9 +10,7 @@ LIBS_REQUIREMENTS := tests/fixtures/libs/requirements.txt
 EXTRA_VENVS += $(LIBS_VENV)
 
 $(LIBS_STAMP): pyproject.toml $(LIBS_REQUIREMENTS)
-	test -x $(LIBS_VENV)/bin/python || $(PYTHON) -m venv $(LIBS_VENV)
-	$(LIBS_VENV)/bin/python -m pip install --quiet --upgrade "pip>=23.2"
-	$(LIBS_VENV)/bin/python -m pip install --quiet torch==2.13.0 "setuptools>=68" wheel
+	$(call new_venv,$(LIBS_VENV))
 	$(LIBS_VENV)/bin/python -m pip install --quiet --no-build-isolation -r $(LIBS_REQUIREMENTS) -e ".[dev]"
 	touch $(LIBS_STAMP)
 

@@ -7,9 +7,7 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 EXTRA_VENVS += $(VLLM_VENV)
 
 $(VLLM_STAMP): pyproject.toml
-	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade "pip>=23.2"
-	$(VLLM_VENV)/bin/python -m pip install --quiet torch==2.13.0 "setuptools>=68" wheel
+	$(call new_venv,$(VLLM_VENV))
 	$(VLLM_VENV)/bin/python -m pip install --quiet --no-build-isolation -e ".[dev,vllm]"
 	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $(VLLM_STAMP)

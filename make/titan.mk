@@ -11,9 +11,7 @@ TITAN_REQUIREMENTS := tests/fixtures/titan/requirements.txt
 EXTRA_VENVS += $(TITAN_VENV)
 
 $(TITAN_STAMP): pyproject.toml $(TITAN_REQUIREMENTS)
-	test -x $(TITAN_VENV)/bin/python || $(PYTHON) -m venv $(TITAN_VENV)
-	$(TITAN_VENV)/bin/python -m pip install --quiet --upgrade "pip>=23.2"
-	$(TITAN_VENV)/bin/python -m pip install --quiet torch==2.13.0 "setuptools>=68" wheel
+	$(call new_venv,$(TITAN_VENV))
 	$(TITAN_VENV)/bin/python -m pip install --quiet --no-build-isolation -r $(TITAN_REQUIREMENTS) -e ".[dev]"
 	$(TITAN_VENV)/bin/python -m pip install --quiet --no-deps torchtitan==0.3.0
 	touch $(TITAN_STAMP)
