@@ -147,15 +147,15 @@ class PendingGraph:
             donated = _unreferenced(inputs)
             metrics.bump("fused_donated_buffers", len(donated))
             structure = (tuple((id(entry), refs) for entry, refs in nodes), wanted, donated, self.device_index, mesh)
-            program = _programs.get(structure)
-            if program is None:
-                metrics.bump("fused_compiles")
-                if DEBUG_RECOMPILE:
-                    _explain_recompile(nodes, where)
-                program = _programs.put(structure, _fused_program(nodes, wanted, donated, self.device_index, mesh,
-                                                                  inputs))
-                _seen.append((nodes, where))
             try:
+                program = _programs.get(structure)
+                if program is None:  # (a stored program is compiled here, before its first call)
+                    metrics.bump("fused_compiles")
+                    if DEBUG_RECOMPILE:
+                        _explain_recompile(nodes, where)
+                    program = _programs.put(structure, _fused_program(nodes, wanted, donated, self.device_index,
+                                                                      mesh, inputs))
+                    _seen.append((nodes, where))
                 results = program.call(*inputs)
             except BaseException as error:
                 for deferred in live:
