@@ -288,8 +288,9 @@ def test_compiled_graphs_with_a_kernel_are_stored(tmp_path: Path, monkeypatch: p
         after = torch_pjrt.metrics.counters()
         return tuple(after[name] - before[name] for name in ("disk_store_writes", "disk_store_hits"))
 
-    assert run() == (2, 0)  # the forward and the backward graph
-    assert run() == (0, 2)
+    # the forward and the backward graph, each stored as its traced program and its XLA executable
+    assert run() == (4, 0)
+    assert run() == (0, 4)
 
 
 def test_a_kernels_fingerprint_follows_its_source(tmp_path: Path) -> None:
