@@ -239,3 +239,21 @@ def test_deepcopy_and_storage_clone_copy_the_bytes() -> None:
     assert cloned.shape == (30,) and not cloned.cpu().any()
     model = copy.deepcopy(torch.nn.Linear(3, 2).to("pjrt"))
     assert all(p.device.type == "pjrt" for p in model.parameters())
+
+
+def test_storages_pytorch_allocates_itself_live_on_the_device() -> None:
+    """torch.UntypedStorage(n, device="pjrt") goes through the device's C++ allocator (it crashed the process
+    without one): counted bytes that read as zeros until written, usable under a tensor of any dtype."""
+    before = torch.pjrt.memory_allocated()
+    made = torch.UntypedStorage(24, device="pjrt")
+    assert made.device == torch.device("pjrt", 0) and made.nbytes() == 24
+    assert torch.pjrt.memory_allocated() == before + 24
+    floats = torch.empty(0, device="pjrt").set_(made, 0, (2, 3), (3, 1))
+    assert torch.equal(floats.cpu(), torch.zeros(2, 3))
+    values = torch.randn(2, 3)
+    floats.copy_(values)
+    torch.testing.assert_close((floats * 2).cpu(), values * 2, rtol=0, atol=0)
+    as_bytes = torch.empty(0, dtype=torch.uint8, device="pjrt").set_(made)
+    assert torch.equal(as_bytes.cpu(), values.view(-1).view(torch.uint8))
+    del floats, as_bytes, made
+    assert torch.pjrt.memory_allocated() == before

@@ -323,8 +323,9 @@ def _install_resize_without_native() -> None:
 
 
 def _install_clone() -> None:
-    """Route pjrt storages' `UntypedStorage.clone` (and so `copy.deepcopy` of a pjrt tensor) through a tensor clone:
-    PyTorch's own allocates `UntypedStorage(nbytes, device=...)`, which needs a C++ allocator and crashes without."""
+    """Without the native module: route pjrt storages' `UntypedStorage.clone` (and so `copy.deepcopy` of a pjrt
+    tensor) through a tensor clone. PyTorch's own allocates `UntypedStorage(nbytes, device=...)`, which needs the
+    device's C++ allocator (csrc/hooks.cpp) and crashes the process without one."""
     original = torch.UntypedStorage.clone
     if getattr(original, "_pjrt_clone", False):
         return
@@ -343,6 +344,12 @@ def _install_clone() -> None:
 
 def _storage_class() -> type[DeviceStorage]:
     return DeviceStorage if native.counting_module() is not None else CountedDeviceStorage
+
+
+def uninitialised_bytes(nbytes: int, index: int) -> DeviceStorage:
+    """The device storage of a storage PyTorch allocated itself (`torch.UntypedStorage(n, device="pjrt")`):
+    its bytes, uninitialised (read as zeros) until written."""
+    return _storage_class()(None, torch.uint8, nbytes, torch.device("pjrt", index))
 
 
 def storage_of(tensor: torch.Tensor) -> DeviceStorage:
@@ -651,4 +658,4 @@ def iter_tensors(values: Any) -> Any:
 
 if native.counting_module() is None:
     _install_resize_without_native()
-_install_clone()
+    _install_clone()

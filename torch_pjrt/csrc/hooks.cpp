@@ -4,7 +4,7 @@
 // generators, so autograd gets a single device queue and torch.Generator(device="pjrt")
 // fails. These C++ versions are registered before the Python ones (which then skip
 // their own registration). Streams and events are trivial: pjrt ops are ordered by jax.
-// Storages sit at fake addresses from one allocator; what their DataPtrs hold, and resizing them in
+// Storages sit at fake addresses from one allocator (also PyTorch's allocator for the device); what their DataPtrs hold, and resizing them in
 // place (the hooks' resizePrivateUse1Bytes), is storage_link.cpp's.
 
 #include <ATen/core/Generator.h>
@@ -202,6 +202,23 @@ struct PjrtGenerator final : public c10::GeneratorImpl {
   uint64_t offset_ = 0;
 };
 
+// The allocator PyTorch itself asks for device bytes (torch.UntypedStorage(n, device="pjrt"), a storage's
+// clone): a counted storage at a fresh fake address on the thread's current device (PyTorch sets the
+// guard to the storage's device first). Its device storage is attached on first use, uninitialised
+// (storage_link.cpp). There are no host bytes behind the address to copy.
+struct DeviceAllocator final : public c10::Allocator {
+  c10::DataPtr allocate(size_t bytes) override {
+    TORCH_CHECK(bytes <= static_cast<size_t>(std::numeric_limits<int64_t>::max()),
+                "cannot allocate ", bytes, " bytes on a pjrt device");
+    const auto nbytes = static_cast<int64_t>(bytes);
+    return counted_data_ptr(new_address(nbytes), c10::Device(kPjrt, current_index), nbytes);
+  }
+
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    TORCH_CHECK(false, "pjrt storages hold no host bytes to copy; copy pjrt tensors with Tensor.copy_ instead.");
+  }
+};
+
 // "Pinned" host memory for pin_memory(): ordinary host memory whose blocks are remembered, so
 // is_pinned() tells them apart. PJRT copies from any host buffer; the CPU platform needs nothing more.
 struct PinnedAllocator final : public c10::Allocator {
@@ -389,6 +406,8 @@ bool install(int64_t n, int64_t engine_n) {
   if (!at::isPrivateUse1HooksRegistered()) {
     at::RegisterPrivateUse1HooksInterface(hooks_instance());
   }
+  static DeviceAllocator allocator;
+  c10::SetAllocator(kPjrt, &allocator);
   if (installed() && !torch::profiler::impl::privateuse1Stubs()->enabled()) {
     torch::profiler::impl::registerPrivateUse1Methods(profiler_stubs_instance());
   }

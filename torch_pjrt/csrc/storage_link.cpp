@@ -73,7 +73,19 @@ StorageLink* link_of(const c10::StorageImpl* impl) {
 }
 
 PyObject* get_device_storage(PyObject* self, void*) {
-  PyObject* found = device_storage_of(THPStorage_Unpack(self).unsafeGetStorageImpl());
+  c10::StorageImpl* impl = THPStorage_Unpack(self).unsafeGetStorageImpl();
+  StorageLink* link = link_of(impl);
+  if (link != nullptr && link->device_storage == nullptr) {
+    // Made by PyTorch through the device's allocator: its bytes are uninitialised until written.
+    try {
+      py::object made = py::module_::import("torch_pjrt.storage").attr("uninitialised_bytes")(link->nbytes, link->index);
+      link_device_storage(impl, made.ptr());
+    } catch (py::error_already_set& error) {
+      error.restore();
+      return nullptr;
+    }
+  }
+  PyObject* found = device_storage_of(impl);
   if (found == nullptr) {
     PyErr_SetString(PyExc_AttributeError, "this storage has no pjrt device storage (torch_pjrt did not make it)");
     return nullptr;
