@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 from support import assert_same, to_device
+from torch.utils import _pytree as pytree
 
 FLOAT8 = [torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz, torch.float8_e8m0fnu]
 WIDE_FLOATS = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
@@ -191,7 +192,7 @@ REFUSED: dict[str, Callable[[torch.Tensor, torch.Tensor], object]] = {
 }
 
 
-@pytest.mark.parametrize("mode", ["strict", "fused"])
+@pytest.mark.parametrize("mode", ["strict", "fused", "compiled"])
 @pytest.mark.parametrize("float8", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
 @pytest.mark.parametrize("name", list(REFUSED))
 def test_what_cpu_refuses_on_float8_pjrt_refuses(name: str, float8: torch.dtype, mode: str,
@@ -201,8 +202,8 @@ def test_what_cpu_refuses_on_float8_pjrt_refuses(name: str, float8: torch.dtype,
     with pytest.raises(NotImplementedError) as on_cpu:
         REFUSED[name](x, y)
     assert "not implemented for 'Float8" in str(on_cpu.value)
-    with MODES[mode](), pytest.raises(NotImplementedError) as on_pjrt:
-        REFUSED[name](*to_device((x, y)))
+    with pytest.raises(NotImplementedError) as on_pjrt:
+        _run(mode, lambda a, b: list(pytree.tree_leaves(REFUSED[name](a, b))), *to_device((x, y)))
     assert str(on_pjrt.value) == str(on_cpu.value)
 
 def _scaled_mm_operands(generator: torch.Generator, rows: int = 32, inner: int = 64, cols: int = 48) -> tuple:
@@ -337,11 +338,11 @@ FP4_REFUSED: dict[str, Callable[[torch.Tensor], object]] = {
 }
 
 
-@pytest.mark.parametrize("mode", ["strict", "fused"])
+@pytest.mark.parametrize("mode", ["strict", "fused", "compiled"])
 @pytest.mark.parametrize("name", list(FP4_REFUSED))
 def test_what_cpu_refuses_on_fp4_pairs_pjrt_refuses(name: str, mode: str, generator: torch.Generator) -> None:
     x = _fp4_pairs(generator, 4, 6)
     with pytest.raises(NotImplementedError, match="not implemented for 'Float4_e2m1fn_x2'"):
         FP4_REFUSED[name](x)
-    with MODES[mode](), pytest.raises(NotImplementedError, match="not implemented for 'Float4_e2m1fn_x2'"):
-        FP4_REFUSED[name](x.to("pjrt"))
+    with pytest.raises(NotImplementedError, match="not implemented for 'Float4_e2m1fn_x2'"):
+        _run(mode, lambda t: [FP4_REFUSED[name](t)], x.to("pjrt"))

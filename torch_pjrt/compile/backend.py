@@ -27,7 +27,7 @@ import torch.fx
 from torch_pjrt import _torch_private, storage
 from torch_pjrt.compile import padding
 from torch_pjrt.eager import dynamic, modes
-from torch_pjrt.ops import graph, linalg, registry
+from torch_pjrt.ops import arguments, graph, linalg, registry
 from torch_pjrt.runtime import checks, client, disk_store, metrics, programs, rng, spmd
 
 aten = torch.ops.aten
@@ -177,6 +177,16 @@ class CompiledGraph:
         self.mesh: Any = None
         self.mesh_resolved = not self.collective_groups
 
+    def _refuse_like_cpu(self) -> None:
+        """CPU's NotImplementedError for an op on float8 or fp4 tensors that CPU has no kernel for, as eager pjrt
+        raises it (ops/arguments.py): the meta kernels Dynamo traced the graph with refuse nothing."""
+        for node in self.gm.graph.nodes:
+            if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+                continue
+            args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda arg: arg.meta.get("val"))
+            bound = dict(zip((argument.name for argument in node.target._schema.arguments), args))
+            arguments.refuse_float8_like_cpu(node.target, {**bound, **kwargs})
+
     def _program(self, signature: tuple, padded: dict[Any, int] | None, example: tuple,
                  out_buckets: tuple[int, ...] = ()) -> SignatureProgram:
         """The program for one input signature, and the layouts of its outputs (known once traced).
@@ -186,6 +196,7 @@ class CompiledGraph:
         back as flat storages, and mutated inputs as their storages' new flat arrays. With padded
         sizes, inputs and outputs of symbolic shape are flat buffers with their true elements first.
         """
+        self._refuse_like_cpu()
         precision = linalg.global_float32_matmul_precision()
         # A storage's array keeps the shape its last writer gave it (not always flat): the traced reads
         # depend on it, and a program stored for one shape refuses another.
