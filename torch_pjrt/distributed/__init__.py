@@ -12,7 +12,8 @@ from typing import Any
 
 import torch
 
-NAME = "pjrt"
+from torch_pjrt.runtime.startup import NAME
+
 _state = {"registered": False}
 
 

@@ -22,8 +22,7 @@ from torch._C._distributed_c10d import _create_work_from_future
 
 from torch_pjrt.distributed import host_engine, xla_engine
 from torch_pjrt.runtime import client, metrics, multiprocess, spmd
-
-NAME = "pjrt"
+from torch_pjrt.runtime.startup import NAME
 
 
 def _flat_lists(lists: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:

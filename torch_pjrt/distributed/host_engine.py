@@ -27,7 +27,8 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import _create_work_from_future
 from torch.utils import _pytree as pytree
 
-NAME = "pjrt"
+from torch_pjrt.runtime.startup import NAME
+
 RedOpType = dist.ReduceOp.RedOpType
 # Reductions gloo lacks, done as a SUM on the host plus a local step.
 SUM_BASED = (RedOpType.AVG, RedOpType.PREMUL_SUM)

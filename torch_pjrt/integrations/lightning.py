@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-NAME = "pjrt"
+from torch_pjrt.runtime.startup import NAME
 
 
 def _parse_indices(devices: Any) -> list[int]:
