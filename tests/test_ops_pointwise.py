@@ -462,7 +462,8 @@ def test_division_by_a_broadcast_divisor_rounds_once(mode: str) -> None:
     x, column = uniform((256, 64), -3, 3), uniform((256, 1), 0.5, 2)
 
     def divide(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return a / 127.5, a / b, torch.div(a, b[0, 0]), torch.ops.prims.div(a, 127.5)
+        return (a / 127.5, a / b, torch.div(a, b[0, 0]), torch.ops.prims.div(a, 127.5), a / b.expand_as(a),
+                a / b.t().expand(64, 256).t())
 
     expected = divide(x, column)
     if mode == "compiled":

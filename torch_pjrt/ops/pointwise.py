@@ -131,11 +131,11 @@ def _floor_divide(a: Any, b: Any, op: str = "aten::div") -> Any:
 
 def true_divide(a: Any, b: Any) -> Any:
     """a / b rounded once, as CPU divides. XLA's algebraic simplifier turns a division by a broadcast divisor
-    (a scalar, a size-1 dimension) into a multiplication by its reciprocal, one ulp off in most float32
-    quotients (and so off by one step after quantization rounding); a barrier on the broadcast divisor keeps it."""
-    shape = jnp.broadcast_shapes(jnp.shape(a), jnp.shape(b))
-    if jnp.shape(b) != shape and not is_integral(b):
-        b = jax.lax.optimization_barrier(jnp.broadcast_to(b, shape))
+    (a scalar, a size-1 dimension, an expanded view read inside the same program) into a multiplication by its
+    reciprocal, one ulp off in most float32 quotients (and so off by one step after quantization rounding); a
+    barrier on every floating divisor keeps the division, since a broadcast may come from the divisor's producer."""
+    if not is_integral(b):
+        b = jax.lax.optimization_barrier(jnp.broadcast_to(b, jnp.broadcast_shapes(jnp.shape(a), jnp.shape(b))))
     return a / b
 
 
