@@ -1,7 +1,8 @@
-# Libraries beyond Transformers on pjrt (issue 34: PyTorch Lightning, torchao, diffusers, TRL; tests/test_libraries*.py,
-# docs/libraries.md) in an environment of their own. torch is pinned first, and the libraries resolve together
-# with this project's pinned [dev] extra in one pip call (tests/fixtures/libs/requirements.txt pins torch too), so
-# that no requirement can pull another torch build. None of them needs torchvision, which is not installed.
+# Libraries beyond Transformers on pjrt (issue 34: PyTorch Lightning, torchao, diffusers, TRL, Ray Train;
+# tests/test_libraries*.py, docs/libraries.md) in an environment of their own. torch is pinned first, and the
+# libraries resolve together with this project's pinned [dev] extra in one pip call
+# (tests/fixtures/libs/requirements.txt pins torch too), so that no requirement can pull another torch build.
+# None of them needs torchvision, which is not installed.
 LIBS_VENV ?= .venv-libs
 LIBS_STAMP := $(LIBS_VENV)/.installed
 LIBS_REQUIREMENTS := tests/fixtures/libs/requirements.txt
