@@ -15,6 +15,7 @@ import importlib.util
 import json
 import math
 import os
+import sys
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -193,18 +194,19 @@ class CompiledGraph:
 
         The program takes the flat storages of the pjrt inputs (each once) and reads every input
         through its view inside the jit, so no eager reshape or gather runs per call; outputs come
-        back as flat storages, and mutated inputs as their storages' new flat arrays. With padded
+        back as flat storages, and mutated inputs as their storages' new flat arrays, written into the
+        buffers of the old ones (donated: a KV cache updated in place is not copied each call). With padded
         sizes, inputs and outputs of symbolic shape are flat buffers with their true elements first.
         """
-        self._refuse_like_cpu()
         precision = linalg.global_float32_matmul_precision()
         # A storage's array keeps the shape its last writer gave it (not always flat): the traced reads
         # depend on it, and a program stored for one shape refuses another.
-        array_shapes = tuple(tuple(flat.shape) for flat in example[0])
+        array_shapes = tuple(tuple(flat.shape) for flat in (*example[0], *example[1]) if flat is not None)
         key = (signature, array_shapes, None if padded is None else tuple(padded.values()), out_buckets, precision)
         found = self.programs.get(key)
         if found is not None:
             return found
+        self._refuse_like_cpu()
         gm, extra = self.gm, tuple(node for _, node in self.mutations)
         metas, described = self.metas, self.outputs
         mutated = [index for index, _ in self.mutations]
@@ -212,7 +214,10 @@ class CompiledGraph:
         layouts: list[Any] = []
         made: list[checks.Check] = []
 
-        def run(flats: list[Any], hosts: list[Any], key: Any, true: list[Any]) -> Any:
+        def run(flats: list[Any], donated: list[Any], hosts: list[Any], key: Any, true: list[Any]) -> Any:
+            flats = list(flats)
+            for slot, flat in zip(written, donated):
+                flats[slot] = flat
             sizes = None if padded is None else padding.Sizes(padded, dict(zip(padded, true)))
             host_values = iter(hosts)
             inputs = []
@@ -275,7 +280,8 @@ class CompiledGraph:
 
         found = None
         if self.mesh is not None:
-            found = (spmd.MeshProgram(run, self.mesh, "compiled_graph", counter="graph_compiles"), layouts, made)
+            found = (spmd.MeshProgram(run, self.mesh, "compiled_graph", counter="graph_compiles", donate=(1,)),
+                     layouts, made)
         elif padded is None and _can_store():
             stored = self._stored_key(signature, array_shapes)
             found = _load_stored(stored, example) or _export_stored(run, example, layouts, made, stored)
@@ -394,8 +400,10 @@ class CompiledGraph:
         # True sizes are traced program arguments: a new size in the same bucket must not recompile.
         true = [] if padded is None else [np.asarray(values[s], np.int64) for s in padded]
         out_buckets = () if padded is None else self._out_buckets(values)
-        found = self._program(tuple(signature), padded, (flats, hosts, key, true), out_buckets)
-        tensors, written, host_updates, code = found.program.call(flats, hosts, key, true)
+        donated = _donated(flats, sorted({signature[index][1] for index, _ in self.mutations
+                                          if signature[index][0] == "pjrt"}))
+        found = self._program(tuple(signature), padded, (flats, donated, hosts, key, true), out_buckets)
+        tensors, written, host_updates, code = found.program.call(flats, donated, hosts, key, true)
         if code is not None:
             checks.issued(code, tuple(found.checks), (None,) * len(found.checks), modes.state.blocking)
         # After the inputs were read: the eager part writes into CPU inputs the program reads as they were.
@@ -541,11 +549,22 @@ def _export_stored(
 
 
 def _graph_program(fn: Callable) -> programs.Program:
-    return programs.Program(fn, "compiled_graph", counter="graph_compiles")
+    return programs.Program(fn, "compiled_graph", donate=(1,), counter="graph_compiles")
 
 
 def _stored_graph_program(fn: Callable, example: tuple, key: str) -> programs.Program:
-    return programs.stored_executable(fn, example, key, "compiled_graph", "graph_compiles")
+    return programs.stored_executable(fn, example, key, "compiled_graph", "graph_compiles", donate=(1,))
+
+
+def _donated(flats: list[Any], written: list[int]) -> list[Any]:
+    """The arrays of the storages a graph writes, taken out of `flats` for the program to write its results
+    into: each one only its storage holds (any other holder, or a pending copy to the host, gets a copy)."""
+    held_by_storage_list_and_call = 3
+    donated = []
+    for slot in written:
+        flat, flats[slot] = flats[slot], None
+        donated.append(flat if sys.getrefcount(flat) == held_by_storage_list_and_call else flat.copy())
+    return donated
 
 
 def _layout_to_json(layout: tuple | None) -> list | None:
