@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -67,3 +68,87 @@ def test_sft_trainer_trains_on_pjrt_with_cpu_losses(tmp_path: Path, bf16: bool, 
     assert devices == {"pjrt"} and cpu_devices == {"cpu"}
     assert len(actual) == STEPS
     torch.testing.assert_close(actual, expected, rtol=rtol, atol=0)
+
+
+def preferences() -> datasets.Dataset:
+    """Prompts with a chosen and a rejected continuation, drawn from the tiny vocabulary."""
+    rng = random.Random(2)
+
+    def words(low: int, high: int) -> str:
+        return " ".join(f"w{rng.randrange(VOCAB - 3)}" for _ in range(rng.randrange(low, high)))
+
+    # Continuations start with a space: TRL joins prompt and continuation as text.
+    rows = [(words(3, 6), " " + words(2, 5), " " + words(2, 5)) for _ in range(8)]
+    return datasets.Dataset.from_dict({"prompt": [r[0] for r in rows], "chosen": [r[1] for r in rows],
+                                       "rejected": [r[2] for r in rows]})
+
+
+def train_dpo(output_dir: Path, use_cpu: bool) -> tuple[list[dict[str, float]], set[str]]:
+    AcceleratorState._reset_state(reset_partial_state=True)
+    args = trl.DPOConfig(output_dir=str(output_dir), max_steps=STEPS, per_device_train_batch_size=2, optim="sgd",
+                         learning_rate=0.5, max_length=16, pad_to_multiple_of=16, logging_steps=1, report_to=[],
+                         save_strategy="no", seed=0, use_cpu=use_cpu, bf16=False)
+    # The frozen reference is a second copy of the seeded policy (without one, TRL loads the policy's hub id).
+    trainer = trl.DPOTrainer(model=tiny_llama(), ref_model=tiny_llama(), args=args, train_dataset=preferences(),
+                             processing_class=tokenizer())
+    trainer.train()
+    AcceleratorState._reset_state(reset_partial_state=True)
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    return logs, {p.device.type for p in trainer.model.parameters()}
+
+
+def test_dpo_trainer_trains_on_pjrt_with_cpu_losses(tmp_path: Path) -> None:
+    expected, _ = train_dpo(tmp_path / "cpu", use_cpu=True)
+    actual, devices = train_dpo(tmp_path / "pjrt", use_cpu=False)
+    assert devices == {"pjrt"} and len(actual) == STEPS
+    for logged in ("loss", "rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected"):
+        torch.testing.assert_close([e[logged] for e in actual], [e[logged] for e in expected], rtol=1e-5, atol=1e-6)
+    # The first step's loss is DPO's log(2) (policy equal to its reference); later steps moved away from it.
+    assert abs(actual[0]["loss"] - 0.6931472) < 1e-5 and actual[-1]["loss"] != actual[0]["loss"]
+
+
+def low_word_share(completions: list[str], **_: Any) -> list[float]:
+    """GRPO's reward: the share of a completion's words from the lower half of the vocabulary."""
+    counts = [[int(w[1:]) < VOCAB // 2 for w in text.split() if w[1:].isdigit()] for text in completions]
+    return [sum(c) / len(c) if c else 0.0 for c in counts]
+
+
+def sample_from_cpu_stream(seed: int) -> Any:
+    """torch.multinomial drawing from one seeded CPU generator whatever the device of the probabilities."""
+    generator, original = torch.Generator().manual_seed(seed), torch.multinomial
+
+    def multinomial(probs: torch.Tensor, num_samples: int, *args: Any, **kwargs: Any) -> torch.Tensor:
+        drawn = original(probs.cpu(), num_samples, *args, generator=generator, **kwargs)
+        return drawn.to(probs.device)
+
+    return multinomial
+
+
+def train_grpo(output_dir: Path, use_cpu: bool) -> tuple[list[dict[str, float]], list[torch.Tensor], set[str]]:
+    AcceleratorState._reset_state(reset_partial_state=True)
+    args = trl.GRPOConfig(output_dir=str(output_dir), max_steps=STEPS, per_device_train_batch_size=4,
+                          num_generations=2, max_completion_length=6, temperature=1.0, optim="sgd", learning_rate=0.5,
+                          logging_steps=1, report_to=[], save_strategy="no", seed=0, use_cpu=use_cpu, bf16=False)
+    prompts = datasets.Dataset.from_dict({"prompt": list(preferences()["prompt"])})
+    trainer = trl.GRPOTrainer(model=tiny_llama(), reward_funcs=low_word_share, args=args, train_dataset=prompts,
+                              processing_class=tokenizer())
+    # Sampling inside generate() draws from one CPU stream on both devices: pjrt's generator is another stream.
+    with mock.patch.object(torch, "multinomial", sample_from_cpu_stream(3)):
+        trainer.train()
+    AcceleratorState._reset_state(reset_partial_state=True)
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    weights = [p.detach().cpu() for p in trainer.model.parameters()]
+    return logs, weights, {p.device.type for p in trainer.model.parameters()}
+
+
+def test_grpo_trainer_generates_and_trains_on_pjrt_with_cpu_losses(tmp_path: Path) -> None:
+    expected, expected_weights, _ = train_grpo(tmp_path / "cpu", use_cpu=True)
+    actual, weights, devices = train_grpo(tmp_path / "pjrt", use_cpu=False)
+    assert devices == {"pjrt"} and len(actual) == STEPS
+    for logged in ("loss", "reward", "reward_std", "completions/mean_length", "entropy"):
+        torch.testing.assert_close([e[logged] for e in actual], [e[logged] for e in expected], rtol=1e-5, atol=1e-6)
+    # The completions differ within groups (rewards spread) and training moved the weights, equally on both.
+    assert any(e["reward_std"] > 0 for e in actual)
+    for trained, reference in zip(weights, expected_weights):
+        torch.testing.assert_close(trained, reference, rtol=1e-5, atol=1e-6)
+    assert any(not torch.equal(t, i.detach()) for t, i in zip(weights, tiny_llama().parameters()))
