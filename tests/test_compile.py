@@ -126,6 +126,39 @@ def test_in_place_update_of_an_input() -> None:
     torch.testing.assert_close(total.cpu(), expected_total)
 
 
+def test_an_input_written_in_place_keeps_its_buffer_unless_another_holder_reads_it() -> None:
+    """A mutated input's buffer is donated to the program (a KV cache written each step is not copied); an
+    array held elsewhere as well is copied first, so its holder still reads the old values."""
+    import numpy as np
+
+    from torch_pjrt.storage import storage_of
+
+    def fn(cache: torch.Tensor, rows: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
+        cache.index_put_((where,), rows)
+        return cache.sum(0)
+
+    cache, rows, where = torch.randn(64, 8), torch.randn(3, 8), torch.randperm(64)[:3]
+    pjrt_cache = cache.to("pjrt")
+    compiled = torch.compile(fn, backend="pjrt", fullgraph=True)
+    # the first call's array is copied (the CPU client may share an array put from the host with numpy)
+    compiled(pjrt_cache, rows.to("pjrt"), where.to("pjrt"))
+    fn(cache, rows, where)
+    for _ in range(2):
+        rows = torch.randn(3, 8)
+        buffer = storage_of(pjrt_cache).materialize().unsafe_buffer_pointer()
+        total = compiled(pjrt_cache, rows.to("pjrt"), where.to("pjrt"))
+        expected = fn(cache, rows, where)
+        torch.testing.assert_close(pjrt_cache.cpu(), cache)
+        torch.testing.assert_close(total.cpu(), expected)
+        assert storage_of(pjrt_cache).materialize().unsafe_buffer_pointer() == buffer
+    held = storage_of(pjrt_cache).materialize()
+    before = cache.clone()
+    compiled(pjrt_cache, rows.to("pjrt"), where.to("pjrt"))
+    fn(cache, rows, where)
+    torch.testing.assert_close(torch.from_numpy(np.asarray(held)).view(64, 8), before)
+    torch.testing.assert_close(pjrt_cache.cpu(), cache)
+
+
 def test_cpu_values_in_a_graph_stay_on_the_cpu() -> None:
     """CPU inputs written in place, CPU results of CPU values and device values copied to the CPU."""
 
