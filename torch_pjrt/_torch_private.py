@@ -266,6 +266,21 @@ def copy_dynamo_marks(source: torch.Tensor, target: torch.Tensor) -> None:
             target.__dict__[name] = value.copy() if hasattr(value, "copy") else value
 
 
+def mark_dynamic(tensor: torch.Tensor, dims: list[int]) -> None:
+    """torch._dynamo.mark_dynamic: Dynamo traces these dims of `tensor` as symbols, wherever it reads it."""
+    from torch._dynamo import mark_dynamic as mark
+
+    mark(tensor, dims)
+
+
+def traced_by_dynamo(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` (and what it calls) traced by Dynamo although torch_pjrt's frames are skipped
+    (dynamo_skip_our_packages): for code of ours that belongs inside a user's compiled graph."""
+    from torch._dynamo import dont_skip_tracing
+
+    return dont_skip_tracing(fn)
+
+
 def suggest_memory_format(tensor: torch.Tensor) -> torch.memory_format:
     """The memory format PyTorch's kernels give a result made from `tensor` (channels-last stays so)."""
     from torch._prims_common import suggest_memory_format as suggest
