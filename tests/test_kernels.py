@@ -499,6 +499,23 @@ def test_paged_attention_matches_attention_over_the_gathered_context(mode: str, 
     torch.testing.assert_close(actual, expected, **tolerance)
 
 
+@pytest.mark.parametrize("whole_buffer", [False, True])
+def test_gathered_attention_matches_attention_over_the_gathered_context(whole_buffer: bool) -> None:
+    """The torch-op attention over one layer's cache, or over the whole buffer given the layer's index."""
+    from torch_pjrt.kernels import paged
+
+    query, cache, tables, lengths = paged_inputs(torch.float32)
+    layer, p = 1, PAGED
+    expected = paged_attention_cpu(query, cache, tables, lengths, layer, 0.2, 5.0)
+    positions = torch.arange(p["pages"] * p["block_size"])
+    blocks, offsets = tables[:, positions // p["block_size"]], positions % p["block_size"]
+    visible = positions[None, :] < lengths[:, None]
+    on_device = [t.to("pjrt") for t in (query, cache if whole_buffer else cache[layer], blocks, offsets, visible)]
+    index = torch.tensor([layer], device="pjrt") if whole_buffer else None
+    actual = paged.gathered_attention(*on_device, scale=0.2, soft_cap=5.0, layer=index).cpu()
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_paged_attention_opcheck_and_errors() -> None:
     query, cache, tables, lengths = (t.to("pjrt") for t in paged_inputs(torch.float32))
     keywords = {"layer": 1, "scale": 0.2}

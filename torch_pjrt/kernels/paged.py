@@ -146,14 +146,17 @@ paged_attention = jax_ops.define("torch_pjrt::paged_attention", _paged_attention
 
 def gathered_attention(query: torch.Tensor, cache: torch.Tensor, context_blocks: torch.Tensor,
                        context_offsets: torch.Tensor, visible: torch.Tensor, *, scale: float,
-                       soft_cap: float = 0.0) -> torch.Tensor:
+                       soft_cap: float = 0.0, layer: torch.Tensor | None = None) -> torch.Tensor:
     """paged_attention in torch ops, in float32: query (tokens, heads, head_size) over one layer's cache
     (blocks, kv_heads, block_size, 2 * head_size), context position s of token t at row
-    context_offsets[s] of block context_blocks[t, s], seen where visible[t, s]."""
+    context_offsets[s] of block context_blocks[t, s], seen where visible[t, s]. With `layer` (a 1-element index
+    tensor) the cache is the whole buffer (layers, blocks, ...) and one gather reads that layer's rows from
+    it: a compiled program then never copies the layer's part out of the buffer."""
     tokens, heads, size = query.shape
-    kv_heads = cache.shape[1]
+    kv_heads = cache.shape[-3]
     kv_head_index = torch.arange(kv_heads, device=cache.device)
-    context = cache[context_blocks[:, :, None], kv_head_index[None, None, :], context_offsets[None, :, None]]
+    rows = (context_blocks[:, :, None], kv_head_index[None, None, :], context_offsets[None, :, None])
+    context = cache[rows] if layer is None else cache[(layer, *rows)]
     keys, values = context[..., :size].float(), context[..., size:].float()  # (tokens, context, kv_heads, size)
     grouped = query.view(tokens, kv_heads, heads // kv_heads, size).float()
     scores = torch.einsum("tkgd,tskd->tkgs", grouped, keys) * scale
