@@ -1,8 +1,9 @@
-# Libraries beyond Transformers on pjrt (issue 34: PyTorch Lightning, torchao, diffusers, TRL, Ray Train;
+# Libraries beyond Transformers on pjrt (issue 34: PyTorch Lightning, torchao, diffusers, TRL, Ray Train, timm;
 # tests/test_libraries*.py, docs/libraries.md) in an environment of their own. torch is pinned first, and the
 # libraries resolve together with this project's pinned [dev] extra in one pip call
 # (tests/fixtures/libs/requirements.txt pins torch too), so that no requirement can pull another torch build.
-# None of them needs torchvision, which is not installed.
+# torchvision 0.28.0 is the release that requires torch==2.13.0; PyPI's wheel is a CUDA build whose C++ ops do not
+# load on the CPU torch, and torch_pjrt/integrations/torchvision.py lets its Python parts (all timm needs) import.
 LIBS_VENV ?= .venv-libs
 LIBS_STAMP := $(LIBS_VENV)/.installed
 LIBS_REQUIREMENTS := tests/fixtures/libs/requirements.txt

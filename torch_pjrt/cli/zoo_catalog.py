@@ -4,6 +4,8 @@ Hugging Face architectures come from transformers' auto mappings (one per task),
 config class's defaults shrunk to a small size, with random weights: nothing is downloaded. A user's
 own models come from factories: a callable taking no arguments and returning `(model, inputs)`,
 where inputs is a dict of keyword arguments (or a tuple of positional ones) for `model(...)`.
+timm's image models (`--library timm`): the smallest-named architecture of each of timm's model
+modules, built by `timm.create_model` with random weights and fed random images.
 """
 
 from __future__ import annotations
@@ -84,6 +86,7 @@ class Case:
     task: str
     model_class: str = ""
     factory: str = ""
+    library: str = "transformers"
 
 
 def _text_config(config: Any) -> Any:
@@ -360,9 +363,61 @@ def build_user(case: Case) -> tuple[nn.Module, Any]:
     return model.eval(), inputs
 
 
+# --- timm ------------------------------------------------------------------------------------------
+
+LIBRARIES = ("transformers", "timm")
+# Words timm's model names use for their sizes, smallest first; timm's own `test_*` models come before all.
+TIMM_SIZE_WORDS = ("test_", "atto", "femto", "pico", "nano", "xxtiny", "tiny", "xxsmall", "xxs", "xsmall", "xs",
+                   "mini", "small", "lite", "b0", "s0", "m0", "t0", "050", "035", "002", "18")
+TIMM_IMAGE = 64  # the side of the images fed to a model whose input size is not fixed
+TIMM_MAX_PARAMETERS = 60_000_000  # larger models cost minutes on this CPU: the zoo leaves them out
+
+
+def _timm_size_rank(name: str) -> tuple[int, int, str]:
+    rank = next((i for i, word in enumerate(TIMM_SIZE_WORDS) if word in name), len(TIMM_SIZE_WORDS))
+    return rank, len(name), name
+
+
+def timm_cases() -> list[Case]:
+    """One image classifier per timm model module (family = module): the name that reads smallest."""
+    import timm
+
+    cases = []
+    for module in sorted(timm.list_modules()):
+        names = timm.list_models(module=module)
+        if names:
+            name = min(names, key=_timm_size_rank)
+            cases.append(Case(name, module, "image-classification", model_class=name, library="timm"))
+    return cases
+
+
+def build_timm(case: Case) -> tuple[nn.Module, tuple[torch.Tensor]]:
+    """`timm.create_model` with random weights, no dropout, LABELS classes; random images of its input size."""
+    import timm
+
+    options = {"pretrained": False, "num_classes": LABELS, "drop_rate": 0.0, "drop_path_rate": 0.0}
+    try:
+        model = timm.create_model(case.model_class, **options)
+    except TypeError:  # a model without stochastic depth takes no drop_path_rate
+        options.pop("drop_path_rate")
+        model = timm.create_model(case.model_class, **options)
+    parameters = sum(p.numel() for p in model.parameters())
+    if parameters > TIMM_MAX_PARAMETERS:
+        raise Skip(f"{parameters / 1e6:.0f}M parameters, over the zoo's {TIMM_MAX_PARAMETERS / 1e6:.0f}M")
+    config = model.pretrained_cfg
+    channels, height, width = config.get("input_size", (3, TIMM_IMAGE, TIMM_IMAGE))
+    if not config.get("fixed_input_size", False):
+        smallest = config.get("min_input_size", (channels, TIMM_IMAGE, TIMM_IMAGE))
+        height, width = max(TIMM_IMAGE, smallest[1]), max(TIMM_IMAGE, smallest[2])
+    randomize_constant_matrices(model, 0.02)
+    return model.float().eval(), (torch.randn(BATCH, channels, height, width),)
+
+
 def build(case: Case) -> tuple[nn.Module, Any]:
     """The case's CPU model and inputs; any failure here is the zoo's or the model's, not pjrt's (Skip)."""
     try:
+        if case.library == "timm":
+            return build_timm(case)
         return build_user(case) if case.factory else build_hf(case)
     except Skip:
         raise

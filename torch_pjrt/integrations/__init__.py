@@ -15,7 +15,8 @@ it gets pjrt instead, and a launched process group uses the c10d backend "pjrt".
 the device type; fp16 gets a GradScaler on pjrt; RNG checkpoints gain the pjrt generator states.
 `cpu=True`, `use_cpu=True` and `TORCH_PJRT_ACCELERATE=0` keep the CPU.
 
-PyTorch Lightning gets the accelerator "pjrt" (lightning.py).
+PyTorch Lightning gets the accelerator "pjrt" (lightning.py). PyPI's torchvision (a CUDA build) imports
+on the CPU torch without its C++ ops (torchvision.py).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from typing import Any
 import torch
 
 from torch_pjrt import envvars
-from torch_pjrt.integrations import lightning
+from torch_pjrt.integrations import lightning, torchvision
 
 
 def _is_pjrt(device: Any) -> bool:
@@ -291,6 +292,7 @@ PATCHES = {
     "pytorch_lightning.accelerators": lightning.register_accelerator,
     "pytorch_lightning.trainer.connectors.accelerator_connector": lightning.patch_connector,
     "pytorch_lightning.strategies.ddp": lightning.patch_ddp,
+    "torchvision.extension": torchvision.define_missing_ops,
 }
 
 
