@@ -32,6 +32,9 @@ COUNTER_NAMES = (
     "disk_store_hits",
     "disk_store_writes",
     "disk_store_damaged",
+    # compiled graphs AOTAutograd's cache stored into, and loaded from, the cache folder (compile/warm_start.py)
+    "aot_cache_writes",
+    "aot_cache_hits",
     # bounded dynamism in eager (eager/dynamic.py)
     "dynamic_padded_ops",
     "dynamic_new_buckets",
