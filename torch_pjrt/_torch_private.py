@@ -392,3 +392,52 @@ def autograd_fallback_mode(mode: str) -> Iterator[None]:
         yield
     finally:
         torch._C._set_autograd_fallback_mode(previous)
+
+
+# --- AOTAutograd's cache, holding the pjrt backend's compiled graphs ------------------------
+
+
+def output_code_base() -> type:
+    """The base class AOTAutograd's cache stores a backend's compiled graph as (Inductor's OutputCode)."""
+    from torch._inductor.output_code import OutputCode
+
+    return OutputCode
+
+
+def serializable_aot_compiler(code_type: type, compile_fn: Callable[..., Any]) -> Any:
+    """An AOTAutograd compiler whose results (`code_type` instances) AOTAutograd's cache may store."""
+    from torch._functorch._aot_autograd.schemas import SerializableAOTDispatchCompiler
+
+    return SerializableAOTDispatchCompiler(code_type, compile_fn)
+
+
+@contextlib.contextmanager
+def aot_autograd_cache(folder: str) -> Iterator[None]:
+    """Within it, AOTAutograd looks its graphs up in, and stores them into, `folder` (whole entries, the
+    compiled graphs pickled in them) and compiles the backward with the forward, so the entry is saved
+    before this scope ends. Outside it nothing changes: other backends keep PyTorch's cache settings and
+    Inductor's own folder."""
+    from unittest import mock
+
+    from torch._functorch import config
+    from torch._functorch._aot_autograd.autograd_cache import AOTAutogradCache
+
+    settings = config.patch(enable_autograd_cache=True, bundled_autograd_cache=True,
+                            force_non_lazy_backward_lowering=True)
+    with settings, mock.patch.object(AOTAutogradCache, "_get_tmp_dir", classmethod(lambda cls: folder)):
+        yield
+
+
+def pickle_graph(gm: torch.fx.GraphModule) -> bytes:
+    """A graph with its nodes' fake values (shapes, strides, dtypes, devices) as bytes; any op allowed."""
+    from torch.fx._graph_pickler import GraphPickler, Options
+
+    return GraphPickler.dumps(gm, Options(ops_filter=None))
+
+
+def unpickle_graph(data: bytes) -> torch.fx.GraphModule:
+    """`pickle_graph`'s graph again, its fake values in a fresh fake mode."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx._graph_pickler import GraphPickler
+
+    return GraphPickler.loads(data, FakeTensorMode())

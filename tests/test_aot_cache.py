@@ -1,0 +1,100 @@
+"""AOTAutograd's cache holding the pjrt backend's graphs (compile/warm_start.py): a fresh process with the
+same cache folder loads its forward and backward graphs instead of tracing them, and computes CPU's results."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from test_warm_start import run_step
+
+import torch_pjrt
+
+STEP = textwrap.dedent(
+    """
+    import json, sys, torch, torch_pjrt
+    torch.manual_seed(int(sys.argv[1]))
+    reference = torch.nn.Sequential(torch.nn.Linear(6, 9), torch.nn.GELU(), torch.nn.Linear(9, 4))
+    model = torch.nn.Sequential(torch.nn.Linear(6, 9), torch.nn.GELU(), torch.nn.Linear(9, 4))
+    model.load_state_dict(reference.state_dict())
+    model.to("pjrt")
+    batches = [(torch.randn(5, 6), torch.randn(5, 4)) for _ in range(3)]
+
+    def step(model, optimizer, x, y):
+        loss = torch.nn.functional.smooth_l1_loss(model(x), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss.detach()
+
+    compiled = torch.compile(step, backend="pjrt")
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=1e-2, momentum=0.9)
+    for x, y in batches:
+        loss = compiled(model, optimizer, x.to("pjrt"), y.to("pjrt"))
+        torch.testing.assert_close(loss.cpu(), step(reference, reference_optimizer, x, y), rtol=1e-4, atol=1e-5)
+    for mine, theirs in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(mine.cpu(), theirs, rtol=1e-4, atol=1e-5)
+    counters = torch_pjrt.metrics.counters()
+    print(json.dumps({name: counters[name] for name in ("aot_cache_writes", "aot_cache_hits", "graph_compiles")}))
+    """
+)
+
+
+def test_a_warm_process_loads_its_graphs_from_aotautograds_cache_in_our_folder(tmp_path: Path) -> None:
+    cold = run_step(tmp_path, 3, STEP)
+    assert cold["aot_cache_hits"] == 0
+    assert cold["aot_cache_writes"] >= 2  # the forward, the backward and the optimizer's graph at least
+    assert cold["graph_compiles"] >= 2
+    entries = list((tmp_path / "aotautograd").rglob("*"))
+    assert any(entry.is_file() for entry in entries)
+    warm = run_step(tmp_path, 4, STEP)  # other weights and data: the same graphs
+    assert warm["aot_cache_hits"] == cold["aot_cache_writes"]
+    assert warm["aot_cache_writes"] == 0
+    assert warm["graph_compiles"] == 0  # programs from our store, as before
+
+
+def test_graphs_with_symbolic_sizes_are_not_stored(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TORCH_PJRT_CACHE_DIR", str(tmp_path))
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x) * 3
+
+    torch._dynamo.reset()
+    before = torch_pjrt.metrics.counters()["aot_cache_writes"]
+    for rows in (5, 7):
+        x = torch.randn(rows, 4)
+        torch.testing.assert_close(torch.compile(f, backend="pjrt", dynamic=True)(x.to("pjrt")).cpu(), f(x))
+    assert torch_pjrt.metrics.counters()["aot_cache_writes"] == before
+    torch._dynamo.reset()
+    x = torch.randn(6, 4)
+    torch.testing.assert_close(torch.compile(f, backend="pjrt", dynamic=False)(x.to("pjrt")).cpu(), f(x))
+    assert torch_pjrt.metrics.counters()["aot_cache_writes"] == before + 1
+
+
+def test_other_backends_keep_pytorchs_cache_settings_after_a_pjrt_compile() -> None:
+    from torch._functorch import config
+    from torch._functorch._aot_autograd.autograd_cache import AOTAutogradCache
+
+    before = (config.bundled_autograd_cache, config.force_non_lazy_backward_lowering,
+              config.enable_autograd_cache, AOTAutogradCache._get_tmp_dir())
+    torch._dynamo.reset()
+    weight = torch.randn(3, 3, requires_grad=True)
+    x = torch.randn(2, 3)
+
+    def f(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x @ weight).sum()
+
+    device_weight = weight.detach().to("pjrt").requires_grad_()
+    loss = torch.compile(f, backend="pjrt")(device_weight, x.to("pjrt"))
+    loss.backward()
+    expected = f(weight, x)
+    expected.backward()
+    torch.testing.assert_close(loss.cpu(), expected.detach())
+    torch.testing.assert_close(device_weight.grad.cpu(), weight.grad)
+    after = (config.bundled_autograd_cache, config.force_non_lazy_backward_lowering,
+             config.enable_autograd_cache, AOTAutogradCache._get_tmp_dir())
+    assert after == before

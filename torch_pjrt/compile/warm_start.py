@@ -1,0 +1,99 @@
+"""AOTAutograd's cache holding the pjrt backend's graphs, so a warm process skips AOTAutograd's tracing.
+
+A fresh process with a filled cache folder still runs Dynamo, but AOTAutograd finds its forward and
+backward graphs in `aotautograd/` of TORCH_PJRT_CACHE_DIR (keyed by PyTorch on Dynamo's graph, its
+inputs, the versions and AOTAutograd's settings, under a folder named by our code's digest) instead of
+tracing them again. A stored entry holds each compiled graph as its FX graph with its nodes' fake
+values; loading it builds the backend's compiled graph afresh, whose programs and executables then come
+from our own store as in any warm process. Graphs with symbolic sizes are not stored (their guards
+and buckets are the backend's per process); nor is anything when the cache folder is off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from torch_pjrt import _torch_private
+from torch_pjrt.runtime import client, disk_store, metrics
+
+# The compiled graph a loaded entry is built into: set by `aot_cache` for the backend call it wraps.
+_making: list[Callable[[torch.fx.GraphModule], Callable[..., Any]]] = []
+
+
+class StoredGraph(_torch_private.output_code_base()):
+    """A compiled graph as AOTAutograd's cache stores it: pickled as its FX graph and fake values."""
+
+    def __init__(self, gm: torch.fx.GraphModule, compiled: Callable[..., Any]) -> None:
+        self.gm = gm
+        self.compiled = compiled
+        self._boxed_call = True  # an instance attribute, so Dynamo's disable() wrapper copies it
+
+    def __call__(self, args: list[Any]) -> Any:
+        return self.compiled(*args)
+
+    def __copy__(self) -> StoredGraph:
+        # AOTAutograd copies an entry's result before saving it: the copy shares the compiled graph.
+        return StoredGraph(self.gm, self.compiled)
+
+    def __getstate__(self) -> dict[str, Any]:
+        metrics.bump("aot_cache_writes")
+        return {"graph": _torch_private.pickle_graph(self.gm)}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        if not _making:
+            raise RuntimeError("a stored pjrt graph was loaded outside torch.compile(backend='pjrt'); clear the "
+                               "aotautograd folder of TORCH_PJRT_CACHE_DIR if this repeats.")
+        self.gm = _torch_private.unpickle_graph(state["graph"])
+        self.compiled = _making[-1](self.gm)
+        self._boxed_call = True
+        metrics.bump("aot_cache_hits")
+
+    def prepare_for_serialization(self) -> None:
+        """Nothing to drop: pickling keeps only the graph."""
+
+    def post_compile(self, example_inputs: Sequence[Any], constants: Any, graph_kwargs: Any) -> None:
+        """Nothing to do after loading: the graph's programs are found or traced at its first call."""
+
+    def set_triton_bundle(self, triton_bundle: Any) -> None:
+        """No Triton kernels here."""
+
+
+def _folder() -> str | None:
+    root = client.cache_dir()
+    return None if root is None else os.path.join(root, "aotautograd", disk_store.code_version()[:16])
+
+
+def _static(example_inputs: Sequence[Any]) -> bool:
+    def symbolic(value: Any) -> bool:
+        if isinstance(value, torch.Tensor):
+            return any(isinstance(s, torch.SymInt) for s in (*value.shape, *value.stride()))
+        return isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool))
+
+    return not any(symbolic(value) for value in example_inputs)
+
+
+@contextlib.contextmanager
+def aot_cache(
+    example_inputs: Sequence[Any], make: Callable[[torch.fx.GraphModule], Callable[..., Any]]
+) -> Iterator[Callable[[torch.fx.GraphModule, Sequence[Any]], Any]]:
+    """The AOTAutograd compiler for one backend call, which `make`s each graph's compiled form; within
+    it AOTAutograd looks the graphs up in our cache folder and stores them there (when storable)."""
+    folder = _folder()
+    if folder is None or not _static(example_inputs):
+        from functorch.compile import make_boxed_func
+
+        yield lambda gm, _: make_boxed_func(make(gm))
+        return
+    compiler = _torch_private.serializable_aot_compiler(StoredGraph, lambda gm, _: StoredGraph(gm, make(gm)))
+    _making.append(make)
+    try:
+        with _torch_private.aot_autograd_cache(folder):
+            yield compiler
+    finally:
+        _making.pop()
+
