@@ -26,7 +26,7 @@ import torch
 import torch.fx
 
 from torch_pjrt import _torch_private, storage
-from torch_pjrt.compile import padding
+from torch_pjrt.compile import padding, warm_start
 from torch_pjrt.eager import dynamic, modes
 from torch_pjrt.ops import arguments, graph, linalg, registry
 from torch_pjrt.runtime import checks, client, disk_store, metrics, programs, rng, spmd
@@ -637,13 +637,6 @@ def _constant(value: Any, values: dict[Any, int]) -> Any:
     return padding.concrete(value, values) if isinstance(value, torch.SymInt) else value
 
 
-def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
-                  recompile_budget: int = RECOMPILE_BUDGET) -> Callable[..., Any]:
-    from functorch.compile import make_boxed_func
-
-    return make_boxed_func(CompiledGraph(gm, recompile_budget))
-
-
 def _checked_options(options: dict[str, Any]) -> dict[str, Any]:
     """torch.compile's `options` for this backend; an option it does not know is an error, never ignored."""
     unknown = sorted(set(options) - set(OPTIONS))
@@ -668,7 +661,8 @@ def pjrt_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], mode: 
         warnings.warn(f"torch.compile(backend='pjrt') does not use mode={mode!r} (Inductor's); the graph compiles "
                       "to one XLA program either way.", stacklevel=2)
     _torch_private.dynamo_skip_our_packages()
-    compiler = functools.partial(compile_graph, **_checked_options(options or {}))
-    backend = aot_autograd(fw_compiler=compiler, bw_compiler=compiler, keep_inference_input_mutations=True)
-    return backend(gm, example_inputs)
+    make = functools.partial(CompiledGraph, **_checked_options(options or {}))
+    with warm_start.aot_cache(example_inputs, make) as compiler:
+        backend = aot_autograd(fw_compiler=compiler, bw_compiler=compiler, keep_inference_input_mutations=True)
+        return backend(gm, example_inputs)
 
