@@ -4,7 +4,7 @@ Rows: torch CPU eager, torch CPU torch.compile (inductor), pjrt strict eager, pj
 pjrt torch.compile(backend="pjrt") of the whole step, and the same model and step written directly
 in JAX (jax.jit, hand-written AdamW, donated state). Every row starts from the same weights and sees the
 same batches; after a warm-up the rows take turns, a round of steps each, and the best round counts.
-Run: .venv/bin/python bench/train_step.py [--rounds 5] [--steps 8] [--skip-inductor] [--skip-fused]
+Run: .venv/bin/python bench/train_step.py [--rounds 5] [--steps 8] [--skip-inductor] [--skip-fused] [--cpu-threads 1]
 """
 
 from __future__ import annotations
@@ -36,8 +36,9 @@ LOSS_TOLERANCE = 1e-3
 class TorchRow:
     """The step run by PyTorch on one device and in one mode, on its own copy of the model and optimizer."""
 
-    def __init__(self, model: torch.nn.Module, device: str, mode: str) -> None:
+    def __init__(self, model: torch.nn.Module, device: str, mode: str, cpu_threads: int) -> None:
         self.device = device
+        self.cpu_threads = cpu_threads
         self.eager_mode = "defer_and_fuse" if mode == "fuse" else "defer_never"
         self.model = copy.deepcopy(model).to(device)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
@@ -49,13 +50,18 @@ class TorchRow:
         """Seconds for the steps on the batches (until every update is done) and each step's loss, read back."""
         losses = []
         mode = self.eager_mode if self.device == "pjrt" else torch.pjrt.eager_mode
-        with torch.pjrt.set_eager_mode(mode):
-            start = time.perf_counter()
-            for tokens, targets in data:
-                losses.append(self.step(tokens.to(self.device), targets.to(self.device)).item())
-            if self.device == "pjrt":
-                torch.pjrt.synchronize()
-            return time.perf_counter() - start, losses
+        threads = torch.get_num_threads()
+        torch.set_num_threads(self.cpu_threads)
+        try:
+            with torch.pjrt.set_eager_mode(mode):
+                start = time.perf_counter()
+                for tokens, targets in data:
+                    losses.append(self.step(tokens.to(self.device), targets.to(self.device)).item())
+                if self.device == "pjrt":
+                    torch.pjrt.synchronize()
+                return time.perf_counter() - start, losses
+        finally:
+            torch.set_num_threads(threads)
 
 
 # --- the same model and step in JAX ------------------------------------------------------------
@@ -145,6 +151,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8, help="steps per row in each round")
     parser.add_argument("--skip-inductor", action="store_true")
     parser.add_argument("--skip-fused", action="store_true")
+    parser.add_argument("--cpu-threads", type=int, default=1,
+                        help="torch's CPU threads while a row runs (on a shared 2-core machine, two threads spin "
+                             "against every other process: torch CPU eager's step read 10-20x slower)")
     args = parser.parse_args()
     torch.manual_seed(0)
     layers, heads = 2, 4
@@ -152,11 +161,11 @@ def main() -> None:
     data = batches(corpus_bytes(), 8, 64, args.warmup + args.rounds * args.steps)
 
     makers: dict[str, Callable[[], TorchRow | JaxRow]] = {
-        "torch CPU eager": lambda: TorchRow(model, "cpu", "eager"),
-        "torch CPU inductor": lambda: TorchRow(model, "cpu", "compile"),
-        "pjrt strict eager": lambda: TorchRow(model, "pjrt", "eager"),
-        "pjrt DEFER_AND_FUSE": lambda: TorchRow(model, "pjrt", "fuse"),
-        "pjrt torch.compile": lambda: TorchRow(model, "pjrt", "compile"),
+        "torch CPU eager": lambda: TorchRow(model, "cpu", "eager", args.cpu_threads),
+        "torch CPU inductor": lambda: TorchRow(model, "cpu", "compile", args.cpu_threads),
+        "pjrt strict eager": lambda: TorchRow(model, "pjrt", "eager", args.cpu_threads),
+        "pjrt DEFER_AND_FUSE": lambda: TorchRow(model, "pjrt", "fuse", args.cpu_threads),
+        "pjrt torch.compile": lambda: TorchRow(model, "pjrt", "compile", args.cpu_threads),
         "JAX jit (hand-written)": lambda: JaxRow(model, layers, heads),
     }
     if args.skip_inductor:
@@ -185,7 +194,7 @@ def main() -> None:
     best = {name: min(means) for name, means in round_means.items()}
     print(f"GPT step (2 layers, width 128, seq 64, batch 8, AdamW), {args.warmup} warm-up steps, then {args.rounds} "
           f"interleaved rounds of {args.steps} steps per row; step ms: the best round's wall time per step, "
-          f"its last update done")
+          f"its last update done; torch CPU threads: {args.cpu_threads}")
     print(f"{'':<26}{'first step s':>13}{'step ms':>10}{'rounds ms':>16}{'compiles':>10}{'peak MiB':>10}"
           f"{'loss diff':>11}")
     reference = losses["torch CPU eager"]
