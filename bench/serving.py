@@ -7,8 +7,9 @@ Each row is its own process (vLLM picks its platform once per process: `VLLM_PLU
 leaves vLLM's CPU platform); after one warm-up batch (the compiles), the best of `--repeats` timed batches
 (the second batch meets new token buckets, as prefix caching shortens its prefills; the third compiles nothing),
 and the time to first token: the same N requests with prompts not seen before and one new token each
-(the batch's prefill and first sampling). "compiled" rows pass enforce_eager=False: vLLM's compile path, its
-graph pieces compiled by the pjrt backend, attention between them in the eager mode named.
+(the batch's prefill and first sampling). "compiled" rows pass enforce_eager=False: vLLM's compile path, the
+model's graph (attention inside it) one program a step, compiled by the pjrt backend per (token, context)
+bucket; the rest of the step (sampling) runs in the eager mode named.
 The rows run interleaved, `--rounds` times (a fresh process each), and each row keeps its best round, so a
 busy spell on a shared machine hits every row alike. Output tokens must equal across rows and rounds. Needs
 the vLLM environment: `make test-serving` builds it.
@@ -195,8 +196,8 @@ def main() -> None:
         ("cpu", "strict"): "vLLM CPU platform",
         ("pjrt", "strict"): "pjrt plugin, strict eager",
         ("pjrt", "fused"): "pjrt plugin, DEFER_AND_FUSE",
-        ("pjrt", "compiled"): "pjrt plugin, compiled (strict eager attention)",
-        ("pjrt", "compiled-fused"): "pjrt plugin, compiled (DEFER_AND_FUSE attention)",
+        ("pjrt", "compiled"): "pjrt plugin, compiled (strict eager around it)",
+        ("pjrt", "compiled-fused"): "pjrt plugin, compiled (DEFER_AND_FUSE around it)",
     }
     asked = set(args.rows.split(",")) | {"cpu"}
     names = {key: name for key, name in names.items() if (key[0] if key[0] == "cpu" else key[1]) in asked}

@@ -9,7 +9,11 @@ index tensors once per step (on CPU, from vLLM's host-side metadata) and ships t
 integer indices, the boolean masks); the layers then run only device ops.
 
 The key/value length is padded to a power of two (at least one block), so decode steps of growing
-length reuse one set of programs per bucket instead of compiling per length. The torch-op path
+length reuse one set of programs per bucket instead of compiling per length. On vLLM's compile path the
+attention is traced into the model's one graph (the platform's `opaque_attention_op()` is False): the
+index tensors' token and context dimensions are marked dynamic, so the graph is traced once and compiled
+per (token, context) bucket, and the layers write and read the whole cache buffer (one graph input,
+written in place) rather than each their own view of it. The torch-op path
 gathers each token's context: O(query tokens x padded context) of memory per layer. With
 TORCH_PJRT_PAGED_ATTENTION=1 (or inside `kernels.paged.switch.scoped(True)`) the attention
 reads the cache through the block tables with the Pallas kernel `torch_pjrt.kernels.paged_attention`
@@ -36,6 +40,7 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
+from torch_pjrt import _torch_private
 from torch_pjrt.kernels import paged
 from torch_pjrt.storage import storage_of
 
@@ -107,7 +112,8 @@ class PjrtAttentionMetadataBuilder(AttentionMetadataBuilder[PjrtAttentionMetadat
         block_table = meta.block_table_tensor.cpu().numpy().astype(np.int64)[: meta.num_reqs]
         context = padded_context_length(int(seq_lens.max()), self.block_size, block_table.shape[1] * self.block_size)
         context_positions = np.arange(context)
-        slots = meta.slot_mapping.cpu().numpy().astype(np.int64)[:tokens]
+        # vLLM's dummy runs (the compile path's warm-up) give every slot as -1: those write the null block
+        slots = np.maximum(meta.slot_mapping.cpu().numpy().astype(np.int64)[:tokens], 0)
 
         # Rows past the real tokens (the runner pads the batch to padded_token_count) write to and read
         # from block 0, vLLM's null block, which no request owns, and see only its first row.
@@ -138,6 +144,9 @@ class PjrtAttentionMetadataBuilder(AttentionMetadataBuilder[PjrtAttentionMetadat
         kernel_indices = {}
         if paged.switch.enabled():
             kernel_indices = dict(block_tables=indices[4].to(torch.int32), context_lengths=indices[5].to(torch.int32))
+        # the compile path traces the graph once: every length here is one of its symbols, never a constant
+        for tensor in (*indices, *visible_masks, *kernel_indices.values()):
+            _torch_private.mark_dynamic(tensor, list(range(tensor.dim())))
         return PjrtAttentionMetadata(
             num_actual_tokens=padded,
             slot_blocks=indices[0],
@@ -195,7 +204,16 @@ class PjrtAttentionImpl(AttentionImpl[PjrtAttentionMetadata]):
         self.logits_soft_cap = logits_soft_cap or 0.0
         self.attn_type = attn_type
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+        self.cache_buffer: torch.Tensor | None = None
+        self.layer_in_buffer = 0
+        self.layer_index: torch.Tensor | None = None
 
+    def bind_cache_buffer(self, buffer: torch.Tensor, layer: int) -> None:
+        """Read and write this layer's cache as `layer` of the whole buffer (layers, *cache shape)."""
+        self.cache_buffer, self.layer_in_buffer = buffer, layer
+        self.layer_index = torch.tensor([layer], device=buffer.device)
+
+    @_torch_private.traced_by_dynamo
     def forward(
         self,
         layer: Any,
@@ -212,45 +230,59 @@ class PjrtAttentionImpl(AttentionImpl[PjrtAttentionMetadata]):
             raise NotImplementedError("the pjrt attention backend does not fuse output quantization")
         if attn_metadata is None:  # vLLM's profiling run: no cache bound yet
             return output
-        tokens = attn_metadata.num_actual_tokens
+        tokens = attn_metadata.slot_blocks.shape[0]  # (a traced graph's symbol, where num_actual_tokens is not)
         heads, kv_heads, size = self.num_heads, self.num_kv_heads, self.head_size
         kv_head_index = torch.arange(kv_heads, device=kv_cache.device)
+        buffer = self.cache_buffer
         if self.kv_sharing_target_layer_name is None:
             rows = torch.cat([key[:tokens], value[:tokens]], -1).view(tokens, kv_heads, 2 * size)
-            kv_cache.index_put_(
-                (attn_metadata.slot_blocks[:, None], kv_head_index[None, :], attn_metadata.slot_offsets[:, None]),
-                rows.to(kv_cache.dtype),
-            )
+            at = (attn_metadata.slot_blocks[:, None], kv_head_index[None, :], attn_metadata.slot_offsets[:, None])
+            if buffer is None:
+                kv_cache.index_put_(at, rows.to(kv_cache.dtype))
+            else:
+                buffer.index_put_((self.layer_index, *at), rows.to(buffer.dtype))
         # the kernel attends to the whole context: windowed layers gather with torch ops
-        kernel = attn_metadata.block_tables is not None and self.sliding_window is None
-        whole = _layers_of(kv_cache) if kernel else None
-        if whole is not None:
-            buffer, layer_index = whole
+        if buffer is not None and attn_metadata.block_tables is not None and self.sliding_window is None:
             attended = paged.paged_attention(
                 query[:tokens].view(tokens, heads, size), buffer, attn_metadata.block_tables,
-                attn_metadata.context_lengths, layer=layer_index, scale=self.scale, soft_cap=self.logits_soft_cap)
+                attn_metadata.context_lengths, layer=self.layer_in_buffer, scale=self.scale,
+                soft_cap=self.logits_soft_cap)
             output[:tokens].copy_(attended.reshape(output[:tokens].shape))
             return output
         visible = (attn_metadata.visible if self.sliding_window is None
                    else attn_metadata.visible_in_window[self.sliding_window])
         attended = paged.gathered_attention(
-            query[:tokens].view(tokens, heads, size), kv_cache, attn_metadata.context_blocks,
-            attn_metadata.context_offsets, visible, scale=self.scale, soft_cap=self.logits_soft_cap)
+            query[:tokens].view(tokens, heads, size), kv_cache if buffer is None else buffer,
+            attn_metadata.context_blocks, attn_metadata.context_offsets, visible, scale=self.scale,
+            soft_cap=self.logits_soft_cap, layer=self.layer_index)
         output[:tokens].copy_(attended.reshape(output[:tokens].shape).to(output.dtype))
         return output
 
 
+def bind_cache_buffers(layers: dict[str, Any], caches: dict[str, torch.Tensor]) -> None:
+    """Each pjrt attention layer's cache read and written through its whole buffer, one tensor per buffer
+    (a compiled graph takes it as one input, which it writes in place)."""
+    buffers: dict[int, torch.Tensor] = {}
+    for name, cache in caches.items():
+        impl = getattr(layers.get(name), "impl", None)
+        whole = _layers_of(cache) if isinstance(impl, PjrtAttentionImpl) else None
+        if whole is not None:
+            buffer = buffers.setdefault(cache.untyped_storage().data_ptr(), whole[0])
+            impl.bind_cache_buffer(buffer, whole[1])
+
+
 def _layers_of(cache: torch.Tensor) -> tuple[torch.Tensor, int] | None:
-    """The cache's whole buffer as (layers, *cache.shape) and the cache's layer in it, for the kernel; None
-    (with a warning, once) when the layers do not tile a buffer of the cache's dtype."""
+    """The cache's whole buffer as (layers, *cache.shape) and the cache's layer in it; None (with a warning,
+    once) when the layers do not tile a buffer of the cache's dtype."""
     per_layer = cache.numel()
     nbytes = cache.untyped_storage().nbytes()
     fits = (cache.is_contiguous() and storage_of(cache).dtype == cache.dtype and per_layer
             and cache.storage_offset() % per_layer == 0 and nbytes % (per_layer * cache.element_size()) == 0)
     if not fits:
         if not _warned:
-            logger.warning("the pjrt paged-attention kernel needs the layers' caches to tile one buffer of their "
-                           "dtype; these do not (cache %s, offset %d): attention gathers with torch ops instead",
+            logger.warning("the layers' KV caches do not tile one buffer of their dtype (cache %s, offset %d): "
+                           "each layer writes its own view (copied in a compiled graph) and the paged-attention "
+                           "kernel is not used",
                            tuple(cache.shape), cache.storage_offset())
             _warned.append(True)
         return None

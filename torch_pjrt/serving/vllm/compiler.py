@@ -1,10 +1,12 @@
 """vLLM's compile path on pjrt: each piece of vLLM's split model graph compiled by torch_pjrt's backend.
 
-With `enforce_eager=False`, vLLM traces the model once with Dynamo (the token dimension symbolic, guards
-dropped), splits the graph at its attention ops, which run eagerly between the pieces (the paged KV cache
-of attention.py), and hands each piece to the platform's compiler. This one is the `pjrt` torch.compile
-backend (AOTAutograd, then one program per piece). The model runner pads the token count to a power of
-two, so a piece compiles once per bucket of token counts, never per prompt length.
+With `enforce_eager=False`, vLLM traces the model once with Dynamo (guards dropped), attention included
+(the paged KV cache of attention.py, its index tensors' token and context lengths symbolic), splits the
+graph only at its mixture-of-experts ops, which run eagerly, and hands each piece to the platform's
+compiler: the `pjrt` torch.compile backend (AOTAutograd, then one program per piece, the KV cache buffer
+written in place). A dense model is one program a step. The model runner pads the token count and the
+attention metadata the context length to powers of two, so a piece compiles once per (token, context)
+bucket, never per prompt length.
 """
 
 from __future__ import annotations

@@ -101,8 +101,9 @@ class PjrtPlatform(Platform):
 
     @classmethod
     def opaque_attention_op(cls) -> bool:
-        """Attention is vLLM's custom op: compiled graphs split at it, and it runs eagerly on the paged cache."""
-        return True
+        """Attention is not an opaque op: vLLM calls it directly, and its compile path traces it into the
+        model's graph (one program a step) instead of splitting the graph there."""
+        return False
 
     @classmethod
     def get_compile_backend(cls) -> str:
@@ -148,8 +149,9 @@ class PjrtPlatform(Platform):
 
 
 def _split_at_eager_ops(compilation_config: Any) -> None:
-    """Graphs split at vLLM's attention ops (its default) and at its MoE ops: those run eagerly between the
-    compiled pieces, since the pjrt backend cannot run vLLM's Python custom ops inside an XLA program."""
+    """Graphs split at vLLM's MoE ops, which run eagerly between the compiled pieces (the pjrt backend cannot
+    run vLLM's Python custom ops inside an XLA program), and at vLLM's default splitting ops, its attention
+    ops, which do not occur here: attention is called directly and traced (opaque_attention_op)."""
     if compilation_config.splitting_ops is None:  # vLLM fills in its default after this hook: the same here
         compilation_config.splitting_ops = [*compilation_config._attention_ops, *VLLM_DEFAULT_CACHE_UPDATE_OPS]
     for op in EAGER_SPLITTING_OPS:

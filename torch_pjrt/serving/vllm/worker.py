@@ -21,6 +21,7 @@ from typing import Any
 import psutil
 import torch
 from torch.overrides import TorchFunctionMode
+from vllm.config import CompilationMode
 from vllm.logger import init_logger
 from vllm.platforms import current_platform
 from vllm.utils.cpu_resource_utils import get_allowed_cpu_list, get_memory_node_info
@@ -31,14 +32,17 @@ from vllm.v1.kv_cache_interface import KVCacheConfig, UniformTypeKVCacheSpecs
 from vllm.v1.sample.logits_processor import build_logitsprocs
 from vllm.v1.sample.metadata import SamplingMetadata
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+from vllm.v1.worker.cpu_model_runner import _set_global_compilation_settings as set_global_compilation_settings
 from vllm.v1.worker.cpu_worker import CPUWorker
 from vllm.v1.worker.gpu_worker import Worker, init_worker_distributed_environment
 
 from torch_pjrt import envvars
-from torch_pjrt.serving.vllm.attention import padded_token_count
+from torch_pjrt.serving.vllm.attention import bind_cache_buffers, padded_token_count
 from torch_pjrt.serving.vllm.moe import register_fused_moe_method
 
 logger = init_logger(__name__)
+# tokens of the compile path's warm-up batch: the smallest token bucket
+WARM_UP_TOKENS = 8
 
 
 class PjrtModelRunner(CPUModelRunner):
@@ -131,7 +135,18 @@ class PjrtModelRunner(CPUModelRunner):
                 yield
 
         with self._on_model_device():
-            return super().initialize_kv_cache_tensors(kv_cache_config, kernel_block_sizes, allocation())
+            caches = super().initialize_kv_cache_tensors(kv_cache_config, kernel_block_sizes, allocation())
+        bind_cache_buffers(self.compilation_config.static_forward_context, caches)
+        return caches
+
+    def warming_up_model(self) -> None:
+        """The compile path's one trace, on a small dummy batch with attention metadata: vLLM's CPU runner
+        traces its profiling run, which has none, and the attention traced then would be skipped for good
+        (vLLM keeps no guards). The batch's token and context lengths are the graph's symbols."""
+        if self.compilation_config.mode == CompilationMode.NONE:
+            return
+        with set_global_compilation_settings(self.vllm_config):
+            self._dummy_run(min(WARM_UP_TOKENS, self.max_num_tokens), force_attention=True)
 
     def _model_forward(
         self,
