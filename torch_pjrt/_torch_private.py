@@ -428,16 +428,23 @@ def aot_autograd_cache(folder: str) -> Iterator[None]:
         yield
 
 
-def pickle_graph(gm: torch.fx.GraphModule) -> bytes:
-    """A graph with its nodes' fake values (shapes, strides, dtypes, devices) as bytes; any op allowed."""
+def pickle_graph(gm: torch.fx.GraphModule, keep: Callable[[str], bool]) -> bytes:
+    """A graph as bytes, with the node metadata entries `keep` names; any op allowed."""
     from torch.fx._graph_pickler import GraphPickler, Options
 
-    return GraphPickler.dumps(gm, Options(ops_filter=None))
+    return GraphPickler.dumps(gm, Options(ops_filter=None, node_metadata_key_filter=keep))
 
 
 def unpickle_graph(data: bytes) -> torch.fx.GraphModule:
-    """`pickle_graph`'s graph again, its fake values in a fresh fake mode."""
+    """`pickle_graph`'s graph again."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx._graph_pickler import GraphPickler
 
     return GraphPickler.loads(data, FakeTensorMode())
+
+
+def fake_mode() -> Any:
+    """A fresh fake tensor mode (tensors with shapes, strides, dtypes and devices, no data)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode()

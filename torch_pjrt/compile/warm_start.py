@@ -3,10 +3,11 @@
 A fresh process with a filled cache folder still runs Dynamo, but AOTAutograd finds its forward and
 backward graphs in `aotautograd/` of TORCH_PJRT_CACHE_DIR (keyed by PyTorch on Dynamo's graph, its
 inputs, the versions and AOTAutograd's settings, under a folder named by our code's digest) instead of
-tracing them again. A stored entry holds each compiled graph as its FX graph with its nodes' fake
-values; loading it builds the backend's compiled graph afresh, whose programs and executables then come
-from our own store as in any warm process. Graphs with symbolic sizes are not stored (their guards
-and buckets are the backend's per process); nor is anything when the cache folder is off.
+tracing them again. A stored entry holds each compiled graph as its FX graph with its nodes' values
+described (dtype, shape, strides, offset, device); loading it builds the backend's compiled graph
+afresh, whose programs and executables then come from our own store as in any warm process. Graphs
+with symbolic sizes are not stored (their guards and buckets are the backend's per process); nor is
+anything when the cache folder is off.
 """
 
 from __future__ import annotations
@@ -42,13 +43,17 @@ class StoredGraph(_torch_private.output_code_base()):
 
     def __getstate__(self) -> dict[str, Any]:
         metrics.bump("aot_cache_writes")
-        return {"graph": _torch_private.pickle_graph(self.gm)}
+        return {"graph": _torch_private.pickle_graph(self.gm, keep=lambda key: key == "stack_trace"),
+                "values": [_described(node.meta.get("val")) for node in self.gm.graph.nodes]}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         if not _making:
             raise RuntimeError("a stored pjrt graph was loaded outside torch.compile(backend='pjrt'); clear the "
                                "aotautograd folder of TORCH_PJRT_CACHE_DIR if this repeats.")
         self.gm = _torch_private.unpickle_graph(state["graph"])
+        with _torch_private.fake_mode():
+            for node, value in zip(self.gm.graph.nodes, state["values"]):
+                node.meta["val"] = _rebuilt(value)
         self.compiled = _making[-1](self.gm)
         self._boxed_call = True
         metrics.bump("aot_cache_hits")
@@ -61,6 +66,33 @@ class StoredGraph(_torch_private.output_code_base()):
 
     def set_triton_bundle(self, triton_bundle: Any) -> None:
         """No Triton kernels here."""
+
+
+def _described(value: Any) -> Any:
+    """A node's value as plain data: a tensor's dtype, shape, strides, offset and device (what the backend reads
+    of a traced value; the fake tensors themselves take seconds to unpickle)."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", value.dtype, tuple(value.shape), value.stride(), value.storage_offset(), str(value.device))
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, [_described(item) for item in value])
+    if value is None or isinstance(value, (bool, int, float, complex, str, torch.dtype, torch.device)):
+        return ("plain", value)
+    raise TypeError(f"torch_pjrt: a graph value of type {type(value).__name__} is not stored in AOTAutograd's cache.")
+
+
+def _rebuilt(described: Any) -> Any:
+    """`_described`'s value again, a tensor as a fake tensor of the current fake mode."""
+    kind, *fields = described
+    if kind == "plain":
+        return fields[0]
+    if kind in ("list", "tuple"):
+        items = [_rebuilt(item) for item in fields[0]]
+        return items if kind == "list" else tuple(items)
+    dtype, shape, stride, offset, device = fields
+    if offset == 0:
+        return torch.empty_strided(shape, stride, dtype=dtype, device=device)
+    extent = offset + (0 if 0 in shape else 1 + sum((size - 1) * step for size, step in zip(shape, stride)))
+    return torch.empty(extent, dtype=dtype, device=device).as_strided(shape, stride, offset)
 
 
 def _folder() -> str | None:
