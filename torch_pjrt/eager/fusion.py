@@ -156,7 +156,7 @@ class PendingGraph:
                     program = _programs.put(structure, _fused_program(nodes, wanted, donated, self.device_index,
                                                                       mesh, inputs))
                     _seen.append((nodes, where))
-                results = program.call(*inputs)
+                results = program.call(*(inputs if mesh is not None else _numbers_as_arrays(inputs, self.device_index)))
             except BaseException as error:
                 for deferred in live:
                     deferred.failure = error
@@ -167,6 +167,15 @@ class PendingGraph:
                 made = [entry.checks for entry, _ in nodes if entry.checks]
                 lines = tuple(line for line, found in zip(check_lines, made) for _ in found)
                 checks.issued(results[-1], tuple(c for found in made for c in found), lines)
+
+
+def _numbers_as_arrays(inputs: list[Any], device_index: int) -> list[Any]:
+    """The inputs with each traced number seen before as its device array (client.traced_number): jax
+    converts a plain number on every call, and a decode step's program takes dozens (lengths, scales)."""
+    return [client.traced_number(value, device_index) if type(value) in _NUMBERS else value for value in inputs]
+
+
+_NUMBERS = (int, float, bool, complex)
 
 
 def _unreferenced(inputs: list[Any]) -> tuple[int, ...]:
