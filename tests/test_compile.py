@@ -179,6 +179,22 @@ def test_cpu_values_in_a_graph_stay_on_the_cpu() -> None:
             torch.testing.assert_close(a.cpu(), e)
 
 
+def test_cpu_inputs_of_several_dtypes_and_layouts_reach_the_program_in_order() -> None:
+    """The program reads a call's CPU inputs from one array per dtype: each keeps its values, shape and order,
+    a transposed one its logical order, and new values the next call (not baked into the program)."""
+
+    def fn(x: torch.Tensor, a: torch.Tensor, n: torch.Tensor, b: torch.Tensor, mask: torch.Tensor,
+           c: torch.Tensor) -> torch.Tensor:
+        return x * a + n * b.to(x.device) + torch.where(mask.to(x.device), c.to(x.device), x) - a * n
+
+    compiled = torch.compile(fn, backend="pjrt", fullgraph=True)
+    for _ in range(2):
+        x = torch.randn(2, 3)
+        inputs = (torch.randn(()), torch.randint(-5, 5, ()), torch.randn(3), torch.rand(2, 3) > 0.5,
+                  torch.randn(3, 2).t())
+        torch.testing.assert_close(compiled(x.to("pjrt"), *inputs).cpu(), fn(x, *inputs))
+
+
 def test_views_of_inputs_alias_them_and_a_graph_of_views_runs_no_program() -> None:
     weight, x = torch.randn(6, 4), torch.randn(3, 4)
     linear = torch.compile(lambda w, x: x @ w.t(), backend="pjrt")

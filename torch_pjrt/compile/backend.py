@@ -219,7 +219,7 @@ class CompiledGraph:
             for slot, flat in zip(written, donated):
                 flats[slot] = flat
             sizes = None if padded is None else padding.Sizes(padded, dict(zip(padded, true)))
-            host_values = iter(hosts)
+            groups, taken = _host_groups(signature), [0] * len(hosts)
             inputs = []
             for entry, meta in zip(signature, metas):
                 if entry[0] == "pjrt":
@@ -234,7 +234,10 @@ class CompiledGraph:
                 elif entry[0] == "size":
                     inputs.append(sizes.real(meta))
                 elif entry[0] == "host":
-                    inputs.append(next(host_values))
+                    _, shape, dtype = entry
+                    group, start = groups[dtype], taken[groups[dtype]]
+                    taken[group] = start + math.prod(shape)
+                    inputs.append(hosts[group][start:taken[group]].reshape(shape))
                 else:
                     inputs.append(entry[1])
             keys = None
@@ -357,7 +360,7 @@ class CompiledGraph:
         flats: list[Any] = []
         stores: list[storage.DeviceStorage | None] = []
         slots: dict[int, int] = {}
-        hosts: list[Any] = []
+        host_inputs: list[torch.Tensor] = []
         signature: list[Any] = []
         device = None
         for value, meta in zip(args, self.metas):
@@ -385,12 +388,13 @@ class CompiledGraph:
             elif isinstance(value, torch.Tensor):
                 if padded is not None and padding.is_symbolic(meta):
                     raise padding.CannotPad("a host tensor of dynamic size")
-                hosts.append(storage.host_array(value))
+                host_inputs.append(value)
                 signature.append(("host", tuple(value.shape), value.dtype))
             elif padded is not None and isinstance(meta, torch.SymInt):
                 signature.append(("size",))
             else:
                 signature.append(("static", value))
+        hosts = _host_batches(host_inputs)
         device = device or torch.device("pjrt", 0)
         if not self.mesh_resolved:  # once: the group's engine and mesh do not change
             if len(self.collective_groups) == 1:
@@ -499,6 +503,24 @@ def _block_input(tensor: torch.Tensor, meta: torch.Tensor, padded: dict[Any, int
     if any(c is None for c in classes):
         return None
     return leaf, tuple(classes)
+
+
+def _host_batches(tensors: list[torch.Tensor]) -> list[np.ndarray]:
+    """A call's CPU inputs as one flat array per dtype, in order of first use (see `_host_groups`): the program
+    takes one host transfer per dtype, not one per tensor (AdamW's CPU step counts: one per parameter)."""
+    groups: dict[torch.dtype, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        groups.setdefault(tensor.dtype, []).append(tensor.detach().resolve_conj().resolve_neg().reshape(-1))
+    return [storage.host_array(torch.cat(group)) for group in groups.values()]
+
+
+def _host_groups(signature: Sequence[Any]) -> dict[torch.dtype, int]:
+    """Which of `_host_batches`' arrays holds the CPU inputs of each dtype."""
+    groups: dict[torch.dtype, int] = {}
+    for entry in signature:
+        if entry[0] == "host":
+            groups.setdefault(entry[2], len(groups))
+    return groups
 
 
 def _can_store() -> bool:
