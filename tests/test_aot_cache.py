@@ -79,9 +79,10 @@ def test_graphs_with_symbolic_sizes_are_not_stored(tmp_path: Path, monkeypatch: 
 def test_other_backends_keep_pytorchs_cache_settings_after_a_pjrt_compile() -> None:
     from torch._functorch import config
     from torch._functorch._aot_autograd.autograd_cache import AOTAutogradCache
+    from torch._inductor import codecache
 
     before = (config.bundled_autograd_cache, config.force_non_lazy_backward_lowering,
-              config.enable_autograd_cache, AOTAutogradCache._get_tmp_dir())
+              config.enable_autograd_cache, AOTAutogradCache._get_tmp_dir(), codecache.init_backend_registration)
     torch._dynamo.reset()
     weight = torch.randn(3, 3, requires_grad=True)
     x = torch.randn(2, 3)
@@ -97,7 +98,7 @@ def test_other_backends_keep_pytorchs_cache_settings_after_a_pjrt_compile() -> N
     torch.testing.assert_close(loss.cpu(), expected.detach())
     torch.testing.assert_close(device_weight.grad.cpu(), weight.grad)
     after = (config.bundled_autograd_cache, config.force_non_lazy_backward_lowering,
-             config.enable_autograd_cache, AOTAutogradCache._get_tmp_dir())
+             config.enable_autograd_cache, AOTAutogradCache._get_tmp_dir(), codecache.init_backend_registration)
     assert after == before
 
 

@@ -421,10 +421,14 @@ def aot_autograd_cache(folder: str) -> Iterator[None]:
 
     from torch._functorch import config
     from torch._functorch._aot_autograd.autograd_cache import AOTAutogradCache
+    from torch._inductor import codecache
 
     settings = config.patch(enable_autograd_cache=True, bundled_autograd_cache=True,
                             force_non_lazy_backward_lowering=True)
-    with settings, mock.patch.object(AOTAutogradCache, "_get_tmp_dir", classmethod(lambda cls: folder)):
+    # The cache key registers Inductor's code generators first (to hash their custom passes): about 160
+    # modules a pjrt process never needs otherwise. Ours are keyed without them.
+    with settings, mock.patch.object(AOTAutogradCache, "_get_tmp_dir", classmethod(lambda cls: folder)), \
+            mock.patch.object(codecache, "init_backend_registration", lambda: None):
         yield
 
 
