@@ -4,7 +4,9 @@ A 4-layer Llama (width 128) from a small config, greedy, 64 new tokens after a 1
 one process per row (TORCH_PJRT_NATIVE_DISPATCH=1 or 0, TORCH_PJRT_EAGER_MODE strict or
 DEFER_AND_FUSE), each with its own torch CPU eager run on the
 same weights: after one warm-up generate (the compiles), the best of a few timed generates, rounds
-interleaved between CPU and pjrt. Tokens must equal CPU's.
+interleaved between CPU and pjrt. Tokens must equal CPU's. CPU is timed with torch's default threads and
+with one thread: on a loaded machine torch's worker threads wait on each other, slowing CPU several
+times over, which the one-thread column leaves out.
 Run: .venv/bin/python bench/generate_tokens.py [--repeats N]
 """
 
@@ -35,14 +37,16 @@ GENERATE = textwrap.dedent(
             return model.generate(ids.to(device), attention_mask=torch.ones_like(ids).to(device), **options).cpu()
 
     want, got = generate(cpu, "cpu"), generate(pjrt, "pjrt")
-    best = dict(cpu=float("inf"), pjrt=float("inf"))
+    threads = torch.get_num_threads()
+    best = dict(cpu=float("inf"), cpu_one_thread=float("inf"), pjrt=float("inf"))
     for _ in range({repeats}):
-        for device, model in (("cpu", cpu), ("pjrt", pjrt)):
+        for row, device, model in (("cpu", "cpu", cpu), ("cpu_one_thread", "cpu", cpu), ("pjrt", "pjrt", pjrt)):
+            torch.set_num_threads(1 if row == "cpu_one_thread" else threads)
             start = time.perf_counter()
             generate(model, device)
-            best[device] = min(best[device], time.perf_counter() - start)
-    print(json.dumps(dict(cpu_tokens_per_s=64 / best["cpu"], pjrt_tokens_per_s=64 / best["pjrt"],
-                          equal=torch.equal(want, got))))
+            best[row] = min(best[row], time.perf_counter() - start)
+    print(json.dumps(dict(cpu_tokens_per_s=64 / best["cpu"], cpu_one_thread_tokens_per_s=64 / best["cpu_one_thread"],
+                          pjrt_tokens_per_s=64 / best["pjrt"], equal=torch.equal(want, got))))
     """
 )
 
@@ -62,14 +66,16 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     repeats = parser.parse_args().repeats
     print("generate(): 4-layer Llama (width 128), greedy, 16-token prompt, 64 new tokens")
-    print(f"{'pjrt mode, dispatch':<34}{'pjrt tokens/s':>15}{'torch CPU tokens/s':>20}{'pjrt / CPU':>12}  tokens equal")
+    print(f"{'pjrt mode, dispatch':<36}{'pjrt tokens/s':>14}{'torch CPU tokens/s':>19}{'pjrt / CPU':>11}"
+          f"{'CPU 1 thread':>13}{'pjrt / CPU 1 thread':>20}  tokens equal")
     for label, native, mode in (("strict, Python (native off)", "0", "defer_never"),
                                 ("strict, native hit path", "1", "defer_never"),
                                 ("DEFER_AND_FUSE, Python (native off)", "0", "defer_and_fuse"),
                                 ("DEFER_AND_FUSE, native", "1", "defer_and_fuse")):
         row = run(native, mode, repeats)
-        print(f"{label:<34}{row['pjrt_tokens_per_s']:>15.1f}{row['cpu_tokens_per_s']:>20.1f}"
-              f"{row['pjrt_tokens_per_s'] / row['cpu_tokens_per_s']:>12.2f}  {row['equal']}", flush=True)
+        print(f"{label:<36}{row['pjrt_tokens_per_s']:>14.1f}{row['cpu_tokens_per_s']:>19.1f}"
+              f"{row['pjrt_tokens_per_s'] / row['cpu_tokens_per_s']:>11.2f}{row['cpu_one_thread_tokens_per_s']:>13.1f}"
+              f"{row['pjrt_tokens_per_s'] / row['cpu_one_thread_tokens_per_s']:>20.2f}  {row['equal']}", flush=True)
 
 
 if __name__ == "__main__":
