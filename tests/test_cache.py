@@ -151,3 +151,24 @@ def test_the_cache_command_shows_prunes_and_clears(tmp_path: Path) -> None:
     assert json.loads(cache("--format", "json"))["kinds"]["xla"]["entries"] == 0
     run(tmp_path)
     assert "cleared" in cache("clear") and not (tmp_path / "xla").exists()
+
+
+def test_the_cache_command_counts_aotautograd_entries_and_prunes_other_code_versions(tmp_path: Path) -> None:
+    run(tmp_path, COMPILED)
+    stale = tmp_path / "aotautograd" / "0123456789abcdef" / "key"
+    stale.mkdir(parents=True)
+    (stale / "entry").write_bytes(os.urandom(64))
+    env = {**os.environ, "TORCH_PJRT_CACHE_DIR": str(tmp_path)}
+
+    def cache(*args: str) -> str:
+        result = subprocess.run([sys.executable, "-m", "torch_pjrt", "cache", *args], env=env, capture_output=True,
+                                text=True, timeout=120)
+        assert result.returncode == 0, result.stderr[-2000:]
+        return result.stdout
+
+    entries = json.loads(cache("--format", "json"))["kinds"]["aotautograd"]["entries"]
+    assert entries >= 2 and "aotautograd/" in cache()
+    assert "removed 1 entries (64 B)" in cache("prune", "--older-than-days", "1000")
+    assert not stale.parent.exists()
+    assert json.loads(cache("--format", "json"))["kinds"]["aotautograd"]["entries"] == entries - 1
+    assert "cleared" in cache("clear") and not (tmp_path / "aotautograd").exists()

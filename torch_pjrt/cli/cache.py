@@ -1,8 +1,10 @@
 """`torch-pjrt cache`: the persistent compile cache folder, shown, pruned and cleared.
 
 The folder holds XLA's executables (`xla/`, jax's persistent cache), our traced torch.compile
-graphs (`graphs/`) and their executables (`executables/`); ranks of one job and later processes
-share it (TORCH_PJRT_CACHE_DIR).
+graphs (`graphs/`), their executables (`executables/`) and AOTAutograd's entries for them
+(`aotautograd/<digest of torch_pjrt's code>/`); ranks of one job and later processes share it
+(TORCH_PJRT_CACHE_DIR). AOTAutograd's folders of other code versions can never hit again: prune
+removes them first.
 """
 
 from __future__ import annotations
@@ -16,18 +18,27 @@ from pathlib import Path
 from typing import Any
 
 KINDS = {"xla": "XLA executables", "graphs": "traced torch.compile graphs",
-         "executables": "compiled graphs' executables, loaded without tracing"}
+         "executables": "compiled graphs' executables, loaded without tracing",
+         "aotautograd": "AOTAutograd's entries for compiled graphs, per version of torch_pjrt"}
 
 
-def _entries(folder: Path) -> list[Path]:
-    """The cache's entry files (not jax's access-time stamps, locks or unfinished writes)."""
-    found = []
-    for kind in KINDS:
-        root = folder / kind
-        if root.is_dir():
-            found += [path for path in root.iterdir() if path.is_file() and not path.name.startswith(".")
-                      and not path.name.endswith("-atime")]
-    return found
+def _entries(folder: Path, kind: str) -> list[Path]:
+    """The entry files of one kind (not jax's access-time stamps, locks or unfinished writes); AOTAutograd's
+    entries are nested in folders of their own."""
+    root = folder / kind
+    if not root.is_dir():
+        return []
+    files = root.rglob("*") if kind == "aotautograd" else root.iterdir()
+    return [path for path in files if path.is_file() and not path.name.startswith(".")
+            and not path.name.endswith("-atime")]
+
+
+def _stale_versions(folder: Path) -> list[Path]:
+    """AOTAutograd's folders written by another version of torch_pjrt's code."""
+    from torch_pjrt.compile import warm_start
+
+    root, current = folder / "aotautograd", warm_start.code_folder_name()
+    return [path for path in root.iterdir() if path.is_dir() and path.name != current] if root.is_dir() else []
 
 
 def _last_used(path: Path) -> float:
@@ -39,7 +50,7 @@ def summary(folder: Path) -> dict[str, Any]:
     """Entries and bytes per kind."""
     kinds = {}
     for kind, meaning in KINDS.items():
-        files = [path for path in _entries(folder) if path.parent.name == kind]
+        files = _entries(folder, kind)
         kinds[kind] = {"meaning": meaning, "entries": len(files), "bytes": sum(p.stat().st_size for p in files)}
     return {"folder": str(folder), "kinds": kinds}
 
@@ -52,10 +63,15 @@ def _remove(path: Path) -> int:
 
 
 def prune(folder: Path, max_bytes: int | None, older_than_days: float | None) -> tuple[int, int]:
-    """Remove the least recently used entries until the folder holds at most `max_bytes`, and those unused
-    for `older_than_days`; returns (entries removed, bytes freed)."""
-    entries = sorted(_entries(folder), key=_last_used)
+    """Remove AOTAutograd's folders of other code versions, then the least recently used entries until the
+    folder holds at most `max_bytes`, and those unused for `older_than_days`; returns (entries removed, bytes
+    freed)."""
     removed = freed = 0
+    for stale in _stale_versions(folder):
+        files = [path for path in stale.rglob("*") if path.is_file()]
+        removed, freed = removed + len(files), freed + sum(path.stat().st_size for path in files)
+        shutil.rmtree(stale, ignore_errors=True)
+    entries = sorted((path for kind in KINDS for path in _entries(folder, kind)), key=_last_used)
     if older_than_days is not None:
         cutoff = time.time() - older_than_days * 86400
         for path in [p for p in entries if _last_used(p) < cutoff]:

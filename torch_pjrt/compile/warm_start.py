@@ -95,9 +95,14 @@ def _rebuilt(described: Any) -> Any:
     return torch.empty(extent, dtype=dtype, device=device).as_strided(shape, stride, offset)
 
 
+def code_folder_name() -> str:
+    """The folder of `aotautograd/` this version of torch_pjrt's code reads and writes."""
+    return disk_store.code_version()[:16]
+
+
 def _folder() -> str | None:
     root = client.cache_dir()
-    return None if root is None else os.path.join(root, "aotautograd", disk_store.code_version()[:16])
+    return None if root is None else os.path.join(root, "aotautograd", code_folder_name())
 
 
 def _static(example_inputs: Sequence[Any]) -> bool:
