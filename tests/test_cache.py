@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -133,15 +134,17 @@ def test_two_processes_filling_one_folder_at_once_leave_no_damaged_entry(tmp_pat
     assert not list(tmp_path.rglob(".partial-*"))
 
 
+def cache_command(folder: Path, *args: str) -> str:
+    """`torch-pjrt cache ARGS` on `folder`: its output."""
+    result = subprocess.run([sys.executable, "-m", "torch_pjrt", "cache", *args], capture_output=True, text=True,
+                            timeout=120, env={**os.environ, "TORCH_PJRT_CACHE_DIR": str(folder)})
+    assert result.returncode == 0, result.stderr[-2000:]
+    return result.stdout
+
+
 def test_the_cache_command_shows_prunes_and_clears(tmp_path: Path) -> None:
     run(tmp_path)
-    env = {**os.environ, "TORCH_PJRT_CACHE_DIR": str(tmp_path)}
-
-    def cache(*args: str) -> str:
-        result = subprocess.run([sys.executable, "-m", "torch_pjrt", "cache", *args], env=env, capture_output=True,
-                                text=True, timeout=120)
-        assert result.returncode == 0, result.stderr[-2000:]
-        return result.stdout
+    cache = functools.partial(cache_command, tmp_path)
 
     shown = json.loads(cache("--format", "json"))
     entries = shown["kinds"]["xla"]["entries"]
@@ -158,13 +161,7 @@ def test_the_cache_command_counts_aotautograd_entries_and_prunes_other_code_vers
     stale = tmp_path / "aotautograd" / "0123456789abcdef" / "key"
     stale.mkdir(parents=True)
     (stale / "entry").write_bytes(os.urandom(64))
-    env = {**os.environ, "TORCH_PJRT_CACHE_DIR": str(tmp_path)}
-
-    def cache(*args: str) -> str:
-        result = subprocess.run([sys.executable, "-m", "torch_pjrt", "cache", *args], env=env, capture_output=True,
-                                text=True, timeout=120)
-        assert result.returncode == 0, result.stderr[-2000:]
-        return result.stdout
+    cache = functools.partial(cache_command, tmp_path)
 
     entries = json.loads(cache("--format", "json"))["kinds"]["aotautograd"]["entries"]
     assert entries >= 2 and "aotautograd/" in cache()
