@@ -18,3 +18,12 @@ $(LIBS_STAMP): pyproject.toml $(LIBS_REQUIREMENTS)
 
 test-libs: $(LIBS_STAMP)
 	$(LIBS_VENV)/bin/python -m pytest -q tests/test_libraries*.py
+
+# timm's image models on pjrt against CPU (one per timm module, random weights): docs/model-coverage-timm.md.
+ZOO_TIMM_MINUTES ?= 120
+.PHONY: zoo-timm
+zoo-timm: $(LIBS_STAMP)
+	mkdir -p build/zoo
+	-$(LIBS_VENV)/bin/python -m torch_pjrt zoo --library timm --jobs 2 --timeout 240 \
+		--budget-minutes $(ZOO_TIMM_MINUTES) --report docs/model-coverage-timm.md --json build/zoo/timm.json \
+		--log build/zoo/timm-workers.log
