@@ -230,24 +230,39 @@ def one_layer_llama(transformers: Any) -> tuple[Any, Any, Any]:
     return config, cpu, dev.to("pjrt")
 
 
+def greedy_generates(cpu: Any, dev: Any, lengths: tuple[int, ...], new: int) -> list[int]:
+    """Greedy generate() of `new` tokens after random prompts of each length, on CPU and pjrt: the tokens are
+    equal, and the programs each pjrt generate compiled are returned."""
+    new_programs = []
+    for length in lengths:
+        ids = torch.randint(1, 64, (1, length))
+        mask = torch.ones_like(ids)
+        with torch.no_grad():
+            want = cpu.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0)
+            before = compiles()
+            got = dev.generate(ids.to("pjrt"), attention_mask=mask.to("pjrt"), max_new_tokens=new, do_sample=False,
+                               pad_token_id=0)
+            new_programs.append(compiles() - before)
+        assert torch.equal(got.cpu(), want)
+    return new_programs
+
+
 def test_hugging_face_generate_marks_the_prompt_itself() -> None:
     """generate() on pjrt marks input_ids and attention_mask (integrations.py): no user line."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(7)
-    _, cpu, dev = one_layer_llama(transformers)
-    new_programs = []
-    for length in (9, 13, 11):
-        ids = torch.randint(1, 64, (1, length))
-        mask = torch.ones_like(ids)
-        with torch.no_grad():
-            want = cpu.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
-            before = compiles()
-            got = dev.generate(ids.to("pjrt"), attention_mask=mask.to("pjrt"), max_new_tokens=4, do_sample=False,
-                               pad_token_id=0)
-            new_programs.append(compiles() - before)
-        assert torch.equal(got.cpu(), want)
-    # lengths 9..17 stay in the bucket 16: the third prompt compiles only the pad of its inputs
+    new_programs = greedy_generates(*one_layer_llama(transformers)[1:], (9, 13, 11), 4)
+    # lengths 9..17 (and their 4 new tokens) stay in the bucket 64: the third prompt compiles only the pad of its inputs
     assert new_programs[2] <= 1, new_programs
+
+
+def test_hugging_face_generate_starts_in_the_bucket_that_holds_its_new_tokens() -> None:
+    """A prompt of 62 and 6 new tokens would cross from bucket 64 into 128 halfway; it starts in 128, so a
+    later 100-token prompt finds every program of that bucket (it compiled 50 when the first one crossed)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(8)
+    new_programs = greedy_generates(*one_layer_llama(transformers)[1:], (62, 100), 6)
+    assert new_programs[1] <= 1, new_programs
 
 
 def test_pads_of_a_marked_tensor_match_cpu_and_a_pad_up_to_a_bucket_size_is_one_program() -> None:

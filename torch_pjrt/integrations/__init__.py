@@ -6,7 +6,9 @@ device="pjrt")` is wrapped to load on CPU and move each tensor (one transfer per
 Hugging Face `generate()` on pjrt marks the prompt's length dynamic (input_ids and attention_mask,
 dim 1, buckets 64, 128, ... up to the model's max_position_embeddings): prompts of new lengths and
 the KV cache growing by one token then reuse the programs of their bucket instead of compiling per
-length, with no line of the user's code. Marks never change values; `TORCH_PJRT_DYNAMIC_GENERATE=0` turns this off.
+length, with no line of the user's code. The prompt starts in the bucket that also holds the tokens
+generate() may add, so a generation never moves to a larger bucket halfway. Marks never change values;
+`TORCH_PJRT_DYNAMIC_GENERATE=0` turns this off.
 
 accelerate (and so `transformers.Trainer`) looks for an accelerator in a fixed list of device
 types and trains on the CPU when none is found. `accelerator_device` is the one answer to "is pjrt
@@ -68,7 +70,8 @@ def _patch_generate(module: Any) -> None:
     @functools.wraps(original)
     def generate(self: Any, inputs: Any = None, *args: Any, **kwargs: Any) -> Any:
         if envvars.flag("TORCH_PJRT_DYNAMIC_GENERATE"):
-            _mark_prompt(self, inputs if inputs is not None else kwargs.get("input_ids"), kwargs.get("attention_mask"))
+            prompt = inputs if inputs is not None else kwargs.get("input_ids")
+            _mark_prompt(self, _longest_sequence(self, prompt, kwargs), prompt, kwargs.get("attention_mask"))
         return original(self, inputs, *args, **kwargs)
 
     generate._pjrt_aware = True
@@ -78,12 +81,28 @@ def _patch_generate(module: Any) -> None:
 GENERATE_SMALLEST_BUCKET = 64
 
 
-def _mark_prompt(model: Any, *tensors: Any) -> None:
+def _longest_sequence(model: Any, prompt: Any, kwargs: dict[str, Any]) -> int:
+    """The most tokens generate() may hold: the prompt and max_new_tokens, else max_length (its arguments first,
+    then the generation config it was given, then the model's)."""
+    length = prompt.shape[-1] if isinstance(prompt, torch.Tensor) and prompt.dim() else 0
+    config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
+    new = kwargs.get("max_new_tokens", getattr(config, "max_new_tokens", None))
+    if new is not None:
+        return length + new
+    return max(length, kwargs.get("max_length", getattr(config, "max_length", None)) or 0)
+
+
+def _mark_prompt(model: Any, longest: int, *tensors: Any) -> None:
     from torch_pjrt.eager import dynamic
 
     bound = getattr(getattr(model, "config", None), "max_position_embeddings", None) or 0
     # Powers of two from 64: a short prompt's padding is cheap, and every prompt under 64 shares a bucket.
-    buckets = dynamic.ladder(GENERATE_SMALLEST_BUCKET, bound) if bound > GENERATE_SMALLEST_BUCKET else bound
+    # Buckets too small for the whole generation are left out: crossing into the next one halfway would
+    # compile that bucket's programs in the middle of a generation.
+    buckets = bound
+    if bound > GENERATE_SMALLEST_BUCKET:
+        ladder = dynamic.ladder(GENERATE_SMALLEST_BUCKET, bound)
+        buckets = tuple(size for size in ladder if size >= longest) or ladder
     for tensor in tensors:
         if isinstance(tensor, torch.Tensor) and tensor.device.type == "pjrt" and tensor.dim() == 2:
             try:
