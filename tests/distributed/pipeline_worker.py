@@ -188,8 +188,10 @@ def scenario_fail(device: torch.device) -> None:
             assert "injected failure" in str(error.__cause__), f"rank 1 failed otherwise: {error}"
             time.sleep(limit + 3)
             return
+        # The time includes the schedule's first steps and their compiles (9.4 s at load 10 on 2 cores); a hang
+        # would last until the launcher's 90 s.
         elapsed = time.monotonic() - start
-        assert elapsed < limit + 5, f"rank 0 failed only after {elapsed:.1f}s (timeout {limit}s): {error}"
+        assert elapsed < limit + 20, f"rank 0 failed only after {elapsed:.1f}s (timeout {limit}s): {error}"
         return
     raise AssertionError("the schedule completed although rank 1 raised")
 
