@@ -182,6 +182,7 @@ def _unreferenced(inputs: list[Any]) -> tuple[int, ...]:
     """Positions of the device arrays that only this list holds: no storage, tensor, pending
     result or user keeps them, so the program may reuse their buffers (the in-place updates)."""
     array = client.jax_module().Array
+    # (counted inline as compile/backend.py's _donated is: a helper's frame can hold one more reference)
     held_here = 2  # the list's reference and getrefcount's argument
     return tuple(
         index for index in range(len(inputs))
