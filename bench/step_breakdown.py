@@ -1,10 +1,11 @@
 """Where the GPT training step's time goes in each pjrt mode, against JAX, side by side in one process.
 
-For each mode: the median step time, then the programs that one step ran replayed back-to-back on
-the same inputs (the compute alone, no Python between them), and the difference (Python: PyTorch's
-module, autograd and optimizer code, our dispatch, recording and wrapping, and the waits between).
-The JAX row is one jitted program per step. The loop reads loss.item() every step, so a fused step
-takes at least its recording plus its program; strict eager overlaps its Python with the programs.
+For each mode: the median step time, the main thread's CPU time per step (Python and the host work
+around the programs), then the programs that one step ran replayed back-to-back on the same inputs
+(the compute alone, no Python between them), and the difference (PyTorch's module, autograd and
+optimizer code, our dispatch, recording and wrapping, and the waits between). The JAX row is one
+jitted program per step. The loop reads loss.item() every step, so a fused step takes at least its
+recording plus its program; strict eager overlaps its Python with the programs.
 Run: .venv/bin/python bench/step_breakdown.py [--steps N]
 """
 
@@ -22,7 +23,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from train_step import run_jax, run_torch  # noqa: E402
+from train_step import JaxRow, TorchRow  # noqa: E402
 
 from torch_pjrt import native  # noqa: E402
 from torch_pjrt.runtime import programs  # noqa: E402
@@ -36,18 +37,14 @@ calls: list[tuple[programs.Program, tuple]] = []
 recording = [False]
 
 
-def record_from_now() -> None:
-    """Record the last step's program calls; the native hit path calls programs without Program.call,
-    so the recorded step runs through the Python kernels (the same programs)."""
-    calls.clear()
-    recording[0] = True
-    set_native(False)
-
-
 def set_native(on: bool) -> None:
+    """The native hit path calls programs without Program.call, so the recorded step runs through the
+    Python kernels (the same programs)."""
     module = native.dispatch_module()
     if module is not None:
         module.set_dispatch_enabled(on)
+
+
 _call = programs.Program.call
 
 
@@ -59,16 +56,27 @@ def _recording_call(self: programs.Program, *args: Any) -> Any:
 
 
 def replay_ms(step_calls: list[tuple[programs.Program, tuple]], repeats: int = 10) -> float:
-    """The programs of one step run back-to-back on their recorded inputs, waited for once
-    (compiled again without buffer donation, so the inputs survive for the next repeat)."""
-    replays = {id(program): jax.jit(program._jitted.__wrapped__) for program, _ in step_calls}
-    runs = [(replays[id(program)], args) for program, args in step_calls]
+    """The programs of one step run back-to-back on their recorded inputs, waited for once (each repeat
+    on fresh copies made before its clock starts: programs donate the buffers they write)."""
     times = []
     for _ in range(repeats + 1):
+        runs = [(program.jitted, jax.tree.map(lambda a: a.copy() if isinstance(a, jax.Array) else a, args))
+                for program, args in step_calls]
+        jax.block_until_ready(runs)
         start = time.perf_counter()
         jax.block_until_ready([fn(*args) for fn, args in runs])
         times.append(time.perf_counter() - start)
     return statistics.median(times[1:]) * 1e3
+
+
+def timed_steps(row: TorchRow | JaxRow, data: list) -> tuple[list[float], list[float]]:
+    """Each step's wall time (its updates done) and the main thread's CPU time during it."""
+    walls, cpus = [], []
+    for batch in data:
+        cpu = time.thread_time()
+        walls.append(row.run([batch])[0])
+        cpus.append(time.thread_time() - cpu)
+    return walls, cpus
 
 
 def main() -> None:
@@ -82,22 +90,27 @@ def main() -> None:
     rows = []
     for label, mode in (("pjrt strict eager", "eager"), ("pjrt DEFER_AND_FUSE", "fuse"),
                         ("pjrt torch.compile", "compile")):
-        result = run_torch(model, "pjrt", data, mode, before_last=record_from_now)
+        row = TorchRow(model, "pjrt", mode, cpu_threads=1)
+        walls, cpus = timed_steps(row, data[:-1])
+        calls.clear()
+        recording[0] = True
+        set_native(False)
+        row.run(data[-1:])
         recording[0] = False
         set_native(True)
-        step_ms = statistics.median(result["times"][3:-1]) * 1e3
-        rows.append((label, step_ms, len(calls), replay_ms(list(calls))))
-    jax_result = run_jax(model, data, 2, 4)
-    jax_ms = statistics.median(jax_result["times"][3:]) * 1e3
+        step_ms = statistics.median(walls[3:]) * 1e3
+        rows.append((label, step_ms, statistics.median(cpus[3:]) * 1e3, len(calls), replay_ms(list(calls))))
+    jax_walls, jax_cpus = timed_steps(JaxRow(model, 2, 4), data)
+    jax_ms = statistics.median(jax_walls[3:]) * 1e3
     print(f"GPT step (2 layers, width 128, seq 64, batch 8, AdamW), median of steps 4-{args.steps - 1}")
-    print(f"{'':<24}{'step ms':>9}{'programs':>10}{'compute ms':>12}{'rest ms':>9}")
-    for label, step_ms, count, compute_ms in rows:
-        print(f"{label:<24}{step_ms:>9.1f}{count:>10}{compute_ms:>12.1f}{step_ms - compute_ms:>9.1f}")
-    print(f"{'JAX jit (hand-written)':<24}{jax_ms:>9.1f}{1:>10}{'':>12}{'':>9}")
+    print(f"{'':<24}{'step ms':>9}{'host cpu ms':>13}{'programs':>10}{'compute ms':>12}{'rest ms':>9}")
+    for label, step_ms, cpu_ms, count, compute_ms in rows:
+        print(f"{label:<24}{step_ms:>9.1f}{cpu_ms:>13.1f}{count:>10}{compute_ms:>12.1f}{step_ms - compute_ms:>9.1f}")
+    print(f"{'JAX jit (hand-written)':<24}{jax_ms:>9.1f}{statistics.median(jax_cpus[3:]) * 1e3:>13.1f}{1:>10}")
     strict, fused, compiled = (row[1] for row in rows)
-    print(f"\nfused: best case if its Python cost nothing: strict / fused compute = {strict / rows[1][3]:.2f}x "
+    print(f"\nfused: best case if its Python cost nothing: strict / fused compute = {strict / rows[1][4]:.2f}x "
           f"(goal 2x; measured {strict / fused:.2f}x)")
-    print(f"compiled: compute alone / JAX = {rows[2][3] / jax_ms:.2f}x, step / JAX = {compiled / jax_ms:.2f}x "
+    print(f"compiled: compute alone / JAX = {rows[2][4] / jax_ms:.2f}x, step / JAX = {compiled / jax_ms:.2f}x "
           f"(goal 1.10x)")
 
 
