@@ -65,3 +65,29 @@ def test_constant_matrices_get_random_values() -> None:
     model = torch.nn.Sequential(norm, router)
     assert zoo_catalog.randomize_constant_matrices(model, 0.02) == ["1.weight"]
     assert router.weight.std() > 0.005 and bool((router.bias == 0).all()) and bool((norm.weight == 1).all())
+
+
+def test_outside_tolerance_judged_against_a_float64_run() -> None:
+    """A value outside the fixed tolerance matches when pjrt's RMS error against float64 is within twice CPU
+    float32's own; five times it is a mismatch; within tolerance the float64 run is never made."""
+    import torch
+
+    def step(values: torch.Tensor) -> zoo.Step:
+        return zoo.Step({"logits": values[:4]}, values[0].float(), {"weight": values.float()}, values[1].float())
+
+    exact = torch.randn(4000, dtype=torch.float64) * 1e4  # activations grown large: float32 rounding error ~1e-3
+    cpu = step((exact + torch.randn_like(exact) * 0.1).float())
+    reference = step(exact)
+    close = step((exact + torch.randn_like(exact) * 0.1).float())
+    verdict = zoo._judge(close, cpu, lambda: reference)
+    assert verdict["status"] == "match" and verdict["float64_criterion"], verdict
+    assert "rms error against float64 CPU" in verdict["detail"]
+    far = step((exact + torch.randn_like(exact) * 0.5).float())
+    verdict = zoo._judge(far, cpu, lambda: reference)
+    assert verdict["status"] == "mismatch" and "(bound" in verdict["detail"], verdict
+
+    def no_float64_run() -> zoo.Step:
+        raise AssertionError("the float64 run is made only for a value outside the fixed tolerance")
+
+    assert zoo._judge(cpu, cpu, no_float64_run) == {"status": "match", "detail": "", "forward_max_diff": 0.0,
+                                                     "training_max_diff": 0.0, "loss": float(cpu.loss)}

@@ -4,7 +4,7 @@ Hugging Face architectures come from transformers' auto mappings (one per task),
 config class's defaults shrunk to a small size, with random weights: nothing is downloaded. A user's
 own models come from factories: a callable taking no arguments and returning `(model, inputs)`,
 where inputs is a dict of keyword arguments (or a tuple of positional ones) for `model(...)`.
-timm's image models (`--library timm`): the smallest-named architecture of each of timm's model
+timm's image models (`--library timm`): the model with the fewest parameters of each of timm's model
 modules, built by `timm.create_model` with random weights and fed random images.
 """
 
@@ -366,49 +366,81 @@ def build_user(case: Case) -> tuple[nn.Module, Any]:
 # --- timm ------------------------------------------------------------------------------------------
 
 LIBRARIES = ("transformers", "timm")
-# Words timm's model names use for their sizes, smallest first; timm's own `test_*` models come before all.
-TIMM_SIZE_WORDS = ("test_", "atto", "femto", "pico", "nano", "xxtiny", "tiny", "xxsmall", "xxs", "xsmall", "xs",
-                   "mini", "small", "lite", "b0", "s0", "m0", "t0", "050", "035", "002", "18")
-TIMM_IMAGE = 64  # the side of the images fed to a model whose input size is not fixed
-TIMM_MAX_PARAMETERS = 60_000_000  # larger models cost minutes on this CPU: the zoo leaves them out
+TIMM_IMAGE = 64  # the smallest side fed to a model whose input size is not fixed
+TIMM_SIDE_STEP = 32  # a model that rejects TIMM_IMAGE gets the first larger multiple of this it accepts
+TIMM_LARGEST_SIDE = 512
+TIMM_MAX_PARAMETERS = 200_000_000  # a module whose smallest model is larger costs too much memory on this CPU
 
 
-def _timm_size_rank(name: str) -> tuple[int, int, str]:
-    rank = next((i for i, word in enumerate(TIMM_SIZE_WORDS) if word in name), len(TIMM_SIZE_WORDS))
-    return rank, len(name), name
-
-
-def timm_cases() -> list[Case]:
-    """One image classifier per timm model module (family = module): the name that reads smallest."""
+def _timm_meta_model(name: str) -> nn.Module:
+    """timm's model `name` with LABELS classes on the meta device: its shapes without memory or init time."""
     import timm
 
+    with torch.device("meta"):
+        return timm.create_model(name, pretrained=False, num_classes=LABELS)
+
+
+def timm_parameter_count(name: str) -> int:
+    """Parameters of timm's model `name` with LABELS classes, counted on the meta device."""
+    return sum(p.numel() for p in _timm_meta_model(name).parameters())
+
+
+def timm_cases(modules: Iterable[str] | None = None) -> list[Case]:
+    """One image classifier per timm model module (family = module; all modules, or `modules`): the model
+    with the fewest parameters, counted on the meta device (a model that does not build there counts last)."""
+    import timm
+
+    def size(name: str) -> tuple[float, str]:
+        try:
+            return timm_parameter_count(name), name
+        except Exception:
+            return float("inf"), name
+
     cases = []
-    for module in sorted(timm.list_modules()):
+    for module in sorted(modules or timm.list_modules()):
         names = timm.list_models(module=module)
         if names:
-            name = min(names, key=_timm_size_rank)
+            name = min(names, key=size) if len(names) > 1 else names[0]
             cases.append(Case(name, module, "image-classification", model_class=name, library="timm"))
     return cases
 
 
+def timm_smallest_side(name: str, channels: int, fixed: int) -> int:
+    """The smallest square side, from `fixed` up in steps of TIMM_SIDE_STEP, at which the model's forward
+    runs on the meta device (an inception net's stem and reductions need more than 64); `fixed` when the
+    meta device cannot tell (an op without a meta kernel)."""
+    model = _timm_meta_model(name).eval()
+    for side in range(fixed, TIMM_LARGEST_SIDE + 1, TIMM_SIDE_STEP):
+        try:
+            with torch.no_grad():
+                model(torch.empty(1, channels, side, side, device="meta"))
+            return side
+        except (RuntimeError, ValueError, AssertionError) as error:
+            if "meta" in str(error) and "size" not in str(error).lower():
+                return fixed
+    return fixed
+
+
 def build_timm(case: Case) -> tuple[nn.Module, tuple[torch.Tensor]]:
-    """`timm.create_model` with random weights, no dropout, LABELS classes; random images of its input size."""
+    """`timm.create_model` with random weights, no dropout, LABELS classes; random images of its input size,
+    or of the smallest side it accepts from TIMM_IMAGE up."""
     import timm
 
+    parameters = timm_parameter_count(case.model_class)
+    if parameters > TIMM_MAX_PARAMETERS:
+        raise Skip(f"{parameters / 1e6:.0f}M parameters in the module's smallest model, over the zoo's "
+                   f"{TIMM_MAX_PARAMETERS / 1e6:.0f}M")
     options = {"pretrained": False, "num_classes": LABELS, "drop_rate": 0.0, "drop_path_rate": 0.0}
     try:
         model = timm.create_model(case.model_class, **options)
     except TypeError:  # a model without stochastic depth takes no drop_path_rate
         options.pop("drop_path_rate")
         model = timm.create_model(case.model_class, **options)
-    parameters = sum(p.numel() for p in model.parameters())
-    if parameters > TIMM_MAX_PARAMETERS:
-        raise Skip(f"{parameters / 1e6:.0f}M parameters, over the zoo's {TIMM_MAX_PARAMETERS / 1e6:.0f}M")
     config = model.pretrained_cfg
     channels, height, width = config.get("input_size", (3, TIMM_IMAGE, TIMM_IMAGE))
     if not config.get("fixed_input_size", False):
         smallest = config.get("min_input_size", (channels, TIMM_IMAGE, TIMM_IMAGE))
-        height, width = max(TIMM_IMAGE, smallest[1]), max(TIMM_IMAGE, smallest[2])
+        height = width = timm_smallest_side(case.model_class, channels, max(TIMM_IMAGE, smallest[1], smallest[2]))
     randomize_constant_matrices(model, 0.02)
     return model.float().eval(), (torch.randn(BATCH, channels, height, width),)
 
