@@ -32,6 +32,9 @@ COUNTER_NAMES = (
     "disk_store_hits",
     "disk_store_writes",
     "disk_store_damaged",
+    # strict eager's ops loaded from, and stored into, the cache folder (their executables and checks)
+    "op_store_hits",
+    "op_store_writes",
     # compiled graphs AOTAutograd's cache stored into, and loaded from, the cache folder (compile/warm_start.py)
     "aot_cache_writes",
     "aot_cache_hits",
