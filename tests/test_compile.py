@@ -195,6 +195,22 @@ def test_cpu_inputs_of_several_dtypes_and_layouts_reach_the_program_in_order() -
         torch.testing.assert_close(compiled(x.to("pjrt"), *inputs).cpu(), fn(x, *inputs))
 
 
+
+def test_cpu_inputs_of_one_shape_reach_the_program_in_order() -> None:
+    """CPU inputs of one dtype and shape (an optimizer's step counts) travel stacked: each keeps its value,
+    a transposed one its logical order, and new values the next call."""
+
+    def fn(x: torch.Tensor, s: torch.Tensor, t: torch.Tensor, u: torch.Tensor, m: torch.Tensor,
+           n: torch.Tensor) -> torch.Tensor:
+        return x * s - t * x + u / 3 + (m.to(x.device) @ n.to(x.device).t()).sum().float() * x
+
+    compiled = torch.compile(fn, backend="pjrt", fullgraph=True)
+    for _ in range(2):
+        x = torch.randn(2, 3)
+        inputs = (torch.randn(()), torch.randn(()), torch.randn(()), torch.randn(2, 3, dtype=torch.float64).t(),
+                  torch.randn(3, 2, dtype=torch.float64))
+        torch.testing.assert_close(compiled(x.to("pjrt"), *inputs).cpu(), fn(x, *inputs))
+
 def test_views_of_inputs_alias_them_and_a_graph_of_views_runs_no_program() -> None:
     weight, x = torch.randn(6, 4), torch.randn(3, 4)
     linear = torch.compile(lambda w, x: x @ w.t(), backend="pjrt")

@@ -357,6 +357,7 @@ class CompiledGraph:
         """One call; `values` binds the size symbols the inputs carry, `padded` their buckets (or None)."""
         if not self.needs_program:
             return self._results(self._run_eager_part(args), values, [None] * len(self.outputs), (), None)
+        client.refuse_in_forked_child()  # once per call (storage.storage_of refuses per tensor)
         flats: list[Any] = []
         stores: list[storage.DeviceStorage | None] = []
         slots: dict[int, int] = {}
@@ -365,20 +366,23 @@ class CompiledGraph:
         device = None
         for value, meta in zip(args, self.metas):
             if isinstance(value, torch.Tensor) and not value.is_cpu:
-                device = device or value.device
-                block = None if padded is None or not padding.is_symbolic(meta) else _block_input(
-                    value, meta, padded, values)
-                if block is not None:
-                    signature.append(("block", len(stores), *block))
-                    stores.append(None)
-                    flats.append(storage.storage_of(value).array.bucket_array())
-                    continue
+                if device is None:
+                    device = value.device
                 if padded is not None and padding.is_symbolic(meta):
-                    signature.append(("padded", len(stores)))
-                    stores.append(None)
-                    flats.append(_boundary_flat(value, math.prod(padding.concrete(s, padded) for s in meta.shape)))
+                    block = _block_input(value, meta, padded, values)
+                    if block is not None:
+                        signature.append(("block", len(stores), *block))
+                        stores.append(None)
+                        flats.append(storage.storage_of(value).array.bucket_array())
+                    else:
+                        signature.append(("padded", len(stores)))
+                        stores.append(None)
+                        flats.append(_boundary_flat(value, math.prod(padding.concrete(s, padded) for s in meta.shape)))
                     continue
-                st = storage.storage_of(value)
+                try:  # storage.storage_of without its call (it explains a tensor with no device storage)
+                    st = value.untyped_storage()._pjrt
+                except AttributeError:
+                    st = storage.storage_of(value)
                 slot = slots.get(id(st))
                 if slot is None:
                     slot = slots[id(st)] = len(stores)
@@ -510,8 +514,18 @@ def _host_batches(tensors: list[torch.Tensor]) -> list[np.ndarray]:
     takes one host transfer per dtype, not one per tensor (AdamW's CPU step counts: one per parameter)."""
     groups: dict[torch.dtype, list[torch.Tensor]] = {}
     for tensor in tensors:
-        groups.setdefault(tensor.dtype, []).append(tensor.detach().resolve_conj().resolve_neg().reshape(-1))
-    return [storage.host_array(torch.cat(group)) for group in groups.values()]
+        groups.setdefault(tensor.dtype, []).append(tensor)
+    with torch.no_grad():
+        # Tensors of one shape (AdamW's 0-dim step counts) stacked: one op, not a reshape per tensor and a cat
+        # (29 step counts: 135 -> 35 us). Conjugate and negative bits are resolved by the op itself.
+        return [storage.host_array(torch.stack(group).reshape(-1) if _one_shape(group)
+                                   else torch.cat([tensor.reshape(-1) for tensor in group]))
+                for group in groups.values()]
+
+
+def _one_shape(tensors: list[torch.Tensor]) -> bool:
+    shape = tensors[0].shape
+    return all(tensor.shape == shape for tensor in tensors)
 
 
 def _host_groups(signature: Sequence[Any]) -> dict[torch.dtype, int]:
