@@ -181,12 +181,18 @@ def main() -> None:
         losses[name] += found + rows[name].run(data[1:args.warmup])[1]
         peak[name] = (torch.pjrt.max_memory_allocated() - base) if "pjrt" in name else None
     round_means: dict[str, list[float]] = {name: [] for name in rows}
+    # CPU seconds per step (the main thread's, and the whole process's): on this shared machine a figure the
+    # load barely moves, and on a CPU backend the host's share of the cores the programs also run on.
+    round_cpu: dict[str, list[tuple[float, float]]] = {name: [] for name in rows}
     new_compiles = dict.fromkeys(rows, 0)
     for index in range(args.rounds):
         chunk = data[args.warmup + index * args.steps:args.warmup + (index + 1) * args.steps]
         for name, row in rows.items():
             before = compiles()
+            thread_cpu, process_cpu = time.thread_time(), time.process_time()
             seconds, found = row.run(chunk)
+            round_cpu[name].append(((time.thread_time() - thread_cpu) / len(chunk),
+                                    (time.process_time() - process_cpu) / len(chunk)))
             new_compiles[name] += compiles() - before
             losses[name] += found
             round_means[name].append(seconds / len(chunk))
@@ -196,7 +202,7 @@ def main() -> None:
           f"interleaved rounds of {args.steps} steps per row; step ms: the best round's wall time per step, "
           f"its last update done; torch CPU threads: {args.cpu_threads}")
     print(f"{'':<26}{'first step s':>13}{'step ms':>10}{'rounds ms':>16}{'compiles':>10}{'peak MiB':>10}"
-          f"{'loss diff':>11}")
+          f"{'loss diff':>11}{'host cpu ms':>13}{'all cpu ms':>12}")
     reference = losses["torch CPU eager"]
     differences = {}
     for name in rows:
@@ -204,10 +210,13 @@ def main() -> None:
         spread = f"{min(round_means[name]) * 1e3:.1f}-{max(round_means[name]) * 1e3:.1f}"
         grown = "-" if name.startswith("JAX") else str(new_compiles[name])
         memory = "-" if peak[name] is None else f"{peak[name] / 2**20:.1f}"
+        host_cpu = min(cpu[0] for cpu in round_cpu[name]) * 1e3
+        all_cpu = min(cpu[1] for cpu in round_cpu[name]) * 1e3
         print(f"{name:<26}{first[name]:>13.2f}{best[name] * 1e3:>10.1f}{spread:>16}{grown:>10}{memory:>10}"
-              f"{differences[name]:>11.1e}")
+              f"{differences[name]:>11.1e}{host_cpu:>13.1f}{all_cpu:>12.1f}")
     print("(compiles: new programs during the timed rounds; peak MiB: pjrt memory the row added while warming up; "
-          "loss diff: largest |loss - torch CPU eager's loss| over all steps)")
+          "loss diff: largest |loss - torch CPU eager's loss| over all steps; host / all cpu ms: the least CPU time "
+          "per step of any round, the main thread's / every thread's)")
     jax_difference = differences["JAX jit (hand-written)"]
     if jax_difference > LOSS_TOLERANCE:
         raise SystemExit(f"the JAX step's losses differ from torch CPU eager's by {jax_difference:.1e} (more than "
