@@ -19,11 +19,23 @@ $(LIBS_STAMP): pyproject.toml $(LIBS_REQUIREMENTS)
 test-libs: $(LIBS_STAMP)
 	$(LIBS_VENV)/bin/python -m pytest -q tests/test_libraries*.py
 
-# timm's image models on pjrt against CPU (one per timm module, random weights): docs/model-coverage-timm.md.
+# timm's image models on pjrt against CPU (one per timm module, its model with the fewest parameters, random
+# weights): docs/model-coverage-timm.md.
 ZOO_TIMM_MINUTES ?= 120
+ZOO_JOBS ?= 1
 .PHONY: zoo-timm
 zoo-timm: $(LIBS_STAMP)
 	mkdir -p build/zoo
-	-$(LIBS_VENV)/bin/python -m torch_pjrt zoo --library timm --jobs 2 --timeout 240 \
+	-$(LIBS_VENV)/bin/python -m torch_pjrt zoo --library timm --jobs $(ZOO_JOBS) --timeout 240 \
 		--budget-minutes $(ZOO_TIMM_MINUTES) --report docs/model-coverage-timm.md --json build/zoo/timm.json \
 		--log build/zoo/timm-workers.log
+
+# Every model class diffusers exports under diffusers.models, shrunk, random weights, on pjrt against CPU:
+# docs/model-coverage-diffusers.md.
+ZOO_DIFFUSERS_MINUTES ?= 60
+.PHONY: zoo-diffusers
+zoo-diffusers: $(LIBS_STAMP)
+	mkdir -p build/zoo
+	-$(LIBS_VENV)/bin/python -m torch_pjrt zoo --library diffusers --jobs $(ZOO_JOBS) --timeout 300 \
+		--budget-minutes $(ZOO_DIFFUSERS_MINUTES) --report docs/model-coverage-diffusers.md \
+		--json build/zoo/diffusers.json --log build/zoo/diffusers-workers.log

@@ -69,3 +69,47 @@ def test_unet_training_step_matches_cpu() -> None:
     for trained, reference in zip(on_pjrt.parameters(), model.parameters()):
         torch.testing.assert_close(trained.grad.cpu(), reference.grad, rtol=1e-3, atol=1e-5)
         torch.testing.assert_close(trained.cpu(), reference, rtol=1e-4, atol=1e-5)
+
+
+ZOO_SLICE = ("AutoencoderKL", "DiTTransformer2DModel")
+
+
+def test_the_zoo_catalog_is_every_model_class_diffusers_exports() -> None:
+    import diffusers.models
+    from diffusers import ModelMixin
+
+    from torch_pjrt.cli import zoo
+
+    cases = zoo.select_cases(library="diffusers")
+    exported = {name for name in dir(diffusers.models) if isinstance(getattr(diffusers.models, name), type)
+                and issubclass(getattr(diffusers.models, name), ModelMixin)}
+    assert {c.key for c in cases} == exported - {"ModelMixin", "AutoModel"}
+    assert {c.family for c in cases if c.key in ("UNet2DConditionModel", "AutoencoderKL", "FluxTransformer2DModel",
+                                                 "ControlNetModel", "PriorTransformer", "T2IAdapter")} == {
+        "unet", "autoencoder", "transformer", "controlnet", "prior", "adapter"}
+
+
+def test_the_zoo_synthesises_each_models_own_inputs() -> None:
+    """A packed-token transformer gets tokens with their position ids, a video transformer 5-D latents."""
+    from torch_pjrt.cli import zoo_catalog
+
+    def built(name: str) -> tuple[torch.nn.Module, dict]:
+        return zoo_catalog.build(zoo_catalog.Case(name, "transformer", "diffusion", model_class=name,
+                                                  library="diffusers"))
+
+    flux, inputs = built("FluxTransformer2DModel")
+    tokens = inputs["hidden_states"].shape[1]
+    assert inputs["hidden_states"].shape == (2, tokens, flux.config.in_channels)
+    assert inputs["img_ids"].shape == (tokens, 3) and inputs["encoder_hidden_states"].shape[-1] == 4096
+    _, inputs = built("WanTransformer3DModel")
+    assert inputs["hidden_states"].dim() == 5
+
+
+def test_a_fixed_zoo_slice_matches_cpu() -> None:
+    from torch_pjrt.cli import zoo
+
+    cases = [c for c in zoo.select_cases(library="diffusers") if c.key in ZOO_SLICE]
+    rows = zoo.run_cases(cases, isolate=False)
+    assert [row["key"] for row in rows] == list(ZOO_SLICE)
+    for row in rows:
+        assert row["status"] == "match" and not row.get("float64_criterion"), row

@@ -1,9 +1,9 @@
 """`torch-pjrt zoo`: run a zoo of models on pjrt against CPU before migrating, one row per model.
 
 Each model (a Hugging Face architecture shrunk to a small size with random weights, a timm image model
-with random weights, or a user's own factory; see zoo_catalog) is built on CPU in float32, copied to
-pjrt, and run on both: the forward outputs are compared, then one training step (loss, backward, SGD
-step) and the next step's loss.
+with random weights, a diffusers model class shrunk likewise (zoo_diffusers), or a user's own factory;
+see zoo_catalog) is built on CPU in float32, copied to pjrt, and run on both: the forward outputs are
+compared, then one training step (loss, backward, SGD step) and the next step's loss.
 Models run in worker subprocesses (`--jobs`), so one that crashes or hangs costs only its own row.
 """
 
@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from torch_pjrt.cli import zoo_catalog
+from torch_pjrt.cli import zoo_catalog, zoo_diffusers
 from torch_pjrt.cli.run import MISSING_LOWERING
 from torch_pjrt.cli.zoo_catalog import Case, Skip, first_line
 
@@ -430,7 +430,8 @@ def select_cases(tasks: list[str] | None = None, families: list[str] | None = No
     if user_models:
         cases = [c for spec in user_models for c in zoo_catalog.user_cases(spec)]
     else:
-        cases = zoo_catalog.timm_cases(families) if library == "timm" else zoo_catalog.hf_cases(tasks)
+        cases = (zoo_catalog.timm_cases(families) if library == "timm" else
+                 zoo_diffusers.diffusers_cases() if library == "diffusers" else zoo_catalog.hf_cases(tasks))
     if families:
         cases = [c for c in cases if c.family in families]
     if name:
@@ -493,7 +494,7 @@ def markdown(record: dict[str, Any]) -> str:
     """The report of one run (the record `--json` writes)."""
     rows = record["rows"]
     summary = summarize(rows)
-    timm = record.get("library") == "timm"
+    library = record.get("library", "transformers")
     built = (f"Each model is the one with the fewest parameters (counted on the meta device) of one of timm's "
              f"model modules (family = module), built by `timm.create_model` with random float32 weights (seed 0, "
              f"dropout and stochastic depth 0, {zoo_catalog.LABELS} classes; a module whose smallest model has over "
@@ -502,7 +503,22 @@ def markdown(record: dict[str, Any]) -> str:
              f"the model's own size where it is fixed, else the smallest side from {zoo_catalog.TIMM_IMAGE} up in "
              f"steps of {zoo_catalog.TIMM_SIDE_STEP} at which its forward runs on the meta device); the training "
              "step's loss is the mean square of the logits. "
-             if timm else
+             if library == "timm" else
+             "Each model is one of the model classes diffusers exports under `diffusers.models` (family = the kind "
+             "its name says), built from its constructor's defaults with layer and block counts cut to "
+             f"{zoo_diffusers.LAYERS} (1 per block), head counts to at most "
+             f"{zoo_diffusers.HEADS}, channel lists to widths {zoo_diffusers.CHANNELS} and "
+             f"{zoo_diffusers.CHANNELS * 2} (and, for a model still over {zoo_diffusers.MAX_PARAMETERS // 1_000_000}M "
+             f"parameters, hidden widths to {zoo_diffusers.WIDE}), dropout 0, random float32 weights (seed 0; a "
+             "constant matrix such as a zero-initialised output projection gets random values), nothing downloaded. "
+             "Its inputs are synthesised from its forward's argument names and its config: latents "
+             f"{zoo_diffusers.SIDE}x{zoo_diffusers.SIDE} as an image, a video "
+             f"({' or '.join(map(str, zoo_diffusers.FRAMES))} frames), packed tokens, a 1-D signal or a vector, "
+             "the first of these the model accepts on CPU, with "
+             f"random timesteps and {zoo_diffusers.TEXT_TOKENS} text-embedding tokens of the configured width (batch "
+             f"{zoo_catalog.BATCH}); it runs in eval mode on CPU and, deep-copied, on pjrt; the training "
+             "step's loss is the mean square of the first output. "
+             if library == "diffusers" else
              "Each architecture is built from its config class's defaults shrunk to a small size (hidden 32, "
              "2 layers, 4 heads, vocabulary 96, images 32x32; dropout 0) with random float32 weights (seed 0; "
              "a weight matrix the model's init leaves constant gets random values too, so no ties decide routing), "
@@ -510,7 +526,8 @@ def markdown(record: dict[str, Any]) -> str:
              f"inputs (batch {zoo_catalog.BATCH}, {zoo_catalog.SEQUENCE} tokens, labels). ")
     by_float64 = sum(1 for row in rows if row.get("float64_criterion"))
     lines = [
-        "# Model coverage: " + ("timm image models" if timm else "Hugging Face architectures") + " on pjrt",
+        "# Model coverage: " + {"timm": "timm image models", "diffusers": "diffusers models"}.get(
+            library, "Hugging Face architectures") + " on pjrt",
         "",
         f"Generated by `{record['command']}` on {record.get('date', '?')} in {record['seconds'] / 60:.1f} min; "
         + ", ".join(f"{k} {v}" for k, v in record["versions"].items()) + "."
@@ -646,9 +663,10 @@ def command(args: argparse.Namespace) -> int:
 
 def add_parser(subparsers: Any) -> None:
     parser = subparsers.add_parser(
-        "zoo", help="Hugging Face architectures (shrunk, random weights), timm's or your own models: pjrt against CPU")
+        "zoo", help="Hugging Face architectures (shrunk, random weights), timm's or diffusers' models, or your own: "
+             "pjrt against CPU")
     parser.add_argument("--library", choices=zoo_catalog.LIBRARIES, default="transformers",
-                        help="whose models: Hugging Face transformers' architectures (default) or timm's")
+                        help="whose models: Hugging Face transformers' architectures (default), timm's or diffusers'")
     parser.add_argument("--task", help="comma-separated tasks, or all (default causal-lm): "
                                        + ", ".join(zoo_catalog.TASKS))
     parser.add_argument("--family", help="comma-separated model types, e.g. llama,gpt2,bert")

@@ -365,7 +365,7 @@ def build_user(case: Case) -> tuple[nn.Module, Any]:
 
 # --- timm ------------------------------------------------------------------------------------------
 
-LIBRARIES = ("transformers", "timm")
+LIBRARIES = ("transformers", "timm", "diffusers")
 TIMM_IMAGE = 64  # the smallest side fed to a model whose input size is not fixed
 TIMM_SIDE_STEP = 32  # a model that rejects TIMM_IMAGE gets the first larger multiple of this it accepts
 TIMM_LARGEST_SIDE = 512
@@ -431,11 +431,14 @@ def build_timm(case: Case) -> tuple[nn.Module, tuple[torch.Tensor]]:
         raise Skip(f"{parameters / 1e6:.0f}M parameters in the module's smallest model, over the zoo's "
                    f"{TIMM_MAX_PARAMETERS / 1e6:.0f}M")
     options = {"pretrained": False, "num_classes": LABELS, "drop_rate": 0.0, "drop_path_rate": 0.0}
-    try:
-        model = timm.create_model(case.model_class, **options)
-    except TypeError:  # a model without stochastic depth takes no drop_path_rate
-        options.pop("drop_path_rate")
-        model = timm.create_model(case.model_class, **options)
+    for unused in ("drop_path_rate", "drop_rate", None):  # a model without stochastic depth or dropout rejects them
+        try:
+            model = timm.create_model(case.model_class, **options)
+            break
+        except TypeError as error:
+            if unused is None or "drop" not in str(error):
+                raise
+            options.pop(unused)
     config = model.pretrained_cfg
     channels, height, width = config.get("input_size", (3, TIMM_IMAGE, TIMM_IMAGE))
     if not config.get("fixed_input_size", False):
@@ -450,6 +453,10 @@ def build(case: Case) -> tuple[nn.Module, Any]:
     try:
         if case.library == "timm":
             return build_timm(case)
+        if case.library == "diffusers":
+            from torch_pjrt.cli import zoo_diffusers
+
+            return zoo_diffusers.build_diffusers(case)
         return build_user(case) if case.factory else build_hf(case)
     except Skip:
         raise

@@ -1,0 +1,277 @@
+"""The zoo's diffusers catalog (`torch-pjrt zoo --library diffusers`): every model class diffusers exports under
+`diffusers.models`, built from its constructor's defaults shrunk to a small size, with random weights.
+
+Nothing is downloaded. A class's forward takes inputs of its own kind (latent images or video, packed
+tokens, text embeddings, timesteps, position ids); they are synthesised from the forward's argument names
+and the shrunk config, and where a shape cannot be told from the config (an image, a video or a token
+sequence) the candidates are tried on CPU in order and the first the model accepts is the one both
+devices run. A class none fits is skipped with the CPU error of the last candidate.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from torch_pjrt.cli.zoo_catalog import BATCH, Case, Skip, first_line, randomize_constant_matrices
+
+SIDE = 32  # the side of an image or latent fed to a model (its sample_size where smaller)
+FRAMES = (5, 2)  # frame counts tried for video models: 1 + 4k for causal video VAEs, then an even count
+TEXT_TOKENS = 8
+LENGTH = 64  # the length of a 1-D (audio) sample
+MAX_PARAMETERS = 200_000_000
+# Constructor arguments that count layers or blocks take LAYERS (per block: 1); head counts at most HEADS;
+# channel lists keep their length with widths from CHANNELS doubling once (multiples of 32: norm groups).
+LAYERS, HEADS, CHANNELS = 2, 2, 32
+LAYER_COUNT = re.compile(r"^(num_\w*layers|n_\w*layers|\w*depth\w*|num_\w*blocks)$")
+PER_BLOCK_COUNTS = ("layers_per_block", "transformer_layers_per_block", "num_res_blocks", "layers_per_block_up")
+HEAD_COUNTS = ("num_attention_heads", "num_heads", "heads", "num_kv_heads", "num_key_value_heads")
+CHANNEL_LISTS = ("block_out_channels", "conditioning_embedding_out_channels", "encoder_block_out_channels",
+                 "decoder_block_out_channels", "channel_multipliers")
+# Widths made small only for a model still over MAX_PARAMETERS with its counts shrunk (a width is often tied to
+# another, e.g. rotary axes to the head size, so they are left alone where the counts are enough).
+WIDTH = re.compile(r"^(\w*hidden_size|\w*hidden_dim|inner_dim|dim|model_dim|d_model|\w*embed_dim|ffn_dim|"
+                   r"intermediate_size|mlp_dim|\w*_channels_hidden)$")
+WIDE = 128
+# Where the width of the text embeddings a model cross-attends to is configured, most specific first.
+TEXT_WIDTHS = ("joint_attention_dim", "cross_attention_dim", "caption_channels", "text_embed_dim", "text_dim",
+               "encoder_hid_dim", "context_dim", "text_hidden_dim", "text_states_dim", "cross_attn_dim",
+               "encoder_hidden_size", "caption_dim", "cap_feat_dim")
+POOLED_WIDTHS = ("pooled_projection_dim", "projection_dim", "pooled_dim", "clip_txt_pooled_dim", "text_embed_dim")
+CHANNEL_NAMES = ("audio_channels", "in_channels", "latent_channels", "num_channels", "in_dim", "c_in", "out_channels")
+
+
+def model_classes() -> list[str]:
+    """Every class exported under diffusers.models that is a model (a ModelMixin other than the base ones)."""
+    import diffusers.models as models
+    from diffusers import ModelMixin
+
+    return sorted(name for name in dir(models)
+                  if isinstance(getattr(models, name), type) and issubclass(getattr(models, name), ModelMixin)
+                  and name not in ("ModelMixin", "AutoModel"))
+
+
+def family(name: str) -> str:
+    """The kind of model a class name says it is."""
+    lower = name.lower()
+    for word in ("controlnet", "adapter", "autoencoder", "vae", "unet", "prior", "transformer", "vocoder"):
+        if word in lower:
+            return word
+    return "other"
+
+
+def diffusers_cases() -> list[Case]:
+    return [Case(name, family(name), "diffusion", model_class=name, library="diffusers")
+            for name in model_classes()]
+
+
+def _shrunk(name: str, value: Any) -> Any:
+    if isinstance(value, bool) or value is None:
+        return value
+    if LAYER_COUNT.match(name) and isinstance(value, int) and name not in PER_BLOCK_COUNTS:
+        return min(value, LAYERS)
+    if name in PER_BLOCK_COUNTS:
+        if isinstance(value, int):
+            return min(value, 1)
+        if isinstance(value, (list, tuple)) and all(isinstance(v, int) for v in value):
+            return type(value)(min(v, 1) for v in value)
+    if name in HEAD_COUNTS and isinstance(value, int):
+        return min(value, HEADS)
+    if name in CHANNEL_LISTS and isinstance(value, (list, tuple)) and all(isinstance(v, int) for v in value):
+        if name == "channel_multipliers":
+            return value
+        return type(value)(min(v, CHANNELS * 2 ** min(i, 1)) for i, v in enumerate(value))
+    if isinstance(value, float) and ("dropout" in name or "drop_path" in name):
+        return 0.0
+    if name == "sample_size" and isinstance(value, int):
+        return min(value, SIDE)
+    return value
+
+
+def small_arguments(model_class: type, widths: bool = False) -> dict[str, Any]:
+    """The constructor's defaults with layer, head and channel counts made small (and widths, with `widths`)."""
+    arguments = {}
+    for name, parameter in inspect.signature(model_class.__init__).parameters.items():
+        if name == "self" or parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
+            continue
+        if parameter.default is inspect.Parameter.empty:
+            raise Skip(f"its constructor needs {name!r}, which has no default")
+        small = _shrunk(name, parameter.default)
+        if widths and WIDTH.match(name) and isinstance(small, int) and not isinstance(small, bool) and small > WIDE:
+            small = WIDE
+        if small is not parameter.default:
+            arguments[name] = small
+    return arguments
+
+
+def _config_int(config: Any, names: tuple[str, ...], default: int | None = None) -> int | None:
+    for name in names:
+        value = config.get(name) if isinstance(config, dict) else getattr(config, name, None)
+        if isinstance(value, (list, tuple)) and value and isinstance(value[0], int):
+            value = value[0]
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return default
+
+
+class _Shapes:
+    """The sizes one candidate uses: the main input's layout (image, video or tokens) and its side."""
+
+    def __init__(self, config: dict[str, Any], layout: str, frames: int = 1) -> None:
+        self.config, self.layout, self.frames = config, layout, frames
+        sample = config.get("sample_size")
+        self.side = min(sample, SIDE) if isinstance(sample, int) and sample >= 8 else SIDE
+        self.channels = _config_int(config, CHANNEL_NAMES, 4)
+        self.text_width = _config_int(config, TEXT_WIDTHS, 32)
+        patch = _config_int(config, ("patch_size",), 1)
+        self.tokens = (self.side // max(patch, 1)) ** 2 if layout == "tokens" else 0
+
+    def main(self) -> torch.Tensor:
+        if self.layout == "image":
+            return torch.randn(BATCH, self.channels, self.side, self.side)
+        if self.layout == "video":
+            return torch.randn(BATCH, self.channels, self.frames, self.side, self.side)
+        if self.layout == "frames-first video":
+            return torch.randn(BATCH, self.frames, self.channels, self.side, self.side)
+        if self.layout == "vector":
+            return torch.randn(BATCH, _config_int(self.config, ("embedding_dim",), self.channels))
+        if self.layout == "sequence":
+            return torch.randn(BATCH, self.channels, LENGTH)
+        return torch.randn(BATCH, self.side * self.side // 4, self.channels)  # packed latent tokens
+
+    def text(self) -> torch.Tensor:
+        return torch.randn(BATCH, TEXT_TOKENS, self.text_width)
+
+    def positions(self, count: int) -> torch.Tensor:
+        return torch.randint(0, 16, (count, 3)).float()
+
+
+def _timestep() -> torch.Tensor:
+    return torch.rand(BATCH) * 900 + 50
+
+
+def _argument(name: str, shapes: _Shapes) -> Any:
+    """A value for forward argument `name`, or KeyError when the zoo has no rule for it."""
+    config = shapes.config
+    if name in ("sample", "hidden_states", "x", "latents", "z", "mel", "controls_latents"):
+        return shapes.main()
+    if name in ("timestep", "timesteps", "t", "timestep_ratio", "decoder_noise_time", "r_timestep", "timestep_r"):
+        return _timestep() / (1000 if name in ("timestep_ratio", "decoder_noise_time") else 1)
+    if name in ("encoder_hidden_states", "cap_feats", "encoder_hidden_states_t5", "context_latents"):
+        return shapes.text()
+    if name in ("encoder_attention_mask", "encoder_mask", "text_embedding_mask"):
+        return torch.ones(BATCH, TEXT_TOKENS, dtype=torch.long)
+    if name in ("pooled_projections", "pooled_text_emb", "pooled_embeds", "global_hidden_states"):
+        return torch.randn(BATCH, _config_int(config, POOLED_WIDTHS, 32))
+    if name == "img_ids":
+        return shapes.positions(shapes.main().shape[1])
+    if name == "txt_ids":
+        return shapes.positions(TEXT_TOKENS)
+    if name == "guidance":
+        return torch.rand(BATCH) * 4 + 1
+    if name == "controlnet_cond":
+        channels = _config_int(config, ("conditioning_channels",), None)
+        if channels is not None and shapes.layout == "image":  # an image at 8x the latent's side
+            return torch.randn(BATCH, channels, shapes.side * 8, shapes.side * 8)
+        return shapes.main()
+    if name == "conditioning_scale":
+        return 1.0
+    if name == "class_labels":
+        classes = _config_int(config, ("num_embeds_ada_norm", "num_class_embeds"), 10)
+        return torch.randint(0, classes, (BATCH,))
+    if name in ("original_size", "target_size", "crop_coords"):
+        return torch.tensor([[shapes.side * 8.0, shapes.side * 8.0]] * BATCH)
+    if name == "added_time_ids":
+        width = _config_int(config, ("projection_class_embeddings_input_dim",), 768)
+        per_id = _config_int(config, ("addition_time_embed_dim",), 256)
+        return torch.rand(BATCH, width // per_id) * 10
+    if name == "fps":
+        return torch.full((BATCH,), 8)
+    if name == "proj_embedding":
+        return torch.randn(BATCH, _config_int(config, ("embedding_dim",), 32))
+    raise KeyError(name)
+
+
+# Optional forward arguments a model needs in practice (its output is not defined without them).
+USED_OPTIONAL = ("timestep", "encoder_hidden_states", "pooled_projections", "img_ids", "txt_ids")
+
+
+def _layouts(config: dict[str, Any], class_name: str) -> Iterator[_Shapes]:
+    """The candidate input layouts, the one the class name suggests first."""
+    video = any(word in class_name for word in ("Video", "3D", "Temporal", "Motion", "Wan", "Mochi", "Allegro",
+                                                  "Cosmos", "Magvit", "Latte", "I2VGen", "Hunyuan", "Sana"))
+    audio = any(word in class_name for word in ("Audio", "1D", "Oobleck", "Music", "Vocoder"))
+    order = ["sequence", "image", "video", "tokens"] if audio else (
+        ["video", "frames-first video", "image", "tokens", "sequence"] if video
+        else ["image", "tokens", "video", "frames-first video", "sequence"])
+    for layout in [*order, "vector"]:
+        for frames in (FRAMES if "video" in layout else (1,)):
+            yield _Shapes(config, layout, frames)
+
+
+def synthesize_inputs(model: nn.Module, class_name: str) -> dict[str, Any]:
+    """Inputs the model's forward accepts on CPU: the first candidate layout that runs."""
+    parameters = inspect.signature(model.forward).parameters
+    required = [name for name, p in parameters.items() if p.default is inspect.Parameter.empty
+                and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    if not required and not any(p.kind == p.VAR_POSITIONAL for p in parameters.values()):
+        raise Skip("its forward takes no inputs (it is run inside another model)")
+    config = dict(getattr(model, "config", {}) or {})
+    wanted = required + [name for name in USED_OPTIONAL if name in parameters and name not in required]
+    if "guidance" in parameters and config.get("guidance_embeds"):
+        wanted.append("guidance")
+    if "class_labels" in parameters and (config.get("num_embeds_ada_norm") or config.get("num_class_embeds")):
+        wanted.append("class_labels")
+    errors: list[str] = []
+    for shapes in _layouts(config, class_name):
+        try:
+            inputs = {name: _argument(name, shapes) for name in wanted}
+        except KeyError as missing:
+            raise Skip(f"the zoo has no rule for its forward argument {missing.args[0]!r}") from None
+        try:
+            with torch.no_grad():
+                model(**inputs)
+            return inputs
+        except Exception as error:
+            errors.append(f"{shapes.layout}: {first_line(error)}")
+    raise Skip(f"no input layout runs on CPU either (image, video, tokens, 1-D, vector); {errors[0]}")
+
+
+def _meta_parameters(model_class: Callable[..., nn.Module], arguments: dict[str, Any]) -> int:
+    """Parameters counted on the meta device, before any memory is taken (0 where it does not build there)."""
+    try:
+        with torch.device("meta"):
+            return sum(p.numel() for p in model_class(**arguments).parameters())
+    except Exception:
+        return 0
+
+
+def build_diffusers(case: Case) -> tuple[nn.Module, dict[str, Any]]:
+    """The class built small with random float32 weights on CPU, and inputs its forward accepts."""
+    import diffusers.models as models
+
+    model_class: Callable[..., nn.Module] = getattr(models, case.model_class)
+    for widths in (False, True):
+        arguments = small_arguments(model_class, widths)
+        parameters = _meta_parameters(model_class, arguments)
+        if parameters <= MAX_PARAMETERS:
+            break
+    if parameters > MAX_PARAMETERS:
+        raise Skip(f"{parameters / 1e6:.0f}M parameters when shrunk, over the zoo's {MAX_PARAMETERS / 1e6:.0f}M")
+    try:
+        model = model_class(**arguments)
+    except ImportError as error:
+        raise Skip(f"needs a package not installed: {first_line(error)}") from None
+    except Exception as error:
+        raise Skip(f"the shrunk model does not build on CPU: {first_line(error)}") from None
+    parameters = sum(p.numel() for p in model.parameters())
+    if parameters > MAX_PARAMETERS:
+        raise Skip(f"{parameters / 1e6:.0f}M parameters when shrunk, over the zoo's {MAX_PARAMETERS / 1e6:.0f}M")
+    randomize_constant_matrices(model, 0.02)  # zero-initialised output projections would hide the whole model
+    model = model.float().eval()
+    return model, synthesize_inputs(model, case.model_class)
