@@ -5,7 +5,8 @@ key and value share one row of it (key in the first half, value in the second). 
 prefills, chunked prefills and decodes: every query token writes its key and value at its slot
 (`slot_mapping`), then gathers its request's keys and values through the block table and attends to the
 positions at or before its own (within its layer's sliding window, if it has one). The host ships one
-small integer array a step (each token's slot, position and its request's block table row); the context's
+small integer array a step (each token's id, slot, position and its request's block table row: the model's
+token ids and positions are taken from it, so a step has one host-to-device transfer); the context's
 blocks, offsets and masks are computed from it on the device (inside the program on the compile path).
 
 The key/value length is padded to a power of two (at least one block), so decode steps of growing
@@ -59,6 +60,8 @@ class PjrtAttentionMetadata:
 
     num_actual_tokens: int
     """Token rows of the step, padding included (padded_token_count of the real tokens)."""
+    token_ids: torch.Tensor
+    """(tokens,) the step's input token ids (the runner's forward takes them from here: no transfer of its own)."""
     slots: torch.Tensor
     """(tokens,) cache slot (block * block_size + row) each token's key/value is written to."""
     positions: torch.Tensor
@@ -68,6 +71,8 @@ class PjrtAttentionMetadata:
     block_size: int
     kernel: bool
     """Whether the layers without a sliding window attend with paged.paged_attention (paged.switch)."""
+    host_rows: np.ndarray
+    """The shipped array on the host: rows token ids, slots, positions, then the block tables' columns."""
     contexts: dict[int | None, Context] = field(default_factory=dict)
     """Sliding window (None: none) -> its Context, computed once per step in eager mode."""
 
@@ -117,12 +122,14 @@ def padded_token_count(tokens: int) -> int:
 
 
 class PjrtAttentionMetadataBuilder(AttentionMetadataBuilder[PjrtAttentionMetadata]):
-    """Turns vLLM's host-side batch description into PjrtAttentionMetadata: each token's slot, position and
-    request's block table, padded, in one host-to-device transfer."""
+    """Turns vLLM's host-side batch description into PjrtAttentionMetadata: each token's id, slot, position
+    and request's block table, padded, in one host-to-device transfer."""
 
     def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any, device: torch.device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.block_size = kv_cache_spec.block_size
+        self.token_ids: torch.Tensor | None = None
+        """The runner's host buffer of the step's token ids (PjrtModelRunner sets it), shipped with the rest."""
 
     def build(
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
@@ -143,18 +150,21 @@ class PjrtAttentionMetadataBuilder(AttentionMetadataBuilder[PjrtAttentionMetadat
         # from block 0, vLLM's null block; vLLM's dummy runs (the compile path's warm-up) give every slot
         # as -1: those write the null block too.
         padded = padded_token_count(tokens)
-        packed = np.zeros((padded, 2 + context // self.block_size), np.int64)
-        packed[:tokens, 0] = np.maximum(meta.slot_mapping.cpu().numpy()[:tokens], 0)
-        packed[:tokens, 1] = positions
-        packed[:tokens, 2:] = block_table[request_of_token, : context // self.block_size]
-        whole = torch.from_numpy(packed).to(_pjrt_device())
+        pages = context // self.block_size
+        rows = np.zeros((3 + pages, padded), np.int64)
+        if self.token_ids is not None:
+            rows[0, :tokens] = self.token_ids[:tokens].numpy()
+        rows[1, :tokens] = np.maximum(meta.slot_mapping.cpu().numpy()[:tokens], 0)
+        rows[2, :tokens] = positions
+        rows[3:, :tokens] = block_table[request_of_token, :pages].T
+        whole = torch.from_numpy(rows).to(_pjrt_device())
         # the compile path traces the graph once: the token count and the table's width are its symbols
-        slots, positions, block_tables = whole[:, 0], whole[:, 1], whole[:, 2:]
-        for tensor in (whole, slots, positions, block_tables):
+        token_ids, slots, positions, block_tables = whole[0], whole[1], whole[2], whole[3:].t()
+        for tensor in (whole, token_ids, slots, positions, block_tables):
             _torch_private.mark_dynamic(tensor, list(range(tensor.dim())))
-        return PjrtAttentionMetadata(num_actual_tokens=padded, slots=slots, positions=positions,
+        return PjrtAttentionMetadata(num_actual_tokens=padded, token_ids=token_ids, slots=slots, positions=positions,
                                      block_tables=block_tables, block_size=self.block_size,
-                                     kernel=paged.switch.enabled())
+                                     kernel=paged.switch.enabled(), host_rows=rows)
 
 
 class PjrtAttentionImpl(AttentionImpl[PjrtAttentionMetadata]):
