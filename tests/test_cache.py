@@ -16,7 +16,8 @@ SCRIPT = textwrap.dedent(
     x = torch.arange(12.0).reshape(3, 4).to("pjrt")
     y = (x.sin() * 2 + x.t().sum()).cos().sum()
     counters = torch_pjrt.metrics.counters()
-    print(round(y.item(), 4), counters["persistent_cache_hits"], counters["persistent_cache_misses"])
+    print(round(y.item(), 4), counters["persistent_cache_hits"], counters["persistent_cache_misses"],
+          counters["compiles"], counters["op_store_hits"])
     """
 )
 
@@ -28,21 +29,23 @@ def run(cache: Path, script: str = SCRIPT) -> list[str]:
     return result.stdout.split()
 
 
-def test_second_process_hits_the_cache(tmp_path: Path) -> None:
-    value, hits, misses = run(tmp_path)
-    assert int(hits) == 0 and int(misses) > 0
+def test_second_process_loads_every_strict_op_and_lowers_none(tmp_path: Path) -> None:
+    """A strict op's executable and its checks are stored beside XLA's cache: a second process loads them
+    (each op's executable and checks, two hits an op) instead of tracing, lowering and asking XLA's cache."""
+    value, hits, misses, compiles, loaded = run(tmp_path)
+    assert int(hits) == 0 and int(misses) == int(compiles) > 0 and int(loaded) == 0
     assert any((tmp_path / "xla").iterdir())
-    again, hits, misses = run(tmp_path)
+    again, hits, misses, compiles, loaded = run(tmp_path)
     assert again == value
-    assert int(hits) > 0 and int(misses) == 0
+    assert int(hits) == int(misses) == int(compiles) == 0 and int(loaded) > 0
 
 
 def test_corrupt_entries_are_recompiled(tmp_path: Path) -> None:
-    value, _, _ = run(tmp_path)
-    for entry in (tmp_path / "xla").rglob("*"):
+    value, *_ = run(tmp_path)
+    for entry in tmp_path.rglob("*"):
         if entry.is_file():
             entry.write_bytes(entry.read_bytes()[: max(1, entry.stat().st_size // 3)])
-    again, _, _ = run(tmp_path)
+    again, *_ = run(tmp_path)
     assert again == value
 
 
@@ -54,9 +57,9 @@ COMPILED = textwrap.dedent(
     x = torch.randn(4, 6).to("pjrt")
     loss = torch.compile(lambda x: model(x).square().mean(), backend="pjrt")(x)
     loss.backward()
+    values = round(loss.item(), 6), round(model[0].weight.grad.sum().item(), 6)
     counters = torch_pjrt.metrics.counters()
-    print(round(loss.item(), 6), round(model[0].weight.grad.sum().item(), 6),
-          counters["disk_store_hits"], counters["disk_store_writes"], counters["disk_store_damaged"])
+    print(*values, counters["disk_store_hits"], counters["disk_store_writes"], counters["disk_store_damaged"])
     """
 )
 
@@ -65,18 +68,19 @@ def test_traced_graphs_are_stored_for_the_next_process_and_damage_is_survived(tm
     loss, grad, hits, writes, damaged = run(tmp_path, COMPILED)
     # the forward and the backward graph, each traced and its executable
     assert (int(hits), int(writes), int(damaged)) == (0, 4, 0)
-    assert len(list((tmp_path / "executables").iterdir())) == 2
+    assert len(list((tmp_path / "graphs").iterdir())) == 2
     assert run(tmp_path, COMPILED) == [loss, grad, "4", "0", "0"]
     stored = sorted((tmp_path / "graphs").iterdir())
     stored[0].write_bytes(stored[0].read_bytes()[:100])
     # the damaged graph is traced again; its executable still loads
     assert run(tmp_path, COMPILED) == [loss, grad, "3", "1", "1"]
     assert run(tmp_path, COMPILED) == [loss, grad, "4", "0", "0"]
-    executables = sorted((tmp_path / "executables").iterdir())
-    executables[1].write_bytes(executables[1].read_bytes()[:-50])
+    executables = sorted((tmp_path / "executables").iterdir())  # the graphs' and strict eager's ops'
+    for executable in executables:
+        executable.write_bytes(executable.read_bytes()[:-50])
     # compiled again from XLA's cache, whose executables are not stored again (they lose their code)
-    assert run(tmp_path, COMPILED) == [loss, grad, "3", "0", "1"]
-    assert run(tmp_path, COMPILED) == [loss, grad, "3", "0", "0"]
+    assert run(tmp_path, COMPILED) == [loss, grad, "2", "0", str(len(executables))]
+    assert run(tmp_path, COMPILED) == [loss, grad, "2", "0", "0"]
 
 
 RESHAPED = textwrap.dedent(
@@ -114,14 +118,15 @@ MANY = textwrap.dedent(
         x = torch.randn(rows, 3)
         values.append(torch.allclose((x.to("pjrt") * 3).exp().sum(1).cpu(), (x * 3).exp().sum(1), rtol=1e-5))
     counters = torch_pjrt.metrics.counters()
-    print(all(values), counters["persistent_cache_hits"], counters["persistent_cache_misses"])
+    print(all(values), counters["compiles"], counters["op_store_hits"], counters["disk_store_damaged"])
     """
 )
 
 
 def test_two_processes_filling_one_folder_at_once_leave_no_damaged_entry(tmp_path: Path) -> None:
     """Two ranks of one job compile the same 20 programs at the same moment into one empty folder: every
-    entry either process wrote loads in a third process (no miss), and no partial file is left."""
+    entry either process wrote loads in a third process (nothing lowered, nothing damaged), and no partial
+    file is left."""
     env = {**os.environ, "TORCH_PJRT_CACHE_DIR": str(tmp_path)}
     racers = [subprocess.Popen([sys.executable, "-c", MANY, str(seed)], env=env, stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True) for seed in (1, 2)]
@@ -129,8 +134,8 @@ def test_two_processes_filling_one_folder_at_once_leave_no_damaged_entry(tmp_pat
         out, err = racer.communicate(timeout=300)
         assert racer.returncode == 0, err[-2000:]
         assert out.split()[0] == "True"
-    close, hits, misses = run(tmp_path, MANY.replace("sys.argv[1]", "3"))
-    assert close == "True" and int(misses) == 0 and int(hits) >= 20
+    close, compiles, loaded, damaged = run(tmp_path, MANY.replace("sys.argv[1]", "3"))
+    assert close == "True" and int(compiles) == int(damaged) == 0 and int(loaded) >= 20
     assert not list(tmp_path.rglob(".partial-*"))
 
 
@@ -150,7 +155,8 @@ def test_the_cache_command_shows_prunes_and_clears(tmp_path: Path) -> None:
     entries = shown["kinds"]["xla"]["entries"]
     assert entries > 0 and shown["kinds"]["xla"]["bytes"] > 0
     assert "xla/" in cache() and f"{entries} entries" in cache()
-    assert f"removed {entries} entries" in cache("prune", "--max-bytes", "0")
+    everything = sum(kind["entries"] for kind in shown["kinds"].values())  # strict ops' executables and checks too
+    assert f"removed {everything} entries" in cache("prune", "--max-bytes", "0")
     assert json.loads(cache("--format", "json"))["kinds"]["xla"]["entries"] == 0
     run(tmp_path)
     assert "cleared" in cache("clear") and not (tmp_path / "xla").exists()

@@ -231,3 +231,47 @@ def test_a_warm_process_loads_the_stored_fused_programs_and_never_a_wrong_one(tm
     warm = run_step(tmp_path, 6, FUSED)  # other random values through the same programs
     assert warm["keys"] == cold["keys"] and warm["programs"] == {**variants, "traced scalar": []}
     assert warm["fused_traces"] == 0 and warm["fused_compiles"] == cold["fused_compiles"]
+
+
+CHECKED = textwrap.dedent(
+    """
+    import json, sys, torch, torch_pjrt
+    from torch_pjrt.eager import dispatch
+    traced = []
+    trace_now = dispatch._trace_now
+    dispatch._trace_now = lambda *args: traced.append(1) or trace_now(*args)
+    torch.manual_seed(int(sys.argv[1]))
+    mode = torch_pjrt.EagerMode.DEFER_AND_FUSE if sys.argv[2] == "fused" else torch_pjrt.EagerMode.DEFER_NEVER
+    x, w = torch.randn(5, 4), torch.randn(4, 3)
+    index = torch.randint(0, 5, (7,))
+    with torch_pjrt.set_eager_mode(mode):
+        found = (x.to("pjrt").index_select(0, index.to("pjrt")) @ w.to("pjrt")).relu().sum(1).cpu()
+        torch.testing.assert_close(found, (x.index_select(0, index) @ w).relu().sum(1))
+        try:
+            x.to("pjrt").index_select(0, torch.full((7,), 9).to("pjrt")).cpu()
+            raised = ""
+        except (IndexError, RuntimeError) as error:
+            raised = str(error)
+    counters = torch_pjrt.metrics.counters()
+    print(json.dumps({"raised": raised, "compiles": counters["compiles"], "fused_traces": counters["fused_traces"],
+                      "hits": counters["op_store_hits"], "ops_traced_alone": len(traced)}))
+    """
+)
+
+
+@pytest.mark.parametrize("mode", ["strict", "fused"])
+def test_a_warm_process_keeps_each_ops_device_checks_without_tracing_it(tmp_path: Path, mode: str) -> None:
+    """An op's device-side checks are stored with its program: a fresh process that loads the op (strict) or
+    its fused program computes CPU's values and still raises for an index out of range, lowering nothing."""
+    def run(seed: int) -> dict:
+        result = subprocess.run([sys.executable, "-c", CHECKED, str(seed), mode], capture_output=True, text=True,
+                                timeout=300, env={**os.environ, "TORCH_PJRT_CACHE_DIR": str(tmp_path)})
+        assert result.returncode == 0, result.stderr[-3000:]
+        return json.loads(result.stdout.strip().splitlines()[-1])
+
+    cold = run(1)
+    assert "out of range" in cold["raised"] and cold["compiles"] > 0
+    assert (cold["ops_traced_alone"] == 0) == (mode == "strict")  # strict: traced by the compile itself
+    warm = run(2)  # other random values and indices through the same programs
+    assert warm["raised"] == cold["raised"]
+    assert warm["compiles"] == warm["fused_traces"] == warm["ops_traced_alone"] == 0 and warm["hits"] > 0

@@ -13,8 +13,10 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import hashlib
 import math
-from collections.abc import Callable
+import pickle
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -24,7 +26,7 @@ from torch._ops import OpOverload
 from torch_pjrt import _torch_private, storage
 from torch_pjrt.eager import dynamic, fusion, modes
 from torch_pjrt.ops import arguments, graph, indexing, linalg, padding, registry
-from torch_pjrt.runtime import checks, client, metrics, programs, rng, startup
+from torch_pjrt.runtime import checks, client, disk_store, metrics, programs, rng, startup
 from torch_pjrt.storage import View
 
 PJRT = "pjrt"
@@ -349,6 +351,8 @@ class Entry:
     # its cache key as text that means the same in every process (None: a part of it is known only in this
     # one); a fused program made of such entries is stored for later processes under a key built from these
     structure: str | None = None
+    # the positions of passed_slots the program donates (written in place or consumed)
+    donate: tuple[int, ...] = ()
 
 
 def _structure(key: Any, plan: OpPlan | None) -> str | None:
@@ -688,7 +692,7 @@ def _build(plan: OpPlan, scan: Scan, values: list[Any], described: list[Any], fo
     padded_positions = tuple(i for i, s in enumerate(passed_slots) if s in padded_slots)
     # named: `program` fills in its checks when traced
     entry = Entry(compiled, program, fresh_specs, mutated_slots, resized, passed_slots, random, output_count,
-                  form, padded_positions, padded_slots, out_padded, consumed_slots=tuple(consumed))
+                  form, padded_positions, padded_slots, out_padded, consumed_slots=tuple(consumed), donate=donate)
     return entry
 
 
@@ -816,6 +820,77 @@ def _compacted(layout: storage.Padded, device_index: int) -> Any:
     return _run(entry, [inner], device_index)[0]
 
 
+def _prepare(entry: Entry, scan: Scan, inputs: list[Any]) -> None:
+    """Make a new entry ready to run: its device-side checks known and, in strict eager, its program compiled.
+
+    With a cache folder, what an earlier process found is reused: the checks its tracing made (so a
+    fused op or a padded one is not traced again only to learn them) and, in strict eager, the op's
+    executable (loaded, not traced, lowered and looked up in XLA's cache). Without one, a fused or
+    padded op is traced at once, so a lowering error surfaces at the op, not at the flush."""
+    key = _stored_op_key(entry.structure) if entry.structure is not None and disk_store.enabled() else None
+    if key is None:
+        if modes.state.fusing or entry.form is not None:
+            _trace_now(entry, scan, inputs)
+        return
+    with disk_store.counted_as("op_store"):
+        recorded = disk_store.read("op_checks", key)
+        entry.checks = None  # set again by the program's function whenever it is traced
+        if not modes.state.fusing:
+            stored = StoredOp(entry, key, scan.device.index)
+            stored.load(inputs)
+            entry.program = programs.Program.of_executable(stored, entry.program.name, device_index=scan.device.index)
+        elif recorded is None:
+            _trace_now(entry, scan, inputs)
+        if entry.checks is None:
+            if recorded is None:  # an executable stored without its checks (a folder emptied in part)
+                _trace_now(entry, scan, inputs)
+            else:
+                entry.checks = pickle.loads(recorded)
+        if recorded is None:
+            disk_store.write("op_checks", key, pickle.dumps(entry.checks))
+
+
+class StoredOp:
+    """A strict op's program as executables by the shapes and dtypes of the arrays it is called with (a
+    storage's array has the shape its producer gave it, so one signature meets several, as jit would
+    retrace), each loaded from the cache folder or compiled and stored there."""
+
+    __slots__ = ("entry", "key", "device_index", "by_avals", "current")
+
+    def __init__(self, entry: Entry, key: str, device_index: int) -> None:
+        self.entry, self.key, self.device_index = entry, key, device_index
+        self.by_avals: dict[tuple, Any] = {}
+        self.current: Any = None
+
+    def __call__(self, *args: Any) -> Any:
+        try:
+            return self.current(*args)
+        except TypeError:  # arrays of other shapes than the last call's: the executable refused them unrun
+            self.load(args)
+            return self.current(*args)
+
+    def load(self, args: Sequence[Any]) -> None:
+        """Make the executable for these arguments' shapes and dtypes the current one."""
+        avals = tuple((tuple(a.shape), str(a.dtype), getattr(a, "weak_type", False)) if hasattr(a, "shape")
+                      else type(a).__name__ for a in args)
+        executable = self.by_avals.get(avals)
+        if executable is None:
+            entry = self.entry
+            key = hashlib.sha256(f"{self.key}{avals!r}".encode()).hexdigest()
+            executable = self.by_avals[avals] = programs.stored_executable(
+                entry.fn, tuple(args), key, entry.program.name, donate=entry.donate,
+                device_index=self.device_index).jitted
+        self.current = executable
+
+
+def _stored_op_key(structure: str) -> str:
+    """An op's program as later processes find it: its structure, our code and what else it depends on."""
+    digest = hashlib.sha256()
+    for part in (disk_store.code_version(), torch.__version__, client.platform(), checks.ENABLED, structure):
+        digest.update(f"{part}\0".encode())
+    return digest.hexdigest()
+
+
 def _trace_now(entry: Entry, scan: Scan, inputs: list[Any]) -> None:
     """Trace a new op's function at once, so a lowering error surfaces at the op, not at the flush."""
     jax = client.jax_module()
@@ -909,9 +984,8 @@ def _execute(plan: OpPlan, args: tuple, kwargs: dict) -> tuple[Any, Replay | Non
         try:
             entry = _build(plan, scan, values, described)
             inputs = _inputs(entry, scan, plan, values)
-            if modes.state.fusing:
-                _trace_now(entry, scan, inputs)
             entry.structure = _structure(key, plan)
+            _prepare(entry, scan, inputs)
             outputs = _run(entry, inputs, scan.device.index)
         except registry.MissingLowering as missing:
             from torch_pjrt.eager import fallback
@@ -1016,7 +1090,7 @@ def _padded_entry(plan: OpPlan, scan: Scan, values: list[Any], described: list[A
         entry.structure = _structure((key, padded), plan)
         inputs = _inputs(entry, scan, plan, values)
         try:
-            _trace_now(entry, scan, inputs)
+            _prepare(entry, scan, inputs)
         except padding.CannotPad as reason:
             _forms[key] = reason
             raise

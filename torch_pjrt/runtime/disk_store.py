@@ -3,6 +3,7 @@
 Several processes (torchrun ranks) may write the same entry at once: each writes a private
 temporary file and renames it into place, so a reader sees a whole file or none. Every file
 starts with the SHA-256 of its payload; a damaged or truncated file reads as absent and is removed.
+Hits and writes are counted as "disk_store_*", or under the name `counted_as` gives (strict eager's ops).
 """
 
 from __future__ import annotations
@@ -12,11 +13,29 @@ import functools
 import hashlib
 import os
 import tempfile
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 from torch_pjrt.runtime import client, metrics
 
 _DIGEST = 32
+_counting = threading.local()
+
+
+@contextlib.contextmanager
+def counted_as(prefix: str) -> Iterator[None]:
+    """Count this thread's hits and writes as "<prefix>_hits" and "<prefix>_writes" meanwhile (what they serve)."""
+    outer = getattr(_counting, "prefix", "disk_store")
+    _counting.prefix = prefix
+    try:
+        yield
+    finally:
+        _counting.prefix = outer
+
+
+def _bump(what: str) -> None:
+    metrics.bump(f"{getattr(_counting, 'prefix', 'disk_store')}_{what}")
 
 
 def enabled() -> bool:
@@ -43,7 +62,7 @@ def read(kind: str, key: str) -> bytes | None:
         with contextlib.suppress(OSError):
             path.unlink()
         return None
-    metrics.bump("disk_store_hits")
+    _bump("hits")
     return payload
 
 
@@ -60,7 +79,7 @@ def write(kind: str, key: str, payload: bytes) -> None:
     except OSError as error:
         client.cache_failed(error)
         return
-    metrics.bump("disk_store_writes")
+    _bump("writes")
 
 
 @functools.cache
