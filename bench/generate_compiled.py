@@ -5,12 +5,16 @@ The small Llama of bench/tiny_llama.py (4 layers, width 128), greedy, 64 new tok
 warm-up generate per row (pjrt: its prefill and decode graphs compile), then rounds in which the rows take turns;
 each row's best round counts. torch CPU eager runs at its default thread count and at one thread (on a shared
 2-core machine one thread is often the faster): the faster of the two is the baseline. Tokens must equal CPU's.
-Run: .venv/bin/python bench/generate_compiled.py [--rounds 5] [--new-tokens 64]
+--breakdown then splits one more pjrt generate's main-thread CPU time per token into Hugging Face's loop (its
+Python and the eager pjrt ops it runs between forwards), Dynamo's frame (guards and AOTAutograd's wrappers), our
+graph call and the program call within it, and counts graphs, graph breaks, recompiles and eager ops per token.
+Run: .venv/bin/python bench/generate_compiled.py [--rounds 5] [--new-tokens 64] [--breakdown]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
@@ -20,6 +24,8 @@ from collections.abc import Callable
 import torch
 
 import torch_pjrt
+from torch_pjrt.compile import backend
+from torch_pjrt.runtime import programs
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -55,10 +61,64 @@ def with_threads(count: int, run: Callable[[], torch.Tensor]) -> Callable[[], to
     return threaded
 
 
+class CpuTimer:
+    """Main-thread CPU seconds spent inside a wrapped callable (outer calls only)."""
+
+    def __init__(self) -> None:
+        self.seconds, self.calls, self.depth = 0.0, 0, 0
+
+    def wrap(self, fn: Callable, only: Callable[..., bool] = lambda *args: True) -> Callable:
+        # functools.wraps: generate() passes a forward only the arguments its signature names.
+        @functools.wraps(fn)
+        def timed(*args: object, **kwargs: object) -> object:
+            if self.depth or not only(*args):
+                return fn(*args, **kwargs)
+            self.depth, start = 1, time.thread_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds += time.thread_time() - start
+                self.calls, self.depth = self.calls + 1, 0
+
+        return timed
+
+
+def breakdown(pjrt: torch.nn.Module, run: Callable[[], torch.Tensor], new_tokens: int) -> None:
+    """Print where one more pjrt generate's main-thread CPU goes per token, and its graphs and eager ops."""
+    from torch._dynamo.utils import counters
+
+    forward, graph, program = CpuTimer(), CpuTimer(), CpuTimer()
+    compiled_forward, graph_call, program_call = pjrt.forward, backend.CompiledGraph.__call__, programs.Program.call
+    pjrt.forward = forward.wrap(compiled_forward)
+    backend.CompiledGraph.__call__ = graph.wrap(graph_call)
+    programs.Program.call = program.wrap(program_call, lambda self, *args: self.name == "compiled_graph")
+    counters.clear()
+    before = torch_pjrt.metrics.counters()
+    try:
+        start = time.thread_time()
+        run()
+        total = time.thread_time() - start
+    finally:
+        pjrt.forward, backend.CompiledGraph.__call__, programs.Program.call = (compiled_forward, graph_call,
+                                                                                program_call)
+    after = torch_pjrt.metrics.counters()
+    per_token = {name: (after[name] - before[name]) / new_tokens for name in ("ops_executed", "transfers_to_host")}
+    ms = 1000 / new_tokens
+    print(f"per token, main-thread CPU ms (load {open('/proc/loadavg').read().split()[0]}): all {total * ms:.3f} = "
+          f"Hugging Face's loop and its eager pjrt ops {(total - forward.seconds) * ms:.3f} + Dynamo's frame "
+          f"(guards, AOTAutograd wrappers) {(forward.seconds - graph.seconds) * ms:.3f} + our graph call "
+          f"{(graph.seconds - program.seconds) * ms:.3f} + program call {program.seconds * ms:.3f}")
+    print(f"per token: forwards {forward.calls / new_tokens:.2f}, graph calls {graph.calls / new_tokens:.2f}, "
+          f"eager pjrt ops {per_token['ops_executed']:.1f}, transfers to host {per_token['transfers_to_host']:.2f}; "
+          f"in the whole generate: graphs captured {counters['stats']['unique_graphs']}, graph breaks "
+          f"{sum(counters['graph_break'].values())}, recompiles {sum(counters['recompiles'].values())}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--breakdown", action="store_true", help="then split one more generate's CPU time per token")
     args = parser.parse_args()
     warnings.simplefilter("ignore")
     cpu, pjrt = cpu_and_pjrt_llama()
@@ -99,6 +159,8 @@ def main() -> None:
     same = torch.equal(tokens["pjrt compiled, static cache"], reference)
     print(f"pjrt compiled static cache / torch CPU eager (its faster thread count), tokens/s: {ratio:.2f}   "
           f"(goal >= 1.50 with the same tokens: {'met' if ratio >= 1.5 and same else 'not met'})")
+    if args.breakdown:
+        breakdown(pjrt, rows["pjrt compiled, static cache"], args.new_tokens)
 
 
 if __name__ == "__main__":
