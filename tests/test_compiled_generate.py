@@ -12,7 +12,9 @@ def graph_compiles() -> int:
     return torch_pjrt.metrics.counters()["graph_compiles"]
 
 
-def test_compiled_static_cache_generation_gives_cpus_tokens_and_replays_its_decode_graph() -> None:
+@pytest.mark.parametrize("eager_mode", ["defer_never", "defer_and_fuse"])
+def test_compiled_static_cache_generation_gives_cpus_tokens_and_replays_its_decode_graph(eager_mode: str) -> None:
+    """The eager ops generate() runs between forwards, strict or fused, and the compiled graphs: CPU's tokens."""
     transformers = pytest.importorskip("transformers")
     torch.compiler.reset()
     torch.manual_seed(21)
@@ -31,7 +33,8 @@ def test_compiled_static_cache_generation_gives_cpus_tokens_and_replays_its_deco
         with torch.no_grad():
             want = cpu.generate(ids, attention_mask=torch.ones_like(ids), **options)
             before = graph_compiles()
-            got = dev.generate(ids.to("pjrt"), attention_mask=torch.ones_like(ids).to("pjrt"), **options)
+            with torch_pjrt.set_eager_mode(eager_mode):
+                got = dev.generate(ids.to("pjrt"), attention_mask=torch.ones_like(ids).to("pjrt"), **options)
             new_graphs.append(graph_compiles() - before)
         assert torch.equal(got.cpu(), want)
     assert new_graphs[0] >= 2 and new_graphs[1] == 0, new_graphs
