@@ -645,3 +645,10 @@ def test_compiled_flex_attention_with_score_mod_and_block_mask(monkeypatch: pyte
     assert_same(actual, expected, **tolerances)
     for device_input, cpu_input in zip(on_device, inputs):
         assert_same(device_input.grad, cpu_input.grad, **tolerances)
+
+
+def test_weight_norm_forward_backward() -> None:
+    """torch.nn.utils.weight_norm's backward (aten._weight_norm_interface_backward: CPU/CUDA kernels only)."""
+    v, g = torch.randn(6, 4, 3), torch.rand(6, 1, 1) + 0.5
+    check_grad(lambda v, g: torch._weight_norm(v, g, 0), v, g)
+    check_grad(lambda v, g: torch._weight_norm(v, g, 2), torch.randn(5, 4, 3), torch.rand(1, 1, 3) + 0.5)

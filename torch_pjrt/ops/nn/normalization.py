@@ -1,4 +1,4 @@
-"""Layer, group and batch norm, forward and backward (backwards are vjps of the forward)."""
+"""Layer, group and batch norm, forward and backward (backwards are vjps of the forward); weight norm's backward."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ import jax
 import jax.numpy as jnp
 import torch
 
+from torch_pjrt.ops.graph import decomposed
 from torch_pjrt.ops.nn.common import _channel_shape, _masked, _up
-from torch_pjrt.ops.registry import register
+from torch_pjrt.ops.registry import LOWERINGS, Lowering, register
 
 aten = torch.ops.aten
 
@@ -193,3 +194,10 @@ def batch_norm_backward(grad_out: Any, input: Any, weight: Any, running_mean: An
                              output_mask, out_meta)
 
 
+
+
+# weight_norm's backward has CPU and CUDA kernels only; its differentiable twin computes the same two gradients in
+# composite ops (PyTorch runs it for double backward), so its graph is the lowering.
+LOWERINGS[aten._weight_norm_interface_backward.default] = Lowering(
+    decomposed(aten._weight_norm_interface_backward.default, aten._weight_norm_differentiable_backward.default),
+    static_scalars=True)
