@@ -707,6 +707,43 @@ def test_vllms_compile_path_gives_hugging_faces_tokens_with_programs_per_bucket(
     assert result["graphs"] > 0 and result["new_graphs"] == 0
 
 
+BATCH_SIZES_IN_A_NEW_PROCESS = """
+import json, sys, torch, torch_pjrt
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, enforce_eager=False, dtype="float32", max_model_len=128,
+          max_num_seqs=8, kv_cache_memory_bytes=1 << 24)
+params = SamplingParams(temperature=0, max_tokens=4, min_tokens=4, detokenize=False)
+generator = torch.Generator().manual_seed(int(sys.argv[2]))
+def serve(requests):
+    prompts = [torch.randint(3, 256, (6,), generator=generator).tolist() for _ in range(requests)]
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    return {"prompts": prompts, "tokens": [list(o.outputs[0].token_ids) for o in outputs]}
+seen = [serve(n) for n in (1, 2, 5, 8)]
+compiles = torch_pjrt.metrics.counters()["compiles"]
+others = [serve(n) for n in (3, 4, 6, 7)]
+print("RESULT " + json.dumps({"served": seen + others,
+                              "new_compiles": torch_pjrt.metrics.counters()["compiles"] - compiles}))
+"""
+
+
+def test_batches_of_new_request_counts_in_seen_buckets_compile_no_program(tiny_llama: Path) -> None:
+    """The 64-client server grew by programs compiled for request counts first met: batches of 1, 2, 5 and 8
+    requests (6-token prompts: 8, 16, 32 and 64 prefill rows, 8 decode rows) compile every bucket; then 3, 4,
+    6 and 7 requests compile nothing, and every batch gives Hugging Face's greedy tokens."""
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    seed = int(torch.randint(0, 1 << 30, ()).item())
+    done = subprocess.run([sys.executable, "-c", BATCH_SIZES_IN_A_NEW_PROCESS, str(tiny_llama), str(seed)],
+                          env=env, capture_output=True, text=True, timeout=600)
+    results = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert done.returncode == 0 and results, done.stderr[-3000:]
+    result = json.loads(results[-1][len("RESULT "):])
+    assert [len(batch["prompts"]) for batch in result["served"]] == [1, 2, 5, 8, 3, 4, 6, 7]
+    for batch in result["served"]:
+        assert batch["tokens"] == _hugging_face_greedy(tiny_llama, 4, batch["prompts"])
+    assert result["new_compiles"] == 0
+
+
 # tests/fixtures/vllm_plugin registers LlamaCountingUniqueTokens in every process vLLM starts (a vLLM general plugin).
 VLLM_PLUGIN_FOLDER = Path(__file__).parent / "fixtures" / "vllm_plugin"
 UNLOWERED_OP_ERROR = "torch_pjrt has no lowering for aten::_unique.default"

@@ -66,6 +66,8 @@ class PjrtModelRunner(CPUModelRunner):
                            "its CPU kernels, which read host memory (TORCH_PJRT_VLLM_SAMPLING is not honoured).")
             self.samples_on_device = False
         self._sampling_metadata_copy: tuple[SamplingMetadata, SamplingMetadata] | None = None
+        # the sampled positions' true count while their logits are computed padded (see _prepare_inputs)
+        self._sampled_rows: int | None = None
         if self.samples_on_device:
             # vLLM's logits processors keep their per-request tensors on the device they are built for
             custom = tuple(vllm_config.model_config.logits_processors or ())
@@ -91,7 +93,13 @@ class PjrtModelRunner(CPUModelRunner):
 
         def compute_logits_where_sampled(hidden_states: torch.Tensor) -> torch.Tensor | None:
             logits = compute_logits(hidden_states.to(self.model_device))
-            return logits if logits is None or self.samples_on_device else logits.cpu()
+            rows, self._sampled_rows = self._sampled_rows, None
+            if logits is None:
+                return None
+            if not self.samples_on_device:
+                logits = logits.cpu()  # whole: a narrowed device view would compile a slice per row count
+            # the rows _prepare_inputs padded the sampled positions with, dropped
+            return logits if rows is None else logits[:rows]
 
         self.model.compute_logits = compute_logits_where_sampled
 
@@ -180,6 +188,19 @@ class PjrtModelRunner(CPUModelRunner):
             positions = to_device(positions)
         return super()._model_forward(input_ids, positions, intermediate_tensors, to_device(inputs_embeds),
                                       **model_kwargs)
+
+    def _prepare_inputs(self, scheduler_output: Any, num_scheduled_tokens: Any) -> tuple[Any, ...]:
+        """vLLM's inputs, the positions whose logits are sampled padded to a bucket (padded_token_count) by
+        repeating the last: the logits' programs outside the model's graph (the rows' gather, the lm head)
+        then compile once per bucket, not once per request count; the padded rows are dropped before sampling."""
+        logits_indices, spec_decode_metadata, *rest = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
+        rows = logits_indices.shape[0]
+        padding = padded_token_count(rows) - rows
+        self._sampled_rows = None
+        if spec_decode_metadata is None and not self.cache_config.kv_sharing_fast_prefill and padding:
+            self._sampled_rows = rows
+            logits_indices = torch.cat([logits_indices, logits_indices[-1:].expand(padding)])
+        return (logits_indices, spec_decode_metadata, *rest)
 
     def initialize_metadata_builders(self, kv_cache_config: KVCacheConfig, kernel_block_sizes: list[int]) -> None:
         """The pjrt attention builders ship the step's token ids with their indices (one transfer a step)."""
