@@ -514,8 +514,8 @@ def markdown(record: dict[str, Any]) -> str:
              "Its inputs are synthesised from its forward's argument names and its config: latents "
              f"{zoo_diffusers.SIDE}x{zoo_diffusers.SIDE} as an image, a video "
              f"({' or '.join(map(str, zoo_diffusers.FRAMES))} frames), packed tokens, a 1-D signal or a vector, "
-             "the first of these the model accepts on CPU, with "
-             f"random timesteps and {zoo_diffusers.TEXT_TOKENS} text-embedding tokens of the configured width (batch "
+             "the first of these the model accepts on CPU, with random timesteps in [50, 950) (a ratio: / 1000) and "
+             f"{zoo_diffusers.TEXT_TOKENS} text-embedding tokens of the configured width (batch "
              f"{zoo_catalog.BATCH}); it runs in eval mode on CPU and, deep-copied, on pjrt; the training "
              "step's loss is the mean square of the first output. "
              if library == "diffusers" else
@@ -569,7 +569,7 @@ def markdown(record: dict[str, Any]) -> str:
     cells: dict[str, dict[str, str]] = collections.defaultdict(dict)
     for row in rows:
         if row["task"] in tasks:
-            cells[row["family"]][row["task"]] = STATUS_CELLS[row["status"]]
+            cells[row["key"] if library == "diffusers" else row["family"]][row["task"]] = STATUS_CELLS[row["status"]]
     lines += ["", "## Per architecture", "", "One row per model type, one column per task (· not run, blank: "
               "transformers has no such head).", "", "| architecture | " + " | ".join(tasks) + " |",
               "|---|" + "---|" * len(tasks)]

@@ -152,6 +152,7 @@ class _Shapes:
 
 
 def _timestep() -> torch.Tensor:
+    """Steps of a 1000-step schedule, away from its ends."""
     return torch.rand(BATCH) * 900 + 50
 
 
