@@ -2,8 +2,8 @@
 
 vLLM's CPU runner keeps the step's bookkeeping (input batch, block tables, sampling state) in host
 tensors; this runner reuses all of it and moves only what the model and the sampler read: token ids and
-positions reach the device in the attention backend's one transfer a step (padded to a power-of-two token
-count, which bounds the programs compiled), and vLLM's sampler
+positions go to the device before the forward (padded to a power-of-two token count, which bounds the
+programs compiled), the attention backend ships its index tensors once per step, and vLLM's sampler
 runs where TORCH_PJRT_VLLM_SAMPLING says: on the device (its per-request tensors copied there once per
 change of the batch; only the sampled token ids come back) or on the host, as on vLLM's CPU platform,
 with the logits brought back.
@@ -18,12 +18,10 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
 import psutil
 import torch
 from torch.overrides import TorchFunctionMode
 from vllm.config import CompilationMode
-from vllm.forward_context import get_forward_context
 from vllm.logger import init_logger
 from vllm.platforms import current_platform
 from vllm.utils.cpu_resource_utils import get_allowed_cpu_list, get_memory_node_info
@@ -39,12 +37,7 @@ from vllm.v1.worker.cpu_worker import CPUWorker
 from vllm.v1.worker.gpu_worker import Worker, init_worker_distributed_environment
 
 from torch_pjrt import envvars
-from torch_pjrt.serving.vllm.attention import (
-    PjrtAttentionMetadata,
-    PjrtAttentionMetadataBuilder,
-    bind_cache_buffers,
-    padded_token_count,
-)
+from torch_pjrt.serving.vllm.attention import bind_cache_buffers, padded_token_count
 from torch_pjrt.serving.vllm.moe import register_fused_moe_method
 
 logger = init_logger(__name__)
@@ -180,14 +173,9 @@ class PjrtModelRunner(CPUModelRunner):
                 t = torch.cat([t, t.new_zeros((padding, *t.shape[1:]))])
             return t.to(self.model_device, non_blocking=True)
 
-        shipped = _shipped_with_attention(input_ids, positions)
-        if shipped is not None:
-            input_ids, positions = shipped
-        else:  # the same dtype as the shipped ids: the compiled graph was traced with those
-            input_ids = to_device(None if input_ids is None else input_ids.long())
-            positions = to_device(positions)
-        return super()._model_forward(input_ids, positions, intermediate_tensors, to_device(inputs_embeds),
-                                      **model_kwargs)
+        return super()._model_forward(
+            to_device(input_ids), to_device(positions), intermediate_tensors, to_device(inputs_embeds), **model_kwargs
+        )
 
     def _prepare_inputs(self, scheduler_output: Any, num_scheduled_tokens: Any) -> tuple[Any, ...]:
         """vLLM's inputs, the positions whose logits are sampled padded to a bucket (padded_token_count) by
@@ -201,34 +189,6 @@ class PjrtModelRunner(CPUModelRunner):
             self._sampled_rows = rows
             logits_indices = torch.cat([logits_indices, logits_indices[-1:].expand(padding)])
         return (logits_indices, spec_decode_metadata, *rest)
-
-    def initialize_metadata_builders(self, kv_cache_config: KVCacheConfig, kernel_block_sizes: list[int]) -> None:
-        """The pjrt attention builders ship the step's token ids with their indices (one transfer a step)."""
-        super().initialize_metadata_builders(kv_cache_config, kernel_block_sizes)
-        for group in self._attn_group_iterator():
-            for builder in group.metadata_builders:
-                if isinstance(builder, PjrtAttentionMetadataBuilder):
-                    builder.token_ids = self.input_ids.cpu
-
-
-def _shipped_with_attention(
-    input_ids: torch.Tensor | None, positions: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The step's token ids and positions already on the device in the pjrt attention metadata, when what it
-    shipped equals them (None otherwise, e.g. multimodal positions or ids changed after the build)."""
-    if input_ids is None or positions is None or positions.dim() != 1:
-        return None
-    found = get_forward_context().attn_metadata
-    metas = found.values() if isinstance(found, dict) else ()
-    meta = next((m for m in metas if isinstance(m, PjrtAttentionMetadata)), None)
-    tokens = input_ids.shape[0]
-    if meta is None or meta.num_actual_tokens != padded_token_count(tokens):
-        return None
-    rows = meta.host_rows
-    same = np.array_equal(rows[0, :tokens], input_ids.numpy()) and np.array_equal(rows[2, :tokens], positions.numpy())
-    if not same:
-        return None
-    return meta.token_ids, meta.positions
 
 
 def samples_on_device(device: torch.device) -> bool:
