@@ -412,3 +412,42 @@ def test_storages_reach_their_device_storage_through_the_data_ptr() -> None:
         _ = cpu_storage._pjrt
     with pytest.raises(AttributeError, match="only a pjrt storage made by torch_pjrt"):
         cpu_storage._pjrt = st
+
+
+STORED_OPS = textwrap.dedent(
+    """
+    import sys
+    import torch
+    import torch_pjrt
+    sys.path.insert(0, sys.argv[2])
+    from test_native_dispatch import python_calls_of_ours
+
+    torch.manual_seed(int(sys.argv[1]))
+    a_host, b_host, c_host = torch.randn(4, 4), torch.randn(16), torch.randn(4, 4)
+    # one native signature, two storage shapes: (4, 4) and a (16,) storage seen as 4x4
+    a, b, c = a_host.to("pjrt"), b_host.to("pjrt").view(4, 4), c_host.to("pjrt")
+    for _ in range(3):
+        for x, host in ((a, a_host), (b, b_host.view(4, 4))):
+            assert torch.equal((x * 0.5 + c).cpu(), host * 0.5 + c_host)
+    b * 0.5 + c  # the (16,)-storage executables current again
+    entered = python_calls_of_ours(lambda: [b * 0.5 + c for _ in range(2)])
+    counters = torch_pjrt.metrics.counters()
+    print(len(entered), counters["cache_misses"], counters["op_store_hits"], counters["op_store_writes"])
+    """
+)
+
+
+def test_a_stored_op_hit_enters_no_python_of_ours_across_storage_shapes(tmp_path: Path) -> None:
+    """With a cache folder, a strict op's executables come from it (one per storage shape); the native
+    path calls the current one with no Python of ours, and asks the stored op for another when the arrays'
+    shapes change (results equal CPU's either way)."""
+    seed = random.randrange(1 << 16)
+    runs = []
+    for _ in ("cold", "warm"):
+        run = subprocess.run([sys.executable, "-c", STORED_OPS, str(seed), str(Path(__file__).parent)],
+                             capture_output=True, text=True, timeout=300,
+                             env={**os.environ, "TORCH_PJRT_CACHE_DIR": str(tmp_path)})
+        assert run.returncode == 0, run.stderr[-3000:]
+        runs.append([int(word) for word in run.stdout.split()[-4:]])
+    # entered, misses (mul and add once each), op-store hits, op-store writes: 2 ops x 2 storage shapes
+    assert runs == [[0, 2, 0, 4], [0, 2, 4, 0]]

@@ -192,7 +192,7 @@ struct Return {
 
 // What Python built for one signature (never freed: it holds Python objects).
 struct Entry {
-  PyObject* jitted;
+  mutable PyObject* jitted;  // a stored op's entry swaps in the executable for other array shapes
   PyObject* program;
   std::vector<int> passed;
   bool random;
@@ -204,6 +204,7 @@ struct Entry {
   PyObject* checks;  // the program's device-side checks (its last output is their code), or nullptr
   PyObject* recorded;  // Python's dispatch.Entry, what a fused graph records
   bool compiled;  // whether `jitted` has run once through Program.call (which compiles and counts)
+  PyObject* stored;  // eager/dispatch.StoredOp when `jitted` is one of its executables, or nullptr
 };
 
 struct Key {
@@ -845,6 +846,17 @@ py::object run_program(const Entry& entry, Signature& sig) {
     inputs.push_back(PyTuple_GET_ITEM(entry.lengths, i));
   }
   PyObject* called = PyObject_Vectorcall(entry.jitted, inputs.data(), inputs.size(), nullptr);
+  if (called == nullptr && entry.stored != nullptr && PyErr_ExceptionMatches(PyExc_TypeError)) {
+    // a stored executable refused arrays of other shapes unrun: load the one for theirs (as jit retraces)
+    PyErr_Clear();
+    py::tuple arguments(inputs.size());
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      arguments[i] = py::reinterpret_borrow<py::object>(inputs[i]);
+    }
+    py::object current = py::handle(entry.stored).attr("reload")(arguments);
+    Py_SETREF(entry.jitted, current.release().ptr());
+    called = PyObject_Vectorcall(entry.jitted, inputs.data(), inputs.size(), nullptr);
+  }
   if (called == nullptr) {
     // Program.reraise translates a device allocation failure into torch.OutOfMemoryError.
     py::error_already_set failure;
@@ -1115,7 +1127,7 @@ OutSpec read_spec(py::handle spec) {
 }
 
 // install = (jitted, program, passed_slots, random, returns, mutated_slots, n_fresh_outputs, lengths,
-// mutated_padded, checks or None, Python's Entry, compiled), each return (kind, alias, specs) with spec (dtype, sizes, strides, numel[, layout]).
+// mutated_padded, checks or None, Python's Entry, compiled, StoredOp or None), each return (kind, alias, specs) with spec (dtype, sizes, strides, numel[, layout]).
 Entry* read_entry(py::handle install) {
   py::tuple fields = py::reinterpret_borrow<py::tuple>(install);
   auto* entry = new Entry();
@@ -1140,6 +1152,7 @@ Entry* read_entry(py::handle install) {
   entry->checks = fields[9].is_none() ? nullptr : py::object(fields[9]).release().ptr();
   entry->recorded = py::object(fields[10]).release().ptr();
   entry->compiled = fields[11].cast<bool>();
+  entry->stored = fields[12].is_none() ? nullptr : py::object(fields[12]).release().ptr();
   return entry;
 }
 

@@ -869,6 +869,11 @@ class StoredOp:
             self.load(args)
             return self.current(*args)
 
+    def reload(self, args: Sequence[Any]) -> Any:
+        """The executable for these arguments, once the current one refused them (the native hit path)."""
+        self.load(args)
+        return self.current
+
     def load(self, args: Sequence[Any]) -> None:
         """Make the executable for these arguments' shapes and dtypes the current one."""
         avals = tuple((tuple(a.shape), str(a.dtype), getattr(a, "weak_type", False)) if hasattr(a, "shape")
@@ -1032,10 +1037,14 @@ def native_miss(plan: OpPlan, args: tuple, kwargs: dict) -> tuple[Any, tuple | N
             returns.append((2, -1, (spec,)))
     fresh = entry.output_count - len(entry.mutated_slots)
     mutated_padded = [slot in entry.padded_slots for slot in entry.mutated_slots]
+    # a stored op hands the native path its current executable, and itself to load another when the
+    # arrays' shapes change, so a hit calls XLA's executable with no frame of ours between
+    stored = program.jitted if isinstance(program.jitted, StoredOp) else None
     # a signature first met while fusing is recorded natively at once, and runs natively in strict
     # mode once a Python call has compiled its program (csrc/dispatch.cpp checks `compiled`)
-    return result, (program.jitted, program, entry.passed_slots, entry.random, returns, entry.mutated_slots, fresh,
-                    replay.lengths, mutated_padded, entry.checks or None, entry, program.compiled)
+    return result, (stored.current if stored else program.jitted, program, entry.passed_slots, entry.random,
+                    returns, entry.mutated_slots, fresh, replay.lengths, mutated_padded, entry.checks or None, entry,
+                    program.compiled, stored)
 
 
 def native_checks_issued(code: Any, issued_checks: tuple[checks.Check, ...]) -> None:
