@@ -357,7 +357,6 @@ class CompiledGraph:
         """One call; `values` binds the size symbols the inputs carry, `padded` their buckets (or None)."""
         if not self.needs_program:
             return self._results(self._run_eager_part(args), values, [None] * len(self.outputs), (), None)
-        client.refuse_in_forked_child()  # once per call (storage.storage_of refuses per tensor)
         flats: list[Any] = []
         stores: list[storage.DeviceStorage | None] = []
         slots: dict[int, int] = {}
@@ -379,10 +378,7 @@ class CompiledGraph:
                         stores.append(None)
                         flats.append(_boundary_flat(value, math.prod(padding.concrete(s, padded) for s in meta.shape)))
                     continue
-                try:  # storage.storage_of without its call (it explains a tensor with no device storage)
-                    st = value.untyped_storage()._pjrt
-                except AttributeError:
-                    st = storage.storage_of(value)
+                st = storage.storage_of(value)
                 slot = slots.get(id(st))
                 if slot is None:
                     slot = slots[id(st)] = len(stores)

@@ -866,8 +866,7 @@ class StoredOp:
         try:
             return self.current(*args)
         except TypeError:  # arrays of other shapes than the last call's: the executable refused them unrun
-            self.load(args)
-            return self.current(*args)
+            return self.reload(args)(*args)
 
     def reload(self, args: Sequence[Any]) -> Any:
         """The executable for these arguments, once the current one refused them (the native hit path)."""
