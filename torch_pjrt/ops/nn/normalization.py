@@ -194,8 +194,6 @@ def batch_norm_backward(grad_out: Any, input: Any, weight: Any, running_mean: An
                              output_mask, out_meta)
 
 
-
-
 # weight_norm's backward has CPU and CUDA kernels only; its differentiable twin computes the same two gradients in
 # composite ops (PyTorch runs it for double backward), so its graph is the lowering.
 LOWERINGS[aten._weight_norm_interface_backward.default] = Lowering(
