@@ -89,6 +89,25 @@ def test_steady_state_compiles_nothing(fused: None) -> None:
     assert compiles[5] == compiles[2], compiles
 
 
+def test_a_replayed_graph_is_told_apart_from_one_wired_otherwise(fused: None) -> None:
+    """The flush reuses its last program only for the same ops wired the same way: graphs that differ only
+    in an operand's order, alternating, each give CPU's results, and each compiles once."""
+    torch.manual_seed(4)
+    x, w = torch.randn(5, 7), torch.randn(5, 7)
+
+    def forward(a: torch.Tensor, b: torch.Tensor, swapped: bool) -> torch.Tensor:
+        t = a * 2.5 + b
+        return (a - t) if swapped else (t - a)
+
+    compiles = []
+    for _ in range(3):
+        for swapped in (False, True, True, False):
+            got = forward(x.to("pjrt"), w.to("pjrt"), swapped).cpu()
+            torch.testing.assert_close(got, forward(x, w, swapped))
+        compiles.append(torch_pjrt.metrics.counters()["compiles"])
+    assert compiles[2] == compiles[1] == compiles[0], compiles
+
+
 def test_sync_points_flush(fused: None) -> None:
     x = torch.randn(4, device="pjrt")
     checks = {
