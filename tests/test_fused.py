@@ -108,6 +108,28 @@ def test_a_replayed_graph_is_told_apart_from_one_wired_otherwise(fused: None) ->
     assert compiles[2] == compiles[1] == compiles[0], compiles
 
 
+def test_a_number_repeated_in_one_program_is_not_made_a_device_array(monkeypatch: pytest.MonkeyPatch,
+                                                                      fused: None) -> None:
+    """A traced number becomes a device array when it comes back in a later call, not when one program takes
+    it twice (a step-dependent optimizer factor: new every step, used by several ops)."""
+    from torch_pjrt.runtime import client
+
+    made = []
+    make = client._made_array
+    monkeypatch.setattr(client, "_made_array", lambda key, value, index: made.append(value) or make(key, value, index))
+    torch.manual_seed(5)
+    x, y = torch.randn(4, 3), torch.randn(4, 3)
+    for step in range(1, 4):
+        factor, zero = 1.0 - 0.9 ** (step + 0.123), -0.0 if step % 2 else 0.0
+        want = (x * factor + y * factor, (x * zero).div(-1.0), x.abs() * zero)
+        got = tuple(t.cpu() for t in (x.to("pjrt") * factor + y.to("pjrt") * factor,
+                                      (x.to("pjrt") * zero).div(-1.0), x.to("pjrt").abs() * zero))
+        for found, expected in zip(got, want):
+            torch.testing.assert_close(found, expected)
+            assert torch.equal(torch.signbit(found), torch.signbit(expected))  # signed zeros kept apart
+        assert factor not in made, (factor, made)
+
+
 def test_sync_points_flush(fused: None) -> None:
     x = torch.randn(4, device="pjrt")
     checks = {

@@ -204,8 +204,25 @@ class Replay:
 
 def _numbers_as_arrays(inputs: list[Any], device_index: int) -> list[Any]:
     """The inputs with each traced number seen before as its device array (client.traced_number): jax
-    converts a plain number on every call, and a decode step's program takes dozens (lengths, scales)."""
-    return [client.traced_number(value, device_index) if type(value) in _NUMBERS else value for value in inputs]
+    converts a plain number on every call, and a decode step's program takes dozens (lengths, scales).
+    A value repeated within one call is looked up once: its second lookup would make it an array (a device
+    transfer) as if it had come back in a later call (the GPT step's AdamW: 72 numbers, 9 values, two of
+    them new every step)."""
+    found: dict[tuple[type, Any], Any] = {}
+    passed = []
+    for value in inputs:
+        kind = type(value)
+        if kind in _NUMBERS:
+            if value and kind is not complex:  # (0.0 and -0.0, or complex numbers' signed zeros, compare equal)
+                key = (kind, value)
+                array = found.get(key)
+                if array is None:
+                    array = found[key] = client.traced_number(value, device_index)
+                value = array
+            else:
+                value = client.traced_number(value, device_index)
+        passed.append(value)
+    return passed
 
 
 _NUMBERS = (int, float, bool, complex)
