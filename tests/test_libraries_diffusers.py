@@ -105,6 +105,28 @@ def test_the_zoo_synthesises_each_models_own_inputs() -> None:
     assert inputs["hidden_states"].dim() == 5
 
 
+def test_the_zoo_builds_from_each_models_own_code() -> None:
+    """Flux scales its timestep by 1000 itself, so it gets a fraction; DiT gets steps; Flux2's position ids have
+    one column per rotary axis; a class whose defaults leave in_channels to a checkpoint builds with an override;
+    SD3, whose caption width is tied to heads x head size, builds with its head count kept."""
+    from torch_pjrt.cli import zoo_catalog
+
+    def built(name: str) -> tuple[torch.nn.Module, dict]:
+        return zoo_catalog.build(zoo_catalog.Case(name, "transformer", "diffusion", model_class=name,
+                                                  library="diffusers"))
+
+    _, inputs = built("FluxTransformer2DModel")
+    assert 0 <= inputs["timestep"].min() and inputs["timestep"].max() < 1
+    _, inputs = built("DiTTransformer2DModel")
+    assert inputs["timestep"].min() >= 50
+    flux2, inputs = built("Flux2Transformer2DModel")
+    assert inputs["img_ids"].shape[1] == len(flux2.config.axes_dims_rope) == 4
+    transformer, _ = built("Transformer2DModel")
+    assert transformer.config.in_channels == 32
+    sd3, _ = built("SD3Transformer2DModel")
+    assert sd3.config.num_attention_heads * sd3.config.attention_head_dim == sd3.config.caption_projection_dim
+
+
 def test_a_fixed_zoo_slice_matches_cpu() -> None:
     from torch_pjrt.cli import zoo
 

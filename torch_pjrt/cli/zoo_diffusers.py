@@ -28,9 +28,9 @@ MAX_PARAMETERS = 200_000_000
 # Constructor arguments that count layers or blocks take LAYERS (per block: 1); head counts at most HEADS;
 # channel lists keep their length with widths from CHANNELS doubling once (multiples of 32: norm groups).
 LAYERS, HEADS, CHANNELS = 2, 2, 32
-LAYER_COUNT = re.compile(r"^(num_\w*layers|n_\w*layers|\w*depth\w*|num_\w*blocks)$")
+LAYER_COUNT = re.compile(r"^(\w*num_\w*layers|n_\w*layers|\w*depth\w*|num_\w*blocks|mmdit_layers)$")
 PER_BLOCK_COUNTS = ("layers_per_block", "transformer_layers_per_block", "num_res_blocks", "layers_per_block_up")
-HEAD_COUNTS = ("num_attention_heads", "num_heads", "heads", "num_kv_heads", "num_key_value_heads")
+HEAD_COUNT = re.compile(r"^(\w*num_\w*heads|n_\w*heads|heads)$")
 CHANNEL_LISTS = ("block_out_channels", "conditioning_embedding_out_channels", "encoder_block_out_channels",
                  "decoder_block_out_channels", "channel_multipliers")
 # Widths made small only for a model still over MAX_PARAMETERS with its counts shrunk (a width is often tied to
@@ -39,11 +39,43 @@ WIDTH = re.compile(r"^(\w*hidden_size|\w*hidden_dim|inner_dim|dim|model_dim|d_mo
                    r"intermediate_size|mlp_dim|\w*_channels_hidden)$")
 WIDE = 128
 # Where the width of the text embeddings a model cross-attends to is configured, most specific first.
-TEXT_WIDTHS = ("joint_attention_dim", "cross_attention_dim", "caption_channels", "text_embed_dim", "text_dim",
+TEXT_WIDTHS = ("joint_attention_dim", "caption_channels", "cross_attention_dim", "text_embed_dim", "text_dim",
                "encoder_hid_dim", "context_dim", "text_hidden_dim", "text_states_dim", "cross_attn_dim",
-               "encoder_hidden_size", "caption_dim", "cap_feat_dim")
+               "encoder_hidden_size", "caption_dim", "cap_feat_dim", "context_in_dim")
 POOLED_WIDTHS = ("pooled_projection_dim", "projection_dim", "pooled_dim", "clip_txt_pooled_dim", "text_embed_dim")
 CHANNEL_NAMES = ("audio_channels", "in_channels", "latent_channels", "num_channels", "in_dim", "c_in", "out_channels")
+# Constructor arguments of classes whose defaults leave a size to a checkpoint's config (None) or that no longer
+# build once shrunk (norm groups wider than the shrunk channels, heads wider than the width): small values.
+CONSTRUCTOR_OVERRIDES: dict[str, dict[str, Any]] = {
+    "HunyuanDiT2DModel": {"in_channels": 4, "patch_size": 2},
+    "HunyuanDiT2DControlNetModel": {"in_channels": 4, "patch_size": 2},
+    "Transformer2DModel": {"in_channels": 32},
+    "DreamLiteTransformer2DModel": {"in_channels": 32},
+    "TransformerTemporalModel": {"in_channels": 32},
+    "DreamLiteUNetModel": {"attention_head_dim": 16},
+    "LatteTransformer3DModel": {"in_channels": 4, "patch_size": 2},
+    "LuminaNextDiT2DModel": {"num_kv_heads": 2},
+    "EasyAnimateTransformer3DModel": {"in_channels": 16, "patch_size": 2},
+    "HiDreamImageTransformer2DModel": {"patch_size": 2},
+    "Kandinsky3UNet": {"groups": 8},
+    "AutoencoderKLHunyuanImage": {"in_channels": 3},
+    # Widths tied to heads x head size or to the rotary axes, at 2 heads.
+    "AuraFlowTransformer2DModel": {"caption_projection_dim": 512},
+    "Lumina2Transformer2DModel": {"hidden_size": 192},
+    "PRXTransformer2DModel": {"hidden_size": 128},
+    "SanaTransformer2DModel": {"cross_attention_dim": 64, "cross_attention_head_dim": 32},
+    "SanaControlNetModel": {"cross_attention_dim": 64, "cross_attention_head_dim": 32},
+    "UNet1DModel": {"extra_in_channels": 64},  # the Fourier time features it concatenates to the sample
+    "AutoencoderTiny": {"encoder_block_out_channels": (32,) * 4, "decoder_block_out_channels": (32,) * 4},
+    "CogVideoXTransformer3DModel": {"max_text_seq_length": TEXT_TOKENS},  # its position table spans the text
+    "ConsisIDTransformer3DModel": {"max_text_seq_length": TEXT_TOKENS},
+    "UNet3DConditionModel": {"attention_head_dim": 8},  # heads = channels / head size, 0 at 64 with 32 channels
+}
+# Optional forward arguments a class cannot run without (None where its pipeline always passes them).
+NEEDED_OPTIONAL: dict[str, tuple[str, ...]] = {
+    "LTXVideoTransformer3DModel": ("num_frames", "height", "width"),
+    "Kandinsky3UNet": ("encoder_attention_mask",),
+}
 
 
 def model_classes() -> list[str]:
@@ -80,7 +112,7 @@ def _shrunk(name: str, value: Any) -> Any:
             return min(value, 1)
         if isinstance(value, (list, tuple)) and all(isinstance(v, int) for v in value):
             return type(value)(min(v, 1) for v in value)
-    if name in HEAD_COUNTS and isinstance(value, int):
+    if HEAD_COUNT.match(name) and isinstance(value, int):
         return min(value, HEADS)
     if name in CHANNEL_LISTS and isinstance(value, (list, tuple)) and all(isinstance(v, int) for v in value):
         if name == "channel_multipliers":
@@ -93,20 +125,22 @@ def _shrunk(name: str, value: Any) -> Any:
     return value
 
 
-def small_arguments(model_class: type, widths: bool = False) -> dict[str, Any]:
-    """The constructor's defaults with layer, head and channel counts made small (and widths, with `widths`)."""
+def small_arguments(model_class: type, widths: bool = False, heads: bool = True) -> dict[str, Any]:
+    """The constructor's defaults with layer, head (with `heads`) and channel counts made small (and widths, with
+    `widths`)."""
     arguments = {}
+    overrides = CONSTRUCTOR_OVERRIDES.get(model_class.__name__, {})
     for name, parameter in inspect.signature(model_class.__init__).parameters.items():
         if name == "self" or parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
             continue
-        if parameter.default is inspect.Parameter.empty:
+        if parameter.default is inspect.Parameter.empty and name not in overrides:
             raise Skip(f"its constructor needs {name!r}, which has no default")
-        small = _shrunk(name, parameter.default)
+        small = parameter.default if not heads and HEAD_COUNT.match(name) else _shrunk(name, parameter.default)
         if widths and WIDTH.match(name) and isinstance(small, int) and not isinstance(small, bool) and small > WIDE:
             small = WIDE
         if small is not parameter.default:
             arguments[name] = small
-    return arguments
+    return arguments | overrides
 
 
 def _config_int(config: Any, names: tuple[str, ...], default: int | None = None) -> int | None:
@@ -122,8 +156,8 @@ def _config_int(config: Any, names: tuple[str, ...], default: int | None = None)
 class _Shapes:
     """The sizes one candidate uses: the main input's layout (image, video or tokens) and its side."""
 
-    def __init__(self, config: dict[str, Any], layout: str, frames: int = 1) -> None:
-        self.config, self.layout, self.frames = config, layout, frames
+    def __init__(self, config: dict[str, Any], layout: str, frames: int = 1, fractions: bool = False) -> None:
+        self.config, self.layout, self.frames, self.fractions = config, layout, frames, fractions
         sample = config.get("sample_size")
         self.side = min(sample, SIDE) if isinstance(sample, int) and sample >= 8 else SIDE
         self.channels = _config_int(config, CHANNEL_NAMES, 4)
@@ -148,12 +182,26 @@ class _Shapes:
         return torch.randn(BATCH, TEXT_TOKENS, self.text_width)
 
     def positions(self, count: int) -> torch.Tensor:
-        return torch.randint(0, 16, (count, 3)).float()
+        """Position ids, one column per rotary axis the config names (3 where it names none)."""
+        axes = self.config.get("axes_dims_rope") or self.config.get("axes_dim")
+        return torch.randint(0, 16, (count, len(axes) if isinstance(axes, (list, tuple)) else 3)).float()
 
 
 def _timestep() -> torch.Tensor:
     """Steps of a 1000-step schedule, away from its ends."""
     return torch.rand(BATCH) * 900 + 50
+
+
+# A forward that multiplies its timestep by 1000 itself (Flux and its kin) is passed the schedule's fraction.
+SCALES_TIMESTEP = re.compile(r"\btimesteps?\b[^\n]*\*\s*1000\b")
+
+
+def _takes_fractions(model: nn.Module) -> bool:
+    """Whether the model's forward scales a timestep in [0, 1) up to the 1000-step schedule itself."""
+    try:
+        return bool(SCALES_TIMESTEP.search(inspect.getsource(type(model).forward)))
+    except (OSError, TypeError):
+        return False
 
 
 def _argument(name: str, shapes: _Shapes) -> Any:
@@ -162,7 +210,8 @@ def _argument(name: str, shapes: _Shapes) -> Any:
     if name in ("sample", "hidden_states", "x", "latents", "z", "mel", "controls_latents"):
         return shapes.main()
     if name in ("timestep", "timesteps", "t", "timestep_ratio", "decoder_noise_time", "r_timestep", "timestep_r"):
-        return _timestep() / (1000 if name in ("timestep_ratio", "decoder_noise_time") else 1)
+        fraction = shapes.fractions or name in ("timestep_ratio", "decoder_noise_time")
+        return _timestep() / (1000 if fraction else 1)
     if name in ("encoder_hidden_states", "cap_feats", "encoder_hidden_states_t5", "context_latents"):
         return shapes.text()
     if name in ("encoder_attention_mask", "encoder_mask", "text_embedding_mask"):
@@ -173,6 +222,17 @@ def _argument(name: str, shapes: _Shapes) -> Any:
         return shapes.positions(shapes.main().shape[1])
     if name == "txt_ids":
         return shapes.positions(TEXT_TOKENS)
+    if name == "img_shapes":  # (frames, height, width) of the packed latent, per sample
+        side = round(shapes.main().shape[1] ** 0.5)
+        return [[(1, side, side)]] * BATCH
+    if name == "text_encoder_layers":  # one text encoder layer's states per transformer block
+        count = config.get("num_layers", 0) + config.get("num_single_layers", 0)
+        width = _config_int(config, ("text_encoder_dim",), shapes.text_width)
+        return [torch.randn(BATCH, TEXT_TOKENS, width) for _ in range(count)]
+    if name in ("num_frames", "height", "width"):  # the latent grid a packed or 5-D input holds
+        if shapes.layout == "tokens":
+            return 1 if name == "num_frames" else round(shapes.main().shape[1] ** 0.5)
+        return shapes.frames if name == "num_frames" else shapes.side
     if name == "guidance":
         return torch.rand(BATCH) * 4 + 1
     if name == "controlnet_cond":
@@ -199,10 +259,11 @@ def _argument(name: str, shapes: _Shapes) -> Any:
 
 
 # Optional forward arguments a model needs in practice (its output is not defined without them).
-USED_OPTIONAL = ("timestep", "encoder_hidden_states", "pooled_projections", "img_ids", "txt_ids")
+USED_OPTIONAL = ("timestep", "encoder_hidden_states", "pooled_projections", "img_ids", "txt_ids", "img_shapes",
+                 "text_encoder_layers")
 
 
-def _layouts(config: dict[str, Any], class_name: str) -> Iterator[_Shapes]:
+def _layouts(config: dict[str, Any], class_name: str, fractions: bool = False) -> Iterator[_Shapes]:
     """The candidate input layouts, the one the class name suggests first."""
     video = any(word in class_name for word in ("Video", "3D", "Temporal", "Motion", "Wan", "Mochi", "Allegro",
                                                   "Cosmos", "Magvit", "Latte", "I2VGen", "Hunyuan", "Sana"))
@@ -212,7 +273,7 @@ def _layouts(config: dict[str, Any], class_name: str) -> Iterator[_Shapes]:
         else ["image", "tokens", "video", "frames-first video", "sequence"])
     for layout in [*order, "vector"]:
         for frames in (FRAMES if "video" in layout else (1,)):
-            yield _Shapes(config, layout, frames)
+            yield _Shapes(config, layout, frames, fractions)
 
 
 def synthesize_inputs(model: nn.Module, class_name: str) -> dict[str, Any]:
@@ -223,13 +284,14 @@ def synthesize_inputs(model: nn.Module, class_name: str) -> dict[str, Any]:
     if not required and not any(p.kind == p.VAR_POSITIONAL for p in parameters.values()):
         raise Skip("its forward takes no inputs (it is run inside another model)")
     config = dict(getattr(model, "config", {}) or {})
-    wanted = required + [name for name in USED_OPTIONAL if name in parameters and name not in required]
+    optional = USED_OPTIONAL + NEEDED_OPTIONAL.get(class_name, ())
+    wanted = required + [name for name in optional if name in parameters and name not in required]
     if "guidance" in parameters and config.get("guidance_embeds"):
         wanted.append("guidance")
     if "class_labels" in parameters and (config.get("num_embeds_ada_norm") or config.get("num_class_embeds")):
         wanted.append("class_labels")
     errors: list[str] = []
-    for shapes in _layouts(config, class_name):
+    for shapes in _layouts(config, class_name, _takes_fractions(model)):
         try:
             inputs = {name: _argument(name, shapes) for name in wanted}
         except KeyError as missing:
@@ -257,8 +319,18 @@ def build_diffusers(case: Case) -> tuple[nn.Module, dict[str, Any]]:
     import diffusers.models as models
 
     model_class: Callable[..., nn.Module] = getattr(models, case.model_class)
+    reasons: list[Skip] = []
+    for heads in (True, False):  # head counts kept where a width is tied to heads x head size
+        try:
+            return _build_small(model_class, case.model_class, heads)
+        except Skip as reason:
+            reasons.append(reason)
+    raise reasons[0]
+
+
+def _build_small(model_class: Callable[..., nn.Module], name: str, heads: bool) -> tuple[nn.Module, dict[str, Any]]:
     for widths in (False, True):
-        arguments = small_arguments(model_class, widths)
+        arguments = small_arguments(model_class, widths, heads)
         parameters = _meta_parameters(model_class, arguments)
         if parameters <= MAX_PARAMETERS:
             break
@@ -275,4 +347,4 @@ def build_diffusers(case: Case) -> tuple[nn.Module, dict[str, Any]]:
         raise Skip(f"{parameters / 1e6:.0f}M parameters when shrunk, over the zoo's {MAX_PARAMETERS / 1e6:.0f}M")
     randomize_constant_matrices(model, 0.02)  # zero-initialised output projections would hide the whole model
     model = model.float().eval()
-    return model, synthesize_inputs(model, case.model_class)
+    return model, synthesize_inputs(model, name)
