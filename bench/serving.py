@@ -2,7 +2,9 @@
 
 A 2-layer Llama (width 128, head_dim 32) with random weights saved to a temporary folder; N requests of
 mixed prompt lengths (8, 17, ..., 53 tokens, repeating past 6 requests, each prompt's tokens its own)
-submitted at once (`LLM.generate` on prompt token ids, greedy, `--new-tokens` each).
+submitted at once (`LLM.generate` on prompt token ids, greedy, `--new-tokens` each: `ignore_eos`, as vLLM's own
+throughput benchmark, so no logits processor acts; with `min_tokens`, as before 2026-12-06 noon, vLLM's
+min-tokens processor masked the stop tokens' logits every step, and the pjrt runner samples on the host).
 Each row is its own process (vLLM picks its platform once per process: `VLLM_PLUGINS=` with no name
 leaves vLLM's CPU platform); after one warm-up batch (the compiles), the best of `--repeats` timed batches
 (the second batch meets new token buckets, as prefix caching shortens its prefills; the third compiles nothing),
@@ -94,7 +96,7 @@ SERVE = textwrap.dedent(
         from vllm.platforms import current_platform
         prompts = [TokensPrompt(prompt_token_ids=[(7 * i + 3 * j) % 250 + 3 for j in range(8 + 9 * (i % 6))])
                    for i in range(requests)]
-        params = SamplingParams(temperature=0, max_tokens=new_tokens, min_tokens=new_tokens, detokenize=False)
+        params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True, detokenize=False)
         context = None
         if mode.endswith("fused"):
             import torch

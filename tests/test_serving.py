@@ -196,6 +196,50 @@ def test_seeded_sampling_is_reproducible(llm: Any) -> None:
     assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in second]
 
 
+def _torch_greedy_without_stop(folder: Path, new_tokens: int) -> list[list[int]]:
+    """Greedy tokens of Hugging Face's model on CPU, each the argmax of the last position's logits, never
+    stopping at EOS (vLLM's ignore_eos)."""
+    model = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    tokens = []
+    for prompt in _prompts():
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            for _ in range(new_tokens):
+                ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], 1)
+        tokens.append(ids[0, len(prompt):].tolist())
+    return tokens
+
+
+def test_greedy_steps_take_the_argmax_in_one_program_and_bring_back_only_token_ids(
+    llm: Any, tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Greedy requests with no logits processor acting: each step's sampled rows, lm head and argmax run in
+    one program after the forward's and only the token ids come back; with logprobs asked, the sampled rows'
+    logits come back instead (vLLM's sampler needs them), the same tokens either way."""
+    runner = _worker(llm).model_runner
+    sample_in_program = runner._sample_in_program
+    kinds: list[str] = []
+
+    def recorded(*args: Any) -> Any:
+        sampled = sample_in_program(*args)
+        kinds.append("none" if sampled is None else "tokens" if sampled.tokens is not None else "logits")
+        if sampled is not None and sampled.tokens is not None:
+            assert sampled.tokens.device.type == "cpu" and sampled.tokens.dim() == 1
+        return sampled
+
+    monkeypatch.setattr(runner, "_sample_in_program", recorded)
+    expected = _torch_greedy_without_stop(tiny_llama, NEW_TOKENS)
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in _prompts()]
+    for logprobs, kind in ((None, "tokens"), (2, "logits")):
+        kinds.clear()
+        params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=logprobs,
+                                detokenize=False)
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        assert [list(o.outputs[0].token_ids) for o in outputs] == expected
+        assert len(kinds) >= NEW_TOKENS and set(kinds) == {kind}
+        assert all((o.outputs[0].logprobs is None) == (logprobs is None) for o in outputs)
+
+
 SAMPLED_IN_A_NEW_PROCESS = """
 import json, sys
 from vllm import LLM, SamplingParams

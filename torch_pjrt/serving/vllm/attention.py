@@ -6,7 +6,7 @@ prefills, chunked prefills and decodes: every query token writes its key and val
 (`slot_mapping`), then gathers its request's keys and values through the block table and attends to the
 positions at or before its own (within its layer's sliding window, if it has one). The host builds the
 index tensors once per step (on CPU, from vLLM's host-side metadata) and ships them in two transfers (the
-integer indices, the boolean masks); the layers then run only device ops.
+integer indices, with the rows vLLM samples from, and the boolean masks); the layers then run only device ops.
 
 The key/value length is padded to a power of two (at least one block), so decode steps of growing
 length reuse one set of programs per bucket instead of compiling per length. On vLLM's compile path the
@@ -73,6 +73,10 @@ class PjrtAttentionMetadata:
     """(tokens,) int32: the context positions each token sees (its position + 1), for the kernel."""
     visible_in_window: dict[int, torch.Tensor] = field(default_factory=dict)
     """Sliding window W -> `visible` narrowed to the token's last W positions, for the windowed layers."""
+    sampled_rows: torch.Tensor | None = None
+    """(padded_token_count(requests),) each request's last token row, the last repeated as padding: the rows
+    vLLM samples from when it verifies no drafts (the runner checks them against its own, sampled_rows_host)."""
+    sampled_rows_host: np.ndarray | None = None
 
 
 def padded_context_length(max_seq_len: int, block_size: int, max_context: int) -> int:
@@ -133,8 +137,11 @@ class PjrtAttentionMetadataBuilder(AttentionMetadataBuilder[PjrtAttentionMetadat
             in_window = visible.copy()
             in_window[:tokens] &= context_positions[None, :] > positions[:, None] - window
             masks.append(in_window)
+        last_rows = query_start[1: meta.num_reqs + 1] - 1
+        row_padding = padded_token_count(meta.num_reqs) - meta.num_reqs
+        sampled_rows = np.concatenate([last_rows, last_rows[-1:].repeat(row_padding)])
         arrays = [padded_slots // self.block_size, padded_slots % self.block_size, context_blocks,
-                  context_positions % self.block_size]
+                  context_positions % self.block_size, sampled_rows]
         if paged.switch.enabled():
             lengths = np.ones(padded, np.int64)
             lengths[:tokens] = positions + 1
@@ -143,7 +150,7 @@ class PjrtAttentionMetadataBuilder(AttentionMetadataBuilder[PjrtAttentionMetadat
         visible_masks = _to_device_at_once(masks, np.bool_)
         kernel_indices = {}
         if paged.switch.enabled():
-            kernel_indices = dict(block_tables=indices[4].to(torch.int32), context_lengths=indices[5].to(torch.int32))
+            kernel_indices = dict(block_tables=indices[5].to(torch.int32), context_lengths=indices[6].to(torch.int32))
         # the compile path traces the graph once: every length here is one of its symbols, never a constant
         for tensor in (*indices, *visible_masks, *kernel_indices.values()):
             _torch_private.mark_dynamic(tensor, list(range(tensor.dim())))
@@ -155,6 +162,8 @@ class PjrtAttentionMetadataBuilder(AttentionMetadataBuilder[PjrtAttentionMetadat
             context_offsets=indices[3],
             visible=visible_masks[0],
             visible_in_window=dict(zip(self.sliding_windows, visible_masks[1:])),
+            sampled_rows=indices[4],
+            sampled_rows_host=sampled_rows,
             **kernel_indices,
         )
 

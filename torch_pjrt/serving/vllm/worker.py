@@ -3,10 +3,13 @@
 vLLM's CPU runner keeps the step's bookkeeping (input batch, block tables, sampling state) in host
 tensors; this runner reuses all of it and moves only what the model and the sampler read: token ids and
 positions go to the device before the forward (padded to a power-of-two token count, which bounds the
-programs compiled), the attention backend ships its index tensors once per step, and vLLM's sampler
-runs where TORCH_PJRT_VLLM_SAMPLING says: on the device (its per-request tensors copied there once per
-change of the batch; only the sampled token ids come back) or on the host, as on vLLM's CPU platform,
-with the logits brought back.
+programs compiled), the attention backend ships its index tensors once per step, and the sampled rows'
+gather and the lm head run as one program right after the forward's (the rows' indices ride in the
+attention metadata's transfer). When vLLM's sampler would only take the argmax (greedy, no logprobs,
+penalties or acting logits processors) that program takes it too and only the token ids come back;
+otherwise vLLM's sampler runs where TORCH_PJRT_VLLM_SAMPLING says: on the device (its per-request tensors
+copied there once per change of the batch) or on the host, as on vLLM's CPU platform, with the sampled
+rows' logits brought back.
 """
 
 from __future__ import annotations
@@ -18,10 +21,13 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import psutil
 import torch
 from torch.overrides import TorchFunctionMode
+from vllm import envs as vllm_envs
 from vllm.config import CompilationMode
+from vllm.forward_context import get_forward_context
 from vllm.logger import init_logger
 from vllm.platforms import current_platform
 from vllm.utils.cpu_resource_utils import get_allowed_cpu_list, get_memory_node_info
@@ -29,7 +35,9 @@ from vllm.utils.mem_constants import GiB_bytes
 from vllm.utils.mem_utils import format_gib
 from vllm.utils.torch_utils import set_random_seed
 from vllm.v1.kv_cache_interface import KVCacheConfig, UniformTypeKVCacheSpecs
+from vllm.v1.outputs import SamplerOutput
 from vllm.v1.sample.logits_processor import build_logitsprocs
+from vllm.v1.sample.logits_processor.builtin import LogitBiasLogitsProcessor, MinTokensLogitsProcessor
 from vllm.v1.sample.metadata import SamplingMetadata
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_model_runner import _set_global_compilation_settings as set_global_compilation_settings
@@ -37,7 +45,8 @@ from vllm.v1.worker.cpu_worker import CPUWorker
 from vllm.v1.worker.gpu_worker import Worker, init_worker_distributed_environment
 
 from torch_pjrt import envvars
-from torch_pjrt.serving.vllm.attention import bind_cache_buffers, padded_token_count
+from torch_pjrt.eager.modes import EagerMode
+from torch_pjrt.serving.vllm.attention import PjrtAttentionMetadata, bind_cache_buffers, padded_token_count
 from torch_pjrt.serving.vllm.moe import register_fused_moe_method
 
 logger = init_logger(__name__)
@@ -61,6 +70,11 @@ class PjrtModelRunner(CPUModelRunner):
         self._sampling_metadata_copy: tuple[SamplingMetadata, SamplingMetadata] | None = None
         # the sampled positions' true count while their logits are computed padded (see _prepare_inputs)
         self._sampled_rows: int | None = None
+        # this step's padded sampled positions, while _model_forward may sample them in one program
+        self._step_logits_indices: torch.Tensor | None = None
+        self._step_sampled_in_program: SampledInProgram | None = None
+        self._step_has_grammar = False
+        self._compute_logits: Any = None
         if self.samples_on_device:
             # vLLM's logits processors keep their per-request tensors on the device they are built for
             custom = tuple(vllm_config.model_config.logits_processors or ())
@@ -83,8 +97,12 @@ class PjrtModelRunner(CPUModelRunner):
         with self._on_model_device():
             super().load_model(load_dummy_weights)
         compute_logits = self.model.compute_logits
+        self._compute_logits = compute_logits
 
         def compute_logits_where_sampled(hidden_states: torch.Tensor) -> torch.Tensor | None:
+            if self._step_sampled_in_program is not None:
+                # _model_forward computed this step's logits (or tokens) already; hidden_states is its stand-in
+                return self._step_sampled_in_program.logits
             logits = compute_logits(hidden_states.to(self.model_device))
             rows, self._sampled_rows = self._sampled_rows, None
             if logits is None:
@@ -97,7 +115,11 @@ class PjrtModelRunner(CPUModelRunner):
         self.model.compute_logits = compute_logits_where_sampled
 
     def _sample(self, logits: torch.Tensor | None, spec_decode_metadata: Any) -> Any:
-        """vLLM's sampling, given the batch's sampling metadata on the device when the logits are there."""
+        """vLLM's sampling, given the batch's sampling metadata on the device when the logits are there; the
+        greedy tokens the step's program chose when _model_forward found vLLM's sampler would only take argmax."""
+        sampled, self._step_sampled_in_program = self._step_sampled_in_program, None
+        if sampled is not None and sampled.tokens is not None:
+            return SamplerOutput(sampled_token_ids=sampled.tokens.unsqueeze(-1), logprobs_tensors=None)
         if not self.samples_on_device:
             return super()._sample(logits, spec_decode_metadata)
         host = self.input_batch.sampling_metadata
@@ -173,9 +195,51 @@ class PjrtModelRunner(CPUModelRunner):
                 t = torch.cat([t, t.new_zeros((padding, *t.shape[1:]))])
             return t.to(self.model_device, non_blocking=True)
 
-        return super()._model_forward(
+        hidden_states = super()._model_forward(
             to_device(input_ids), to_device(positions), intermediate_tensors, to_device(inputs_embeds), **model_kwargs
         )
+        logits_indices, self._step_logits_indices = self._step_logits_indices, None
+        sampled = self._sample_in_program(hidden_states, logits_indices)
+        if sampled is None:
+            return hidden_states
+        self._step_sampled_in_program, self._sampled_rows = sampled, None
+        # vLLM gathers the sampled rows of what this returns before compute_logits: a zero-width host stand-in
+        # makes that gather free (compute_logits_where_sampled then returns the logits computed here)
+        return torch.empty((hidden_states.shape[0], 0))
+
+    def _sample_in_program(self, hidden_states: Any, logits_indices: torch.Tensor | None) -> SampledInProgram | None:
+        """The step's sampled rows' logits, and their greedy tokens when vLLM's sampler would only take their
+        argmax, in one program after the forward's, the rows' indices from the attention metadata's transfer:
+        only the tokens (or the sampled rows' logits) come back to the host. None where vLLM reads the hidden
+        states itself (drafts, prompt logprobs, pooling) or the metadata's rows are not vLLM's."""
+        if logits_indices is None or not isinstance(hidden_states, torch.Tensor):
+            return None
+        metadata = next((m for m in (get_forward_context().attn_metadata or {}).values()
+                         if isinstance(m, PjrtAttentionMetadata)), None)
+        if metadata is None or metadata.sampled_rows_host is None \
+                or not np.array_equal(metadata.sampled_rows_host, logits_indices.numpy()):
+            return None
+        rows = self._sampled_rows or logits_indices.shape[0]
+        greedy = self._only_argmax_samples()
+        with torch.pjrt.set_eager_mode(EagerMode.DEFER_AND_FUSE):
+            logits = self._compute_logits(hidden_states[metadata.sampled_rows])
+            if greedy:
+                return SampledInProgram(logits=None, tokens=logits.argmax(-1).to(torch.int32).cpu()[:rows])
+            if not self.samples_on_device:
+                logits = logits.cpu()
+        return SampledInProgram(logits=logits[:rows], tokens=None)
+
+    def _only_argmax_samples(self) -> bool:
+        """Whether vLLM's sampler, given this batch's metadata, would return its logits' argmax and nothing
+        else: all greedy, no logprobs, no penalties, bad words, allowed-token masks or logits processors that
+        act (vLLM's min-tokens and logit-bias ones when they hold no request), no grammar, no NaN counts."""
+        metadata = self.input_batch.sampling_metadata
+        holder = metadata.thinking_budget_state_holder
+        return (metadata.all_greedy and metadata.max_num_logprobs is None and not metadata.logprob_token_ids
+                and metadata.allowed_token_ids_mask is None and not metadata.bad_words_token_ids
+                and metadata.no_penalties and (holder is None or not holder.has_tracked_requests())
+                and all(_holds_no_request(processor) for processor in metadata.logitsprocs.non_argmax_invariant)
+                and not self._step_has_grammar and not vllm_envs.VLLM_COMPUTE_NANS_IN_LOGITS)
 
     def _prepare_inputs(self, scheduler_output: Any, num_scheduled_tokens: Any) -> tuple[Any, ...]:
         """vLLM's inputs, the positions whose logits are sampled padded to a bucket (padded_token_count) by
@@ -185,10 +249,35 @@ class PjrtModelRunner(CPUModelRunner):
         rows = logits_indices.shape[0]
         padding = padded_token_count(rows) - rows
         self._sampled_rows = None
-        if spec_decode_metadata is None and not self.cache_config.kv_sharing_fast_prefill and padding:
+        plain = spec_decode_metadata is None and not self.cache_config.kv_sharing_fast_prefill
+        if plain and padding:
             self._sampled_rows = rows
             logits_indices = torch.cat([logits_indices, logits_indices[-1:].expand(padding)])
+        hidden_states_read = (self.speculative_config is not None or self.num_prompt_logprobs
+                              or self.is_pooling_model or self.use_aux_hidden_state_outputs)
+        one_rank = self.parallel_config.tensor_parallel_size == 1 and self.parallel_config.pipeline_parallel_size == 1
+        self._step_logits_indices = logits_indices if plain and one_rank and not hidden_states_read else None
+        self._step_has_grammar = bool(getattr(scheduler_output, "has_structured_output_requests", True))
         return (logits_indices, spec_decode_metadata, *rest)
+
+
+@dataclasses.dataclass
+class SampledInProgram:
+    """A step's sampling done in the program after the forward: the sampled rows' logits (on the host where
+    vLLM samples there), or, when vLLM's sampler would only take their argmax, the greedy tokens on the host."""
+
+    logits: torch.Tensor | None
+    tokens: torch.Tensor | None
+
+
+def _holds_no_request(processor: Any) -> bool:
+    """vLLM's min-tokens and logit-bias processors change no logits while they hold no request; any other
+    processor may."""
+    if isinstance(processor, MinTokensLogitsProcessor):
+        return not processor.min_toks
+    if isinstance(processor, LogitBiasLogitsProcessor):
+        return not processor.biases
+    return False
 
 
 def samples_on_device(device: torch.device) -> bool:
