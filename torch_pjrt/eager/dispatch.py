@@ -889,9 +889,8 @@ class StoredOp:
 
 def _stored_op_key(structure: str) -> str:
     """An op's program as later processes find it: its structure, our code and what else it depends on."""
-    digest = hashlib.sha256()
-    for part in (disk_store.code_version(), torch.__version__, client.platform(), checks.ENABLED, structure):
-        digest.update(f"{part}\0".encode())
+    digest = disk_store.entry_digest()
+    digest.update(structure.encode())
     return digest.hexdigest()
 
 

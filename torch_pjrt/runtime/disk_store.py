@@ -17,7 +17,9 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-from torch_pjrt.runtime import client, metrics
+import torch
+
+from torch_pjrt.runtime import checks, client, metrics
 
 _DIGEST = 32
 _counting = threading.local()
@@ -91,3 +93,13 @@ def code_version() -> str:
         digest.update(str(source.relative_to(package)).encode())
         digest.update(source.read_bytes())
     return digest.hexdigest()
+
+
+def entry_digest() -> hashlib._Hash:
+    """A SHA-256 begun with what every stored entry depends on besides its own program: our code, torch's
+    and jax's versions, the platform and whether device-side checks are on (one prefix for every kind)."""
+    digest = hashlib.sha256()
+    for part in (code_version(), torch.__version__, client.jax_module().__version__, client.platform(),
+                 checks.ENABLED):
+        digest.update(f"{part}\0".encode())
+    return digest
