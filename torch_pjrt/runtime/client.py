@@ -64,6 +64,21 @@ def cache_failed(error: OSError) -> None:
     )
 
 
+_xla_cache_reads_off = threading.local()  # its depth: how many xla_cache_reads_off are open
+
+
+@contextlib.contextmanager
+def xla_cache_reads_off() -> Iterator[None]:
+    """Compile this thread's programs meanwhile instead of loading them from XLA's persistent cache (still
+    written to it): an executable that cache gave serializes without its code on jaxlib's CPU client
+    (running it then fails with "Function ... not found"), so one our store keeps must be compiled."""
+    _xla_cache_reads_off.depth = getattr(_xla_cache_reads_off, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _xla_cache_reads_off.depth -= 1
+
+
 class _GuardedCache:
     """jax's persistent cache with its I/O errors sent to `cache_failed`, not to jax (which warns once per
     program); after a failure it reads and writes nothing. Entries are written whole: jax writes its file in
@@ -74,7 +89,7 @@ class _GuardedCache:
         self.base = base
 
     def get(self, key: str) -> bytes | None:
-        if _cache_failures:
+        if _cache_failures or getattr(_xla_cache_reads_off, "depth", 0):
             return None
         try:
             return self.base.get(key)
