@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -38,6 +39,39 @@ def test_second_process_loads_every_strict_op_and_lowers_none(tmp_path: Path) ->
     again, hits, misses, compiles, loaded = run(tmp_path)
     assert again == value
     assert int(hits) == int(misses) == int(compiles) == 0 and int(loaded) > 0
+
+
+RANDOM_OPS = textwrap.dedent(
+    """
+    import sys, torch, torch_pjrt
+    torch.manual_seed(int(sys.argv[1]))
+    x, w = torch.randn(5, 7), torch.randn(7, 3)
+    y = ((x.to("pjrt") @ w.to("pjrt")).tanh() * 3 - x.to("pjrt")[:, :3].exp()).cpu()
+    torch.testing.assert_close(y, (x @ w).tanh() * 3 - x[:, :3].exp(), rtol=1e-5, atol=1e-5)
+    counters = torch_pjrt.metrics.counters()
+    print(counters["compiles"], counters["persistent_cache_hits"], counters["op_store_hits"],
+          counters["op_store_writes"])
+    """
+)
+
+
+def test_an_executable_our_store_lacks_is_compiled_not_loaded_from_xlas_cache(tmp_path: Path) -> None:
+    """After our code changes, every key of our store is new while XLA's cache still holds the programs:
+    the process that meets them compiles and stores them (one from XLA's cache would lose its code), so the
+    next process lowers nothing."""
+    def counts(seed: int) -> list[int]:
+        result = subprocess.run([sys.executable, "-c", RANDOM_OPS, str(seed)], capture_output=True, text=True,
+                                timeout=300, env={**os.environ, "TORCH_PJRT_CACHE_DIR": str(tmp_path)})
+        assert result.returncode == 0, result.stderr[-2000:]
+        return [int(count) for count in result.stdout.split()]
+
+    compiles, _, _, writes = counts(1)
+    assert compiles > 0 and writes > 0
+    for kind in tmp_path.iterdir():  # our entries gone as a code change would make them, XLA's kept
+        if kind.name != "xla":
+            shutil.rmtree(kind)
+    assert counts(2) == [compiles, 0, 0, writes]
+    assert counts(3) == [0, 0, writes, 0]
 
 
 def test_corrupt_entries_are_recompiled(tmp_path: Path) -> None:
@@ -78,9 +112,9 @@ def test_traced_graphs_are_stored_for_the_next_process_and_damage_is_survived(tm
     executables = sorted((tmp_path / "executables").iterdir())  # the graphs' and strict eager's ops'
     for executable in executables:
         executable.write_bytes(executable.read_bytes()[:-50])
-    # compiled again from XLA's cache, whose executables are not stored again (they lose their code)
-    assert run(tmp_path, COMPILED) == [loss, grad, "2", "0", str(len(executables))]
-    assert run(tmp_path, COMPILED) == [loss, grad, "2", "0", "0"]
+    # compiled again, not loaded from XLA's cache (such an executable loses its code), and stored again
+    assert run(tmp_path, COMPILED) == [loss, grad, "2", "2", str(len(executables))]
+    assert run(tmp_path, COMPILED) == [loss, grad, "4", "0", "0"]
 
 
 RESHAPED = textwrap.dedent(
