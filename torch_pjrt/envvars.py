@@ -32,6 +32,8 @@ VARIABLES: dict[str, Variable] = {
                                                  "the warning"),
     "TORCH_PJRT_NATIVE_DISPATCH": Variable("1", "0: every eager op runs its Python kernel (no native cache hits; "
                                                 "for debugging and bisecting)"),
+    "TORCH_PJRT_NATIVE_GRAPH_CALL": Variable("1", "0: every torch.compile graph call runs its Python path (no native "
+                                                  "replay; for debugging and bisecting)"),
     "TORCH_PJRT_DYNAMIC_GENERATE": Variable("1", "0: Hugging Face generate() on pjrt leaves the prompt length "
                                                  "unmarked (it is marked dynamic by default)"),
     "TORCH_PJRT_DEVICE_CHECKS": Variable("1", "0: no device-side checks of indices and values (XLA clamps out-of-range "
