@@ -6,8 +6,9 @@ isolated build (no torch) the package installs without it and uses the pure-Pyth
 
 from setuptools import setup
 
-# torch_pjrt/csrc: the guard, hooks and tensors; the storages' DataPtrs and their link; the native dispatch
-CSRC_PARTS = ("hooks", "storage_link", "dispatch")
+# torch_pjrt/csrc: the guard, hooks and tensors; the storages' DataPtrs and their link; the native dispatch;
+# a compiled graph call's native replay (a module of its own, torch_pjrt._graph_call, in the same library)
+CSRC_PARTS = ("hooks", "storage_link", "dispatch", "graph_call")
 
 try:
     from torch.utils.cpp_extension import BuildExtension, CppExtension

@@ -6,7 +6,9 @@ around the programs), then the programs that one step ran replayed back-to-back 
 optimizer code, our dispatch, recording and wrapping, and the waits between). The JAX row is one
 jitted program per step. The loop reads loss.item() every step, so a fused step takes at least its
 recording plus its program; strict eager overlaps its Python with the programs.
-Run: .venv/bin/python bench/step_breakdown.py [--steps N]
+With --graph-calls, only the compiled step, and each of its graph calls' CPU time on the thread that made it
+(forward and optimizer on the main thread, backward on autograd's), by graph.
+Run: .venv/bin/python bench/step_breakdown.py [--steps N] [--graph-calls]
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from train_step import JaxRow, TorchRow  # noqa: E402
 
 from torch_pjrt import native  # noqa: E402
+from torch_pjrt.compile import backend  # noqa: E402
 from torch_pjrt.runtime import programs  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
@@ -79,13 +82,47 @@ def timed_steps(row: TorchRow | JaxRow, data: list) -> tuple[list[float], list[f
     return walls, cpus
 
 
+def graph_calls(model: torch.nn.Module, data: list) -> None:
+    """Each compiled graph's calls: inputs, calls per step and the median CPU time of one call (thread_time on the
+    calling thread, so the backward's is autograd's), over the steps after the first three."""
+    spent: dict[int, list[float]] = {}
+    inputs: dict[int, int] = {}
+    call = backend.CompiledGraph.__call__
+
+    def timed(self: backend.CompiledGraph, *args: Any) -> Any:
+        start = time.thread_time()
+        try:
+            return call(self, *args)
+        finally:
+            spent.setdefault(id(self), []).append(time.thread_time() - start)
+            inputs[id(self)] = len(args)
+
+    row = TorchRow(model, "pjrt", "compile", cpu_threads=1)
+    row.run(data[:3])
+    backend.CompiledGraph.__call__ = timed
+    try:
+        timed_steps(row, data[3:])
+    finally:
+        backend.CompiledGraph.__call__ = call
+    steps = len(data) - 3
+    print(f"compiled GPT step's graph calls over {steps} steps (CPU us per call, median, on the calling thread)")
+    print(f"{'inputs':>8}{'calls/step':>12}{'cpu us':>10}")
+    for key, times in spent.items():
+        print(f"{inputs[key]:>8}{len(times) / steps:>12.1f}{statistics.median(times) * 1e6:>10.0f}")
+    print(f"{'total':>8}{'':>12}{sum(sum(t) for t in spent.values()) / steps * 1e6:>10.0f}  (per step)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--graph-calls", action="store_true", help="only the compiled step's graph calls, timed")
     args = parser.parse_args()
     torch.manual_seed(0)
     model = GPT(width=128, layers=2, heads=4, context=64)
     data = batches(corpus_bytes(), 8, 64, args.steps)
+    if args.graph_calls:
+        graph_calls(model, data)
+        return
     programs.Program.call = _recording_call
     rows = []
     for label, mode in (("pjrt strict eager", "eager"), ("pjrt DEFER_AND_FUSE", "fuse"),

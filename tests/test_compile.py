@@ -211,6 +211,37 @@ def test_cpu_inputs_of_one_shape_reach_the_program_in_order() -> None:
                   torch.randn(3, 2, dtype=torch.float64))
         torch.testing.assert_close(compiled(x.to("pjrt"), *inputs).cpu(), fn(x, *inputs))
 
+def test_a_repeated_signature_replays_natively_and_another_takes_the_python_path() -> None:
+    """From its second call a signature replays natively (csrc/graph_call.cpp): a CPU input, an input written
+    in place, a view of an input among the outputs keep CPU's results with fresh values each call. Inputs whose
+    storage arrays have another shape are another signature of the same graph: that call runs the Python path
+    (correct too), and either signature replays natively when it comes again."""
+    import gc
+
+    from torch_pjrt.compile import backend, native_call
+
+    def fn(state: torch.Tensor, x: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        state.mul_(scale).add_(x @ x.t())
+        return (state * 2).sum(0), x.t(), scale * 3
+
+    before = [o for o in gc.get_objects() if type(o) is backend.CompiledGraph]  # held: their ids stay theirs
+    compiled = torch.compile(fn, backend="pjrt", fullgraph=True)
+    for flat in (False, False, True, True, False, True, False):
+        state, x, scale = torch.randn(5, 5), torch.randn(5, 5), torch.randn(())
+        pjrt_state = state.reshape(25).to("pjrt").view(5, 5) if flat else state.to("pjrt")
+        actual = compiled(pjrt_state, x.to("pjrt"), scale)
+        expected = fn(state, x, scale)
+        torch.testing.assert_close(pjrt_state.cpu(), state)
+        assert [a.device.type for a in actual] == ["pjrt", "pjrt", "cpu"]
+        for a, e in zip(actual, expected):
+            torch.testing.assert_close(a.cpu(), e)
+    [graph] = [o for o in gc.get_objects() if type(o) is backend.CompiledGraph and all(o is not b for b in before)]
+    plans = list(graph.native_plans.values())
+    assert len(plans) == 2
+    if native_call.module() is not None:
+        assert [plan.hits for plan in plans] == [3, 2]
+
+
 def test_views_of_inputs_alias_them_and_a_graph_of_views_runs_no_program() -> None:
     weight, x = torch.randn(6, 4), torch.randn(3, 4)
     linear = torch.compile(lambda w, x: x @ w.t(), backend="pjrt")

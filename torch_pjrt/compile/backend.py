@@ -26,7 +26,7 @@ import torch
 import torch.fx
 
 from torch_pjrt import _torch_private, storage
-from torch_pjrt.compile import padding, warm_start
+from torch_pjrt.compile import native_call, padding, warm_start
 from torch_pjrt.eager import dynamic, modes
 from torch_pjrt.ops import arguments, graph, linalg, registry
 from torch_pjrt.runtime import checks, client, disk_store, metrics, programs, rng, spmd
@@ -177,6 +177,9 @@ class CompiledGraph:
                                   if node.op == "call_function" and node.target in spmd.COLLECTIVES}
         self.mesh: Any = None
         self.mesh_resolved = not self.collective_groups
+        # The native replay of each signature's program run so far (None: one only Python runs), and the last one.
+        self.native_plans: dict[int, Any] = {}
+        self.native_plan: Any = None
 
     def _refuse_like_cpu(self) -> None:
         """CPU's NotImplementedError for an op on float8 or fp4 tensors that CPU has no kernel for, as eager pjrt
@@ -340,6 +343,15 @@ class CompiledGraph:
         )
 
     def __call__(self, *args: Any) -> Any:
+        if self.native_plan is not None:
+            results = self.native_plan(args)
+            if results is not None:
+                return results
+            for plan in self.native_plans.values():
+                results = None if plan is None or plan is self.native_plan else plan(args)
+                if results is not None:
+                    self.native_plan = plan
+                    return results
         values = padding.true_sizes(self.gm, args) if self.bounds or self.symbolic_constants else {}
         if self.bounds and all(symbol in values for symbol in self.bounds):
             padded = {s: padding.bucket(values[s], upper) for s, upper in self.bounds.items()}
@@ -400,23 +412,45 @@ class CompiledGraph:
             if len(self.collective_groups) == 1:
                 self.mesh = spmd.mesh_of(next(iter(self.collective_groups)), device.index)
             self.mesh_resolved = True
-        key = rng.state(device.index).next_key() if self.random else None
+        key = _next_key(device.index) if self.random else None
         # True sizes are traced program arguments: a new size in the same bucket must not recompile.
         true = [] if padded is None else [np.asarray(values[s], np.int64) for s in padded]
         out_buckets = () if padded is None else self._out_buckets(values)
         donated = _donated(flats, sorted({signature[index][1] for index, _ in self.mutations
                                           if signature[index][0] == "pjrt"}))
         found = self._program(tuple(signature), padded, (flats, donated, hosts, key, true), out_buckets)
+        replayable = padded is None and self.mesh is None and not self.bounds and not self.symbolic_constants
+        slot_shapes = None
+        if replayable and id(found) not in self.native_plans:
+            arrays = list(flats)
+            for slot, flat in zip(found.written, donated):
+                arrays[slot] = flat
+            slot_shapes = [tuple(array.shape) for array in arrays]
         tensors, written, host_updates, code = found.program.call(flats, donated, hosts, key, true)
         if code is not None:
-            checks.issued(code, tuple(found.checks), (None,) * len(found.checks), modes.state.blocking)
+            _issue_checks(tuple(found.checks), code)
         # After the inputs were read: the eager part writes into CPU inputs the program reads as they were.
         computed = self._run_eager_part(args)
         for slot, flat in zip(found.written, written):
             stores[slot].array = flat
         for index, value in zip(found.host_mutations, client.to_host_many(host_updates) if host_updates else []):
             args[index].copy_(storage.host_tensor(value))
-        return self._results(computed, values, found.layouts, tensors, device)
+        results = self._results(computed, values, found.layouts, tensors, device)
+        if slot_shapes is not None:
+            self.native_plans[id(found)] = self._native_plan(signature, found, slot_shapes, stores, device)
+        self.native_plan = self.native_plans.get(id(found)) if replayable else None
+        return results
+
+    def _native_plan(self, signature: list[Any], found: SignatureProgram, slot_shapes: list[tuple[int, ...]],
+                     stores: list[storage.DeviceStorage | None], device: torch.device) -> Any:
+        """The native replay of this signature's call (native_call.py), or None where only Python runs it."""
+        if found.host_mutations:
+            return None
+        return native_call.plan(
+            signature, slot_shapes, [st.dtype for st in stores], found.written, self.outputs, found.layouts, device,
+            found.program.call, functools.partial(_next_key, device.index) if self.random else None,
+            self.eager_part.forward if self.eager_part is not None else None,
+            functools.partial(_issue_checks, tuple(found.checks)))
 
     def _out_buckets(self, values: dict[Any, int]) -> tuple[int, ...]:
         """The bucket of every dynamic factor of the outputs' sizes in this call (part of the key)."""
@@ -472,6 +506,16 @@ class CompiledGraph:
                 dtype, shape, strides, numel = layout
                 results.append(storage.new_tensor(next(produced), dtype, device, shape, strides, numel))
         return results
+
+
+def _next_key(index: int) -> Any:
+    """A random graph's key: the device's next default one."""
+    return rng.state(index).next_key()
+
+
+def _issue_checks(made: tuple[checks.Check, ...], code: Any) -> None:
+    """A graph program with device-side checks ran: its code joins the pending checks."""
+    checks.issued(code, made, (None,) * len(made), modes.state.blocking)
 
 
 def _block_input(tensor: torch.Tensor, meta: torch.Tensor, padded: dict[Any, int],
