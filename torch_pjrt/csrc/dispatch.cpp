@@ -79,6 +79,12 @@ struct Runtime {
   Py_ssize_t at_numel = 0;
   Py_ssize_t at_device = 0;
   Py_ssize_t at_nbytes = 0;
+  // and where fusion.Deferred's are: every recorded result is made, and every fused input read, through them
+  Py_ssize_t at_graph = 0;
+  Py_ssize_t at_node = 0;
+  Py_ssize_t at_index = 0;
+  Py_ssize_t at_value = 0;
+  Py_ssize_t at_failure = 0;
   PyObject* s_array = nullptr;
   PyObject* s_shape = nullptr;
   PyObject* s_padded = nullptr;
@@ -94,10 +100,6 @@ struct Runtime {
   PyObject* s_outputs = nullptr;
   PyObject* s_check_lines = nullptr;
   PyObject* s_graph = nullptr;
-  PyObject* s_node = nullptr;
-  PyObject* s_index = nullptr;
-  PyObject* s_value = nullptr;
-  PyObject* s_failure = nullptr;
   PyObject* s_max_nodes = nullptr;
   PyObject* s_debug_recompile = nullptr;
   PyObject* s_flush = nullptr;
@@ -153,6 +155,12 @@ Py_ssize_t slot_offset(PyObject* type, const char* name) {
 // A slot's value (borrowed; nullptr while unset).
 PyObject* slot_value(PyObject* object, Py_ssize_t offset) {
   return *reinterpret_cast<PyObject**>(reinterpret_cast<char*>(object) + offset);
+}
+
+// A slot's value as a new reference, None while unset (as reading an unset slot never happens in Python).
+py::object slot_or_none(PyObject* object, Py_ssize_t offset) {
+  PyObject* value = slot_value(object, offset);
+  return py::reinterpret_borrow<py::object>(value == nullptr ? Py_None : value);
 }
 
 // Sets a slot to `value` (a new reference is taken), as `object.name = value` would.
@@ -372,7 +380,7 @@ bool usable_array(py::object& array, bool fusing) {
   if (rt.deferred_type == nullptr || type != reinterpret_cast<PyTypeObject*>(rt.deferred_type)) {
     return false;
   }
-  py::object value = attribute_of(array.ptr(), rt.s_value);
+  py::object value = slot_or_none(array.ptr(), rt.at_value);
   if (!value.is_none()) {
     array = std::move(value);
     return Py_TYPE(array.ptr()) == reinterpret_cast<PyTypeObject*>(rt.array_type);
@@ -916,11 +924,14 @@ py::object new_deferred(PyObject* graph, PyObject* node, Py_ssize_t index) {
     throw py::error_already_set();
   }
   py::object position = py::reinterpret_steal<py::object>(PyLong_FromSsize_t(index));
-  if (PyObject_SetAttr(created.ptr(), rt.s_graph, graph) != 0 || PyObject_SetAttr(created.ptr(), rt.s_node, node) != 0 ||
-      PyObject_SetAttr(created.ptr(), rt.s_index, position.ptr()) != 0 ||
-      PyObject_SetAttr(created.ptr(), rt.s_value, Py_None) != 0 || PyObject_SetAttr(created.ptr(), rt.s_failure, Py_None) != 0) {
+  if (!position) {
     throw py::error_already_set();
   }
+  set_slot(created.ptr(), rt.at_graph, graph);
+  set_slot(created.ptr(), rt.at_node, node);
+  set_slot(created.ptr(), rt.at_index, position.ptr());
+  set_slot(created.ptr(), rt.at_value, Py_None);
+  set_slot(created.ptr(), rt.at_failure, Py_None);
   return created;
 }
 
@@ -984,17 +995,17 @@ py::object record_call(const Entry& entry, Signature& sig) {
       py::object value = sig.slots[slot].array;
       py::object ref;
       if (Py_TYPE(value.ptr()) == reinterpret_cast<PyTypeObject*>(rt.deferred_type)) {
-        if (!attribute_of(value.ptr(), rt.s_failure).is_none()) {
+        if (!slot_or_none(value.ptr(), rt.at_failure).is_none()) {
           return results;
         }
-        py::object resolved = attribute_of(value.ptr(), rt.s_value);
+        py::object resolved = slot_or_none(value.ptr(), rt.at_value);
         if (!resolved.is_none()) {
           value = std::move(resolved);  // its graph ran since the call was described
-        } else if (attribute_of(value.ptr(), rt.s_graph).ptr() != graph) {
+        } else if (slot_value(value.ptr(), rt.at_graph) != graph) {
           return results;
         } else {
-          ref = py::make_tuple(py::handle(rt.s_ref_node), attribute_of(value.ptr(), rt.s_node),
-                               attribute_of(value.ptr(), rt.s_index));
+          ref = py::make_tuple(py::handle(rt.s_ref_node), slot_or_none(value.ptr(), rt.at_node),
+                               slot_or_none(value.ptr(), rt.at_index));
         }
       }
       values.push_back(std::move(value));
@@ -1348,6 +1359,11 @@ void configure(py::object miss, py::object storage_type, py::object array_type,
   rt.at_numel = slot_offset(rt.storage_type, "numel");
   rt.at_device = slot_offset(rt.storage_type, "device");
   rt.at_nbytes = slot_offset(rt.storage_type, "nbytes");
+  rt.at_graph = slot_offset(rt.deferred_type, "graph");
+  rt.at_node = slot_offset(rt.deferred_type, "node");
+  rt.at_index = slot_offset(rt.deferred_type, "index");
+  rt.at_value = slot_offset(rt.deferred_type, "value");
+  rt.at_failure = slot_offset(rt.deferred_type, "failure");
   rt.s_array = interned("array");
   rt.s_shape = interned("shape");
   rt.s_padded = interned("padded");
@@ -1363,10 +1379,6 @@ void configure(py::object miss, py::object storage_type, py::object array_type,
   rt.s_outputs = interned("outputs");
   rt.s_check_lines = interned("check_lines");
   rt.s_graph = interned("graph");
-  rt.s_node = interned("node");
-  rt.s_index = interned("index");
-  rt.s_value = interned("value");
-  rt.s_failure = interned("failure");
   rt.s_max_nodes = interned("MAX_NODES");
   rt.s_debug_recompile = interned("DEBUG_RECOMPILE");
   rt.s_flush = interned("flush");
