@@ -246,6 +246,8 @@ def symbolic_fake_mode(values: list[int]) -> tuple[Any, Any, list[Any], list[tor
 
     env = ShapeEnv(duck_shape=False)
     mode = FakeTensorMode(shape_env=env, allow_non_fake_inputs=True)
+    # its symbols are new, so no result it could cache is met again: caching them only costs (half the run)
+    mode.cache_enabled = False
     symbols, sizes = [], []
     for position, value in enumerate(values):
         symbol = env.create_symbol(value, ConstantSource(f"pjrt_size{position}"), dynamic_dim=DimDynamic.DYNAMIC)
