@@ -179,6 +179,34 @@ def test_cpu_values_in_a_graph_stay_on_the_cpu() -> None:
             torch.testing.assert_close(a.cpu(), e)
 
 
+def test_a_foreach_update_of_cpu_inputs_runs_in_place_on_the_host() -> None:
+    """An optimizer's `_foreach_add_(state_steps, 1)` on CPU step counts comes back from AOTAutograd as the
+    functional op and a copy per tensor; the host runs it as the one in-place op again, with CPU's results."""
+    import gc
+
+    from torch_pjrt.compile import backend
+
+    def fn(steps: list[torch.Tensor], params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+        torch._foreach_add_(steps, 1)
+        for param, grad, step in zip(params, grads, steps):
+            param.add_(grad * (1 - 0.9 ** step))
+
+    before = [o for o in gc.get_objects() if type(o) is backend.CompiledGraph]  # held: their ids stay theirs
+    compiled = torch.compile(fn, backend="pjrt", fullgraph=True)
+    steps, params = [torch.tensor(float(n)) for n in range(3)], [torch.randn(4), torch.randn(2, 3), torch.randn(5)]
+    pjrt_steps, pjrt_params = [s.clone() for s in steps], [p.to("pjrt") for p in params]
+    for _ in range(3):
+        grads = [torch.randn_like(p) for p in params]
+        fn(steps, params, grads)
+        compiled(pjrt_steps, pjrt_params, [g.to("pjrt") for g in grads])
+        torch.testing.assert_close(pjrt_steps, steps)
+        for a, e in zip(pjrt_params, params):
+            torch.testing.assert_close(a.cpu(), e)
+    [graph] = [o for o in gc.get_objects() if type(o) is backend.CompiledGraph and all(o is not b for b in before)]
+    targets = [node.target for node in graph.eager_part.graph.nodes if node.op == "call_function"]
+    assert targets == [torch.ops.aten._foreach_add_.Scalar]
+
+
 def test_cpu_inputs_of_several_dtypes_and_layouts_reach_the_program_in_order() -> None:
     """The program reads a call's CPU inputs from one array per dtype: each keeps its values, shape and order,
     a transposed one its logical order, and new values the next call (not baked into the program)."""

@@ -14,6 +14,7 @@ import hashlib
 import importlib.util
 import json
 import math
+import operator
 import os
 import sys
 import time
@@ -109,7 +110,45 @@ def _eager_part(
         if node.op == "placeholder" or node in needed:
             copied[node] = graph.node_copy(node, copied.__getitem__)
     graph.output(tuple(copied[node] for node in outputs))
+    for node in list(graph.nodes):
+        _foreach_in_place(graph, node)
     return torch.fx.GraphModule(gm, graph)
+
+
+def _foreach_in_place(graph: torch.fx.Graph, node: torch.fx.Node) -> None:
+    """A functional foreach op whose every result is copied back into its own input, which nothing else reads
+    (AOTAutograd's form of an optimizer's `_foreach_add_(state_steps, 1)`), made its in-place overload again:
+    one op on the host instead of the op and a copy per tensor (AdamW's 29 step counts)."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return
+    name = target._schema.name
+    if not name.startswith("aten::_foreach_") or name.endswith("_") or not node.args:
+        return
+    packet = getattr(aten, name.removeprefix("aten::") + "_", None)
+    in_place = getattr(packet, target._overloadname, None) if packet is not None else None
+    inputs = node.args[0]
+    if in_place is None or not isinstance(inputs, (list, tuple)) or len(set(inputs)) != len(inputs):
+        return
+    copies: dict[int, torch.fx.Node] = {}
+    for item in node.users:
+        index = item.args[1] if item.target is operator.getitem else None
+        [copy] = item.users if len(item.users) == 1 else [None]
+        if (index is None or copy is None or copy.target is not aten.copy_.default or copy.users
+                or copy.args != (inputs[index], item) or copy.kwargs):
+            return
+        copies[index] = copy
+    if sorted(copies) != list(range(len(inputs))):
+        return
+    if any(set(x.users) != {node, copies[i]} for i, x in enumerate(inputs) if isinstance(x, torch.fx.Node)):
+        return
+    with graph.inserting_before(node):
+        graph.call_function(in_place, node.args, node.kwargs)
+    for copy in copies.values():
+        item = copy.args[1]
+        graph.erase_node(copy)
+        graph.erase_node(item)
+    graph.erase_node(node)
 
 
 class Output:
