@@ -42,7 +42,8 @@ WIDE = 128
 TEXT_WIDTHS = ("joint_attention_dim", "caption_channels", "cross_attention_dim", "text_embed_dim", "text_dim",
                "encoder_hid_dim", "context_dim", "text_hidden_dim", "text_states_dim", "cross_attn_dim",
                "encoder_hidden_size", "caption_dim", "cap_feat_dim", "context_in_dim")
-POOLED_WIDTHS = ("pooled_projection_dim", "projection_dim", "pooled_dim", "clip_txt_pooled_dim", "text_embed_dim")
+POOLED_WIDTHS = ("pooled_projection_dim", "projection_dim", "pooled_dim", "clip_txt_pooled_dim", "text_embed_dim",
+                 "cond_embed_dim")
 CHANNEL_NAMES = ("audio_channels", "in_channels", "latent_channels", "num_channels", "in_dim", "c_in", "out_channels")
 # Constructor arguments of classes whose defaults leave a size to a checkpoint's config (None) or that no longer
 # build once shrunk (norm groups wider than the shrunk channels, heads wider than the width): small values.
@@ -70,11 +71,24 @@ CONSTRUCTOR_OVERRIDES: dict[str, dict[str, Any]] = {
     "CogVideoXTransformer3DModel": {"max_text_seq_length": TEXT_TOKENS},  # its position table spans the text
     "ConsisIDTransformer3DModel": {"max_text_seq_length": TEXT_TOKENS},
     "UNet3DConditionModel": {"attention_head_dim": 8},  # heads = channels / head size, 0 at 64 with 32 channels
+    # Base widths of autoencoders the generic rules do not name (over MAX_PARAMETERS otherwise).
+    "AutoencoderKLKVAE": {"channels": 32},
+    "AutoencoderKLKVAEVideo": {"ch": 32},
+    "AutoencoderKLQwenImage21": {"base_dim": 32, "decoder_base_dim": 32},
+    "MMAudioVAE": {"hidden_channels": 64},
+    "Cosmos3AVAEAudioTokenizer": {"dec_dim": 32, "enc_dim": 32, "enc_intermediate_dim": 128},
+    "StableCascadeUNet": {"down_num_layers_per_block": (1, 1), "up_num_layers_per_block": (1, 1),
+                          "num_attention_heads": (2, 2), "dropout": (0.0, 0.0)},
+    "I2VGenXLUNet": {"attention_head_dim": 8},
+    "LTXVideoTransformer3DModel": {"cross_attention_dim": 128},  # heads x head size, at 2 heads
+    "LTX2VideoDiffusionDecoderModel": {"decoder_stage_channels": (128, 64, 32, 32, 16),
+                                       "decoder_stage_depths": (1, 1, 1, 1, 1)},
 }
 # Optional forward arguments a class cannot run without (None where its pipeline always passes them).
 NEEDED_OPTIONAL: dict[str, tuple[str, ...]] = {
     "LTXVideoTransformer3DModel": ("num_frames", "height", "width"),
     "Kandinsky3UNet": ("encoder_attention_mask",),
+    "I2VGenXLUNet": ("image_embeddings",),
 }
 
 
@@ -179,6 +193,10 @@ class _Shapes:
         return torch.randn(BATCH, self.side * self.side // 4, self.channels)  # packed latent tokens
 
     def text(self) -> torch.Tensor:
+        """Text embeddings; one set per text-encoder layer where the config counts the layers it fuses."""
+        layers = self.config.get("num_text_layers")
+        if isinstance(layers, int):
+            return torch.randn(BATCH, TEXT_TOKENS, layers, self.text_width)
         return torch.randn(BATCH, TEXT_TOKENS, self.text_width)
 
     def positions(self, count: int) -> torch.Tensor:
@@ -192,12 +210,21 @@ def _timestep() -> torch.Tensor:
     return torch.rand(BATCH) * 900 + 50
 
 
-# A forward that multiplies its timestep by 1000 itself (Flux and its kin) is passed the schedule's fraction.
+# A model that multiplies its timestep by 1000 itself (Flux and its kin in forward, AuraFlow and Qwen-Image in a
+# Timesteps projection with scale 1000, Z-Image and LTX by a config factor) is passed the schedule's fraction.
 SCALES_TIMESTEP = re.compile(r"\btimesteps?\b[^\n]*\*\s*1000\b")
+TIMESTEP_FACTORS = ("t_scale", "timestep_scale_multiplier", "time_factor")
 
 
 def _takes_fractions(model: nn.Module) -> bool:
-    """Whether the model's forward scales a timestep in [0, 1) up to the 1000-step schedule itself."""
+    """Whether the model scales a timestep in [0, 1) up to the 1000-step schedule itself."""
+    from diffusers.models.embeddings import Timesteps
+
+    config = dict(getattr(model, "config", {}) or {})
+    if any(config.get(name) == 1000 for name in TIMESTEP_FACTORS):
+        return True
+    if any(isinstance(module, Timesteps) and module.scale == 1000 for module in model.modules()):
+        return True
     try:
         return bool(SCALES_TIMESTEP.search(inspect.getsource(type(model).forward)))
     except (OSError, TypeError):
@@ -233,6 +260,20 @@ def _argument(name: str, shapes: _Shapes) -> Any:
         if shapes.layout == "tokens":
             return 1 if name == "num_frames" else round(shapes.main().shape[1] ** 0.5)
         return shapes.frames if name == "num_frames" else shapes.side
+    if name == "image_embeddings":  # a CLIP image embedding
+        return torch.randn(BATCH, _config_int(config, ("cross_attention_dim",), 32))
+    if name == "image_latents":  # the first frame's latents, as a video like the sample
+        return shapes.main()
+    if name == "clip_text_pooled":
+        return torch.randn(BATCH, 1, _config_int(config, ("clip_text_pooled_in_channels",), 32))
+    if name == "inputs_embeds":
+        return torch.randn(BATCH, TEXT_TOKENS, _config_int(config, ("hidden_size",), 32))
+    if name == "position_ids":  # (text tokens + image tokens, axes), text first
+        return shapes.positions(TEXT_TOKENS + shapes.main().shape[1])
+    if name == "input_ids" and "codebook_size" in config:  # VQ image tokens
+        return torch.randint(0, config["codebook_size"], (BATCH, shapes.side, shapes.side))
+    if name == "micro_conds":  # original width and height, crop top and left, aesthetic score
+        return torch.tensor([[shapes.side * 8.0, shapes.side * 8.0, 0.0, 0.0, 6.0]] * BATCH)
     if name == "guidance":
         return torch.rand(BATCH) * 4 + 1
     if name == "controlnet_cond":
