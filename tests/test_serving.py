@@ -751,6 +751,36 @@ def test_vllms_compile_path_gives_hugging_faces_tokens_with_programs_per_bucket(
     assert result["graphs"] > 0 and result["new_graphs"] == 0
 
 
+JOINING_IN_A_NEW_PROCESS = """
+import json, sys
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, enforce_eager=False, dtype="float32", max_model_len=128,
+          max_num_seqs=4, kv_cache_memory_bytes=1 << 24)
+params = SamplingParams(temperature=0, max_tokens=8, min_tokens=8, detokenize=False)
+prompts, engine, done = json.loads(sys.argv[2]), llm.llm_engine, {}
+waiting = list(range(len(prompts)))
+while waiting or engine.has_unfinished_requests():
+    if waiting:
+        index = waiting.pop(0)
+        engine.add_request(str(index), TokensPrompt(prompt_token_ids=prompts[index]), params)
+    done.update({int(o.request_id): list(o.outputs[0].token_ids) for o in engine.step() if o.finished})
+print("RESULT " + json.dumps([done[index] for index in range(len(prompts))]))
+"""
+
+
+def test_requests_joining_one_a_step_on_the_compile_path_give_hugging_faces_tokens(tiny_llama: Path) -> None:
+    """One request joins each step, as on a server: the graph is traced at the first step, a 5-token prompt
+    alone (a block table one page wide, were it not padded to two), and later steps mix wider tables,
+    prefills and decodes."""
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    done = subprocess.run([sys.executable, "-c", JOINING_IN_A_NEW_PROCESS, str(tiny_llama), json.dumps(_prompts())],
+                          env=env, capture_output=True, text=True, timeout=600)
+    results = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert done.returncode == 0 and results, done.stderr[-3000:]
+    assert json.loads(results[-1][len("RESULT "):]) == _hugging_face_greedy(tiny_llama, NEW_TOKENS)
+
+
 BATCH_SIZES_IN_A_NEW_PROCESS = """
 import json, sys, torch, torch_pjrt
 from vllm import LLM, SamplingParams

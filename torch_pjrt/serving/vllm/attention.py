@@ -4,17 +4,17 @@ Each layer's cache is vLLM's `[num_blocks, num_kv_heads, block_size, 2 * head_si
 key and value share one row of it (key in the first half, value in the second). One step's batch mixes
 prefills, chunked prefills and decodes: every query token writes its key and value at its slot
 (`slot_mapping`), then gathers its request's keys and values through the block table and attends to the
-positions at or before its own (within its layer's sliding window, if it has one). The host builds the
-index tensors once per step (on CPU, from vLLM's host-side metadata) and ships them in two transfers (the
-integer indices, with the rows vLLM samples from, and the boolean masks); the layers then run only device ops.
+positions at or before its own (within its layer's sliding window, if it has one). The host ships one
+small integer array a step (each token's slot, position and its request's block table row); the context's
+blocks, offsets and masks are computed from it on the device (inside the program on the compile path).
 
-The key/value length is padded to a power of two (at least one block), so decode steps of growing
-length reuse one set of programs per bucket instead of compiling per length. On vLLM's compile path the
-attention is traced into the model's one graph (the platform's `opaque_attention_op()` is False): the
-index tensors' token and context dimensions are marked dynamic, so the graph is traced once and compiled
-per (token, context) bucket, and the layers write and read the whole cache buffer (one graph input,
-written in place) rather than each their own view of it. The torch-op path
-gathers each token's context: O(query tokens x padded context) of memory per layer. With
+The key/value length is padded to a power of two (at least two blocks where the table has them), so
+decode steps of growing length reuse one set of programs per bucket instead of compiling per length. On
+vLLM's compile path the attention is traced into the model's one graph (the platform's
+`opaque_attention_op()` is False): the metadata's token and block-table dimensions are marked dynamic,
+so the graph is traced once and compiled per (token, context) bucket, and the layers write and read the
+whole cache buffer (one graph input, written in place) rather than each their own view of it. The
+torch-op path gathers each token's context: O(query tokens x padded context) of memory per layer. With
 TORCH_PJRT_PAGED_ATTENTION=1 (or inside `kernels.paged.switch.scoped(True)`) the attention
 reads the cache through the block tables with the Pallas kernel `torch_pjrt.kernels.paged_attention`
 instead, which takes the whole cache buffer and gathers nothing (layers with a sliding window still
@@ -28,9 +28,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 import torch
-from vllm.config import get_layers_from_vllm_config
 from vllm.logger import init_logger
-from vllm.model_executor.layers.attention import Attention
 from vllm.v1.attention.backend import (
     AttentionBackend,
     AttentionImpl,
@@ -53,30 +51,62 @@ def _pjrt_device() -> torch.device:
 
 @dataclass
 class PjrtAttentionMetadata:
-    """One step's attention indices, on the pjrt device (built once per step, shared by the layers)."""
+    """One step's attention inputs on the pjrt device, shipped in one transfer and shared by the layers.
+
+    What the layers attend over (each token's context blocks, offsets and causal or windowed masks) is
+    computed from these on the device by `context_of`: inside the compiled program on the compile path,
+    once per step in eager mode."""
 
     num_actual_tokens: int
     """Token rows of the step, padding included (padded_token_count of the real tokens)."""
-    slot_blocks: torch.Tensor
-    """(tokens,) cache block each token's key/value is written to."""
-    slot_offsets: torch.Tensor
-    """(tokens,) row inside that block."""
-    context_blocks: torch.Tensor
-    """(tokens, padded context) cache block holding each context position of the token's request."""
-    context_offsets: torch.Tensor
-    """(padded context,) row inside the block for each context position."""
-    visible: torch.Tensor
-    """(tokens, padded context) bool: the context position is at or before the token (causal)."""
-    block_tables: torch.Tensor | None = None
-    """(tokens, padded context / block size) int32: the blocks of each token's request, for the kernel."""
-    context_lengths: torch.Tensor | None = None
-    """(tokens,) int32: the context positions each token sees (its position + 1), for the kernel."""
-    visible_in_window: dict[int, torch.Tensor] = field(default_factory=dict)
-    """Sliding window W -> `visible` narrowed to the token's last W positions, for the windowed layers."""
+    slots: torch.Tensor
+    """(tokens,) cache slot (block * block_size + row) each token's key/value is written to."""
+    positions: torch.Tensor
+    """(tokens,) each token's position in its request; padding rows 0."""
+    block_tables: torch.Tensor
+    """(tokens, padded context / block size) the blocks of each token's request; padding rows block 0."""
+    block_size: int
+    kernel: bool
+    """Whether the layers without a sliding window attend with paged.paged_attention (paged.switch)."""
     sampled_rows: torch.Tensor | None = None
     """(padded_token_count(requests),) each request's last token row, the last repeated as padding: the rows
     vLLM samples from when it verifies no drafts (the runner checks them against its own, sampled_rows_host)."""
     sampled_rows_host: np.ndarray | None = None
+    contexts: dict[int | None, Context] = field(default_factory=dict)
+    """Sliding window (None: none) -> its Context, computed once per step in eager mode."""
+
+
+@dataclass
+class Context:
+    """What the query tokens of a step attend over, for `paged.gathered_attention`."""
+
+    blocks: torch.Tensor
+    """(tokens, padded context) cache block holding each context position of the token's request."""
+    offsets: torch.Tensor
+    """(padded context,) row inside the block for each context position."""
+    visible: torch.Tensor
+    """(tokens, padded context) bool: the position is at or before the token (and within its window)."""
+
+
+def context_of(meta: PjrtAttentionMetadata, window: int | None) -> Context:
+    """The context of the step's tokens for a layer with sliding window `window`: each token sees its
+    request's positions up to its own, the last `window` of them when windowed (vLLM's and Hugging
+    Face's rule; the blocks vLLM frees behind the window read as the null block and are masked out).
+    Padding rows (position 0, block 0, vLLM's null block, which no request owns) see that block's first row."""
+    found = meta.contexts.get(window)
+    if found is not None:
+        return found
+    pages = meta.block_tables.shape[1]
+    context_positions = torch.arange(pages * meta.block_size, device=meta.block_tables.device)
+    page_of_position = torch.div(context_positions, meta.block_size, rounding_mode="floor")
+    positions = meta.positions[:, None]
+    visible = context_positions[None, :] <= positions
+    if window is not None:
+        visible = visible & (context_positions[None, :] > positions - window)
+    found = Context(meta.block_tables[:, page_of_position], context_positions % meta.block_size, visible)
+    if not torch.compiler.is_compiling():  # a traced graph computes it in the program; eager once per step
+        meta.contexts[window] = found
+    return found
 
 
 def padded_context_length(max_seq_len: int, block_size: int, max_context: int) -> int:
@@ -91,14 +121,12 @@ def padded_token_count(tokens: int) -> int:
 
 
 class PjrtAttentionMetadataBuilder(AttentionMetadataBuilder[PjrtAttentionMetadata]):
-    """Turns vLLM's host-side batch description into the device index tensors of PjrtAttentionMetadata."""
+    """Turns vLLM's host-side batch description into PjrtAttentionMetadata: each token's slot, position and
+    request's block table, padded, in one host-to-device transfer."""
 
     def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any, device: torch.device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.block_size = kv_cache_spec.block_size
-        layers = get_layers_from_vllm_config(vllm_config, Attention, layer_names)
-        self.sliding_windows = sorted({window for layer in layers.values()
-                                       if (window := getattr(layer.impl, "sliding_window", None))})
 
     def build(
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
@@ -113,68 +141,37 @@ class PjrtAttentionMetadataBuilder(AttentionMetadataBuilder[PjrtAttentionMetadat
         first_position = np.repeat(seq_lens - query_lens, query_lens)
         positions = first_position + np.arange(tokens) - np.repeat(query_start[: meta.num_reqs], query_lens)
 
-        block_table = meta.block_table_tensor.cpu().numpy().astype(np.int64)[: meta.num_reqs]
+        block_table = meta.block_table_tensor.cpu().numpy()[: meta.num_reqs]
         context = padded_context_length(int(seq_lens.max()), self.block_size, block_table.shape[1] * self.block_size)
-        context_positions = np.arange(context)
-        # vLLM's dummy runs (the compile path's warm-up) give every slot as -1: those write the null block
-        slots = np.maximum(meta.slot_mapping.cpu().numpy().astype(np.int64)[:tokens], 0)
-
         # Rows past the real tokens (the runner pads the batch to padded_token_count) write to and read
-        # from block 0, vLLM's null block, which no request owns, and see only its first row.
+        # from block 0, vLLM's null block; vLLM's dummy runs (the compile path's warm-up) give every slot
+        # as -1: those write the null block too.
         padded = padded_token_count(tokens)
-        context_blocks = np.zeros((padded, context), np.int64)
-        context_blocks[:tokens] = block_table[request_of_token][:, context_positions // self.block_size]
-        visible = np.zeros((padded, context), bool)
-        visible[:tokens] = context_positions[None, :] <= positions[:, None]
-        visible[tokens:, 0] = True
-        padded_slots = np.zeros(padded, np.int64)
-        padded_slots[:tokens] = slots
-
-        # A layer with sliding window W sees the last W positions up to its own (vLLM's and Hugging Face's
-        # rule); the blocks vLLM frees behind the window read as the null block and are masked out here.
-        masks = [visible]
-        for window in self.sliding_windows:
-            in_window = visible.copy()
-            in_window[:tokens] &= context_positions[None, :] > positions[:, None] - window
-            masks.append(in_window)
+        # At least two pages where the table has them: the compile path traces its one graph at the first
+        # step it meets, and Dynamo makes a width of 1 there a constant (a later, wider table would then be
+        # read as one page: other tokens than Hugging Face's once a request's context passed a block).
+        pages = min(max(2, context // self.block_size), block_table.shape[1])
+        slots = np.zeros(padded, np.int64)
+        slots[:tokens] = np.maximum(meta.slot_mapping.cpu().numpy()[:tokens], 0)
+        token_positions = np.zeros(padded, np.int64)
+        token_positions[:tokens] = positions
+        tables = np.zeros((padded, pages), np.int64)
+        tables[:tokens] = block_table[request_of_token, :pages]
         last_rows = query_start[1: meta.num_reqs + 1] - 1
         row_padding = padded_token_count(meta.num_reqs) - meta.num_reqs
         sampled_rows = np.concatenate([last_rows, last_rows[-1:].repeat(row_padding)])
-        arrays = [padded_slots // self.block_size, padded_slots % self.block_size, context_blocks,
-                  context_positions % self.block_size, sampled_rows]
-        if paged.switch.enabled():
-            lengths = np.ones(padded, np.int64)
-            lengths[:tokens] = positions + 1
-            arrays += [context_blocks[:, :: self.block_size], lengths]
-        indices = _to_device_at_once(arrays, np.int64)
-        visible_masks = _to_device_at_once(masks, np.bool_)
-        kernel_indices = {}
-        if paged.switch.enabled():
-            kernel_indices = dict(block_tables=indices[5].to(torch.int32), context_lengths=indices[6].to(torch.int32))
-        # the compile path traces the graph once: every length here is one of its symbols, never a constant
-        for tensor in (*indices, *visible_masks, *kernel_indices.values()):
+        # one transfer; each part a contiguous view of it
+        shipped = torch.from_numpy(np.concatenate([slots, token_positions, tables.ravel(), sampled_rows]))
+        slots_on_device, positions_on_device, tables_on_device, rows_on_device = shipped.to(_pjrt_device()).split(
+            [padded, padded, tables.size, sampled_rows.size])
+        tables_on_device = tables_on_device.view(padded, pages)
+        # the compile path traces the graph once: the token count and the table's width are its symbols
+        for tensor in (slots_on_device, positions_on_device, tables_on_device):
             _torch_private.mark_dynamic(tensor, list(range(tensor.dim())))
-        return PjrtAttentionMetadata(
-            num_actual_tokens=padded,
-            slot_blocks=indices[0],
-            slot_offsets=indices[1],
-            context_blocks=indices[2],
-            context_offsets=indices[3],
-            visible=visible_masks[0],
-            visible_in_window=dict(zip(self.sliding_windows, visible_masks[1:])),
-            sampled_rows=indices[4],
-            sampled_rows_host=sampled_rows,
-            **kernel_indices,
-        )
-
-
-def _to_device_at_once(arrays: list[np.ndarray], dtype: type) -> list[torch.Tensor]:
-    """The arrays on the pjrt device as views of one buffer: one host-to-device transfer, not one each
-    (each costs about 0.1 ms on jaxlib's CPU client, a step ships 5 or more)."""
-    packed = np.concatenate([np.asarray(array, dtype).ravel() for array in arrays])
-    whole = torch.from_numpy(packed).to(_pjrt_device())
-    parts = whole.split([array.size for array in arrays])
-    return [part.view(array.shape) for part, array in zip(parts, arrays)]
+        return PjrtAttentionMetadata(num_actual_tokens=padded, slots=slots_on_device, positions=positions_on_device,
+                                     block_tables=tables_on_device, block_size=self.block_size,
+                                     kernel=paged.switch.enabled(), sampled_rows=rows_on_device,
+                                     sampled_rows_host=sampled_rows)
 
 
 class PjrtAttentionImpl(AttentionImpl[PjrtAttentionMetadata]):
@@ -239,30 +236,31 @@ class PjrtAttentionImpl(AttentionImpl[PjrtAttentionMetadata]):
             raise NotImplementedError("the pjrt attention backend does not fuse output quantization")
         if attn_metadata is None:  # vLLM's profiling run: no cache bound yet
             return output
-        tokens = attn_metadata.slot_blocks.shape[0]  # (a traced graph's symbol, where num_actual_tokens is not)
+        tokens = attn_metadata.slots.shape[0]  # (a traced graph's symbol, where num_actual_tokens is not)
         heads, kv_heads, size = self.num_heads, self.num_kv_heads, self.head_size
         kv_head_index = torch.arange(kv_heads, device=kv_cache.device)
         buffer = self.cache_buffer
         if self.kv_sharing_target_layer_name is None:
             rows = torch.cat([key[:tokens], value[:tokens]], -1).view(tokens, kv_heads, 2 * size)
-            at = (attn_metadata.slot_blocks[:, None], kv_head_index[None, :], attn_metadata.slot_offsets[:, None])
+            block_size = attn_metadata.block_size
+            slot_blocks = torch.div(attn_metadata.slots, block_size, rounding_mode="floor")
+            at = (slot_blocks[:, None], kv_head_index[None, :], (attn_metadata.slots % block_size)[:, None])
             if buffer is None:
                 kv_cache.index_put_(at, rows.to(kv_cache.dtype))
             else:
                 buffer.index_put_((self.layer_index, *at), rows.to(buffer.dtype))
         # the kernel attends to the whole context: windowed layers gather with torch ops
-        if buffer is not None and attn_metadata.block_tables is not None and self.sliding_window is None:
+        if buffer is not None and attn_metadata.kernel and self.sliding_window is None:
             attended = paged.paged_attention(
-                query[:tokens].view(tokens, heads, size), buffer, attn_metadata.block_tables,
-                attn_metadata.context_lengths, layer=self.layer_in_buffer, scale=self.scale,
+                query[:tokens].view(tokens, heads, size), buffer, attn_metadata.block_tables.to(torch.int32),
+                (attn_metadata.positions + 1).to(torch.int32), layer=self.layer_in_buffer, scale=self.scale,
                 soft_cap=self.logits_soft_cap)
             output[:tokens].copy_(attended.reshape(output[:tokens].shape))
             return output
-        visible = (attn_metadata.visible if self.sliding_window is None
-                   else attn_metadata.visible_in_window[self.sliding_window])
+        context = context_of(attn_metadata, self.sliding_window)
         attended = paged.gathered_attention(
             query[:tokens].view(tokens, heads, size), kv_cache if buffer is None else buffer,
-            attn_metadata.context_blocks, attn_metadata.context_offsets, visible, scale=self.scale,
+            context.blocks, context.offsets, context.visible, scale=self.scale,
             soft_cap=self.logits_soft_cap, layer=self.layer_index)
         output[:tokens].copy_(attended.reshape(output[:tokens].shape).to(output.dtype))
         return output
