@@ -6,8 +6,11 @@ DEFER_AND_FUSE), each with its own torch CPU eager run on the
 same weights: after one warm-up generate (the compiles), the best of a few timed generates, rounds
 interleaved between CPU and pjrt. Tokens must equal CPU's. CPU is timed with torch's default threads and
 with one thread: on a loaded machine torch's worker threads wait on each other, slowing CPU several
-times over, which the one-thread column leaves out.
-Run: .venv/bin/python bench/generate_tokens.py [--repeats N]
+times over, which the one-thread column leaves out. --breakdown then splits one more generate's
+main-thread CPU time per token in each native row into the fused graph's flush (outside its program
+call), the program call, reads to the host, and the rest (Hugging Face's Python, PyTorch's dispatcher and
+our native per-op path), with ops, fused programs and native misses per token.
+Run: .venv/bin/python bench/generate_tokens.py [--repeats N] [--breakdown]
 """
 
 from __future__ import annotations
@@ -45,17 +48,47 @@ GENERATE = textwrap.dedent(
             start = time.perf_counter()
             generate(model, device)
             best[row] = min(best[row], time.perf_counter() - start)
-    print(json.dumps(dict(cpu_tokens_per_s=64 / best["cpu"], cpu_one_thread_tokens_per_s=64 / best["cpu_one_thread"],
-                          pjrt_tokens_per_s=64 / best["pjrt"], equal=torch.equal(want, got))))
+    result = dict(cpu_tokens_per_s=64 / best["cpu"], cpu_one_thread_tokens_per_s=64 / best["cpu_one_thread"],
+                  pjrt_tokens_per_s=64 / best["pjrt"], equal=torch.equal(want, got))
+    """
+)
+
+# Appended to GENERATE with --breakdown (not formatted): one more pjrt generate, its main-thread CPU split.
+BREAKDOWN = textwrap.dedent(
+    """
+    from generate_compiled import CpuTimer
+    from torch_pjrt.eager import dispatch, fusion
+    from torch_pjrt.runtime import client, programs
+    timers = dict(flush=CpuTimer(), program=CpuTimer(), read=CpuTimer(), miss=CpuTimer())
+    originals = (fusion.PendingGraph.flush, programs.Program.call, client.to_host_many, dispatch.native_miss)
+    fusion.PendingGraph.flush = timers["flush"].wrap(originals[0])
+    programs.Program.call = timers["program"].wrap(originals[1], lambda self, *args: self.name.startswith("fused"))
+    client.to_host_many = timers["read"].wrap(originals[2])
+    dispatch.native_miss = timers["miss"].wrap(originals[3])
+    before = torch_pjrt.metrics.counters()
+    start = time.thread_time()
+    generate(pjrt, "pjrt")
+    total = time.thread_time() - start
+    (fusion.PendingGraph.flush, programs.Program.call, client.to_host_many, dispatch.native_miss) = originals
+    after = torch_pjrt.metrics.counters()
+    flush, program, read = (timers[name].seconds for name in ("flush", "program", "read"))
+    # (a fused program is called inside its flush; the flush runs before a read, not inside it)
+    parts = dict(all=total, flush_outside_program_call=flush - program, program_calls=program, reads_to_host=read,
+                 rest=total - flush - read)
+    result["breakdown_ms_per_token"] = {name: seconds * 1000 / 64 for name, seconds in parts.items()}
+    result["per_token"] = dict(ops=(after["ops_executed"] - before["ops_executed"]) / 64,
+                               fused_programs=(after["fused_programs"] - before["fused_programs"]) / 64,
+                               native_misses=timers["miss"].calls / 64)
     """
 )
 
 
-def run(native: str, mode: str, repeats: int) -> dict:
+def run(native: str, mode: str, repeats: int, breakdown: bool = False) -> dict:
     env = {**os.environ, "TORCH_PJRT_CACHE_DIR": "0", "TORCH_PJRT_NATIVE_DISPATCH": native,
            "TORCH_PJRT_EAGER_MODE": mode}
-    result = subprocess.run([sys.executable, "-c", GENERATE.format(repeats=repeats, bench=BENCH)], capture_output=True,
-                            text=True, env=env)
+    code = GENERATE.format(repeats=repeats, bench=BENCH) + (BREAKDOWN if breakdown else "")
+    code += "print(json.dumps(result))\n"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     if result.returncode:
         raise RuntimeError(result.stderr[-3000:])
     return json.loads(result.stdout.strip().splitlines()[-1])
@@ -64,7 +97,9 @@ def run(native: str, mode: str, repeats: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
-    repeats = parser.parse_args().repeats
+    parser.add_argument("--breakdown", action="store_true",
+                        help="split one more generate's main-thread CPU per token in the native rows")
+    args = parser.parse_args()
     print("generate(): 4-layer Llama (width 128), greedy, 16-token prompt, 64 new tokens")
     print(f"{'pjrt mode, dispatch':<36}{'pjrt tokens/s':>14}{'torch CPU tokens/s':>19}{'pjrt / CPU':>11}"
           f"{'CPU 1 thread':>13}{'pjrt / CPU 1 thread':>20}  tokens equal")
@@ -72,10 +107,18 @@ def main() -> None:
                                 ("strict, native hit path", "1", "defer_never"),
                                 ("DEFER_AND_FUSE, Python (native off)", "0", "defer_and_fuse"),
                                 ("DEFER_AND_FUSE, native", "1", "defer_and_fuse")):
-        row = run(native, mode, repeats)
+        row = run(native, mode, args.repeats, args.breakdown and native == "1")
         print(f"{label:<36}{row['pjrt_tokens_per_s']:>14.1f}{row['cpu_tokens_per_s']:>19.1f}"
               f"{row['pjrt_tokens_per_s'] / row['cpu_tokens_per_s']:>11.2f}{row['cpu_one_thread_tokens_per_s']:>13.1f}"
               f"{row['pjrt_tokens_per_s'] / row['cpu_one_thread_tokens_per_s']:>20.2f}  {row['equal']}", flush=True)
+        if "breakdown_ms_per_token" in row:
+            parts = row["breakdown_ms_per_token"]
+            print(f"    main-thread CPU ms per token (load {open('/proc/loadavg').read().split()[0]}): all "
+                  f"{parts['all']:.3f} = flush outside its program call {parts['flush_outside_program_call']:.3f} + "
+                  f"fused program calls {parts['program_calls']:.3f} + reads to host {parts['reads_to_host']:.3f} + "
+                  f"the rest {parts['rest']:.3f}; per token: ops {row['per_token']['ops']:.1f}, fused programs "
+                  f"{row['per_token']['fused_programs']:.2f}, native misses {row['per_token']['native_misses']:.2f}",
+                  flush=True)
 
 
 if __name__ == "__main__":
