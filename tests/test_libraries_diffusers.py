@@ -125,6 +125,8 @@ def test_the_zoo_builds_from_each_models_own_code() -> None:
     assert transformer.config.in_channels == 32
     sd3, _ = built("SD3Transformer2DModel")
     assert sd3.config.num_attention_heads * sd3.config.attention_head_dim == sd3.config.caption_projection_dim
+    multi, inputs = built("MultiControlNetModel")
+    assert len(multi.nets) == len(inputs["controlnet_cond"]) == len(inputs["conditioning_scale"]) == 2
 
 
 def test_a_fixed_zoo_slice_matches_cpu() -> None:

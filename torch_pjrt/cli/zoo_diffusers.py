@@ -360,6 +360,8 @@ def build_diffusers(case: Case) -> tuple[nn.Module, dict[str, Any]]:
     import diffusers.models as models
 
     model_class: Callable[..., nn.Module] = getattr(models, case.model_class)
+    if case.model_class in COMBINED:
+        return _build_combined(model_class, COMBINED[case.model_class])
     reasons: list[Skip] = []
     for heads in (True, False):  # head counts kept where a width is tied to heads x head size
         try:
@@ -367,6 +369,44 @@ def build_diffusers(case: Case) -> tuple[nn.Module, dict[str, Any]]:
         except Skip as reason:
             reasons.append(reason)
     raise reasons[0]
+
+
+# Classes that combine models of another class (multi-ControlNets, MultiAdapter): built from two of those, with one
+# condition image and one scale per model.
+COMBINED = {"MultiControlNetModel": "ControlNetModel", "SD3MultiControlNetModel": "SD3ControlNetModel",
+            "FluxMultiControlNetModel": "FluxControlNetModel",
+            "QwenImageMultiControlNetModel": "QwenImageControlNetModel",
+            "HunyuanDiT2DMultiControlNetModel": "HunyuanDiT2DControlNetModel",
+            "MultiControlNetUnionModel": "ControlNetUnionModel", "MultiAdapter": "T2IAdapter"}
+
+
+def _build_combined(model_class: Callable[..., nn.Module], part: str) -> tuple[nn.Module, dict[str, Any]]:
+    case = Case(part, family(part), "diffusion", model_class=part, library="diffusers")
+    try:
+        first, part_inputs = build_diffusers(case)
+        second, _ = build_diffusers(case)
+    except Skip as reason:
+        raise Skip(f"it combines {part}s, which the zoo cannot run: {reason}") from None
+    models_argument = next(iter(inspect.signature(model_class.__init__).parameters.keys() - {"self"}))
+    model = model_class(**{models_argument: [first, second]}).float().eval()
+    parameters = sum(p.numel() for p in model.parameters())
+    if parameters > MAX_PARAMETERS:
+        raise Skip(f"{parameters / 1e6:.0f}M parameters as two {part}s, over the zoo's {MAX_PARAMETERS / 1e6:.0f}M")
+    per_model = {"controlnet_cond": [part_inputs.get("controlnet_cond"), None], "conditioning_scale": [1.0, 0.5],
+                 "controlnet_mode": [None, None], "xs": [part_inputs.get("x"), None], "adapter_weights": [0.6, 0.4]}
+    inputs = {}
+    for name in inspect.signature(model.forward).parameters:
+        if name in per_model:
+            value = per_model[name]
+            inputs[name] = [value[0], torch.randn_like(value[0])] if isinstance(value[0], torch.Tensor) else value
+        elif name in part_inputs:
+            inputs[name] = part_inputs[name]
+    try:
+        with torch.no_grad():
+            model(**inputs)
+    except Exception as error:
+        raise Skip(f"its forward fails on CPU with two {part}s: {first_line(error)}") from None
+    return model, inputs
 
 
 def _build_small(model_class: Callable[..., nn.Module], name: str, heads: bool) -> tuple[nn.Module, dict[str, Any]]:
