@@ -264,10 +264,36 @@ def test_a_repeated_signature_replays_natively_and_another_takes_the_python_path
         for a, e in zip(actual, expected):
             torch.testing.assert_close(a.cpu(), e)
     [graph] = [o for o in gc.get_objects() if type(o) is backend.CompiledGraph and all(o is not b for b in before)]
-    plans = list(graph.native_plans.values())
+    plans = [plan for plan, _ in graph.native_plans.values()]
     assert len(plans) == 2
     if native_call.module() is not None:
         assert [plan.hits for plan in plans] == [3, 2]
+
+
+def test_a_new_float32_matmul_precision_is_another_signature_for_the_native_replay() -> None:
+    """The matmul precision is part of a program's signature: called under another precision, a graph's native
+    replay of the old one does not run; the Python path makes the new one's, and each replays its own calls."""
+    import gc
+
+    from torch_pjrt.compile import backend, native_call
+
+    before = [o for o in gc.get_objects() if type(o) is backend.CompiledGraph]  # held: their ids stay theirs
+    compiled = torch.compile(lambda a, b: a @ b, backend="pjrt", fullgraph=True)
+    previous = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        compiled(torch.randn(8, 16).to("pjrt"), torch.randn(16, 4).to("pjrt"))
+        [graph] = [o for o in gc.get_objects() if type(o) is backend.CompiledGraph and all(o is not b for b in before)]
+        for precision in ("highest", "medium", "medium", "highest"):
+            torch.set_float32_matmul_precision(precision)
+            a, b = torch.randn(8, 16), torch.randn(16, 4)
+            [product] = graph(a.to("pjrt"), b.to("pjrt"))
+            torch.testing.assert_close(product.cpu(), a @ b, atol=5e-2, rtol=5e-2)
+    finally:
+        torch.set_float32_matmul_precision(previous)
+    hits = {made_under: plan.hits if plan is not None else None for plan, made_under in graph.native_plans.values()}
+    assert hits == ({"highest": 2, "medium": 1} if native_call.module() is not None else
+                    {"highest": None, "medium": None})
 
 
 def test_views_of_inputs_alias_them_and_a_graph_of_views_runs_no_program() -> None:

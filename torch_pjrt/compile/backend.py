@@ -216,9 +216,10 @@ class CompiledGraph:
                                   if node.op == "call_function" and node.target in spmd.COLLECTIVES}
         self.mesh: Any = None
         self.mesh_resolved = not self.collective_groups
-        # The native replay of each signature's program run so far (None: one only Python runs), and the last one.
-        self.native_plans: dict[int, Any] = {}
-        self.native_plan: Any = None
+        # The native replay of each signature's program run so far (None: one only Python runs) with the matmul
+        # precision it was made under (part of the signature), and the one that replayed or was made last.
+        self.native_plans: dict[int, tuple[Any, str]] = {}
+        self.native_plan: tuple[Any, str] | None = None
 
     def _refuse_like_cpu(self) -> None:
         """CPU's NotImplementedError for an op on float8 or fp4 tensors that CPU has no kernel for, as eager pjrt
@@ -383,14 +384,9 @@ class CompiledGraph:
 
     def __call__(self, *args: Any) -> Any:
         if self.native_plan is not None:
-            results = self.native_plan(args)
+            results = self._replayed(args)
             if results is not None:
                 return results
-            for plan in self.native_plans.values():
-                results = None if plan is None or plan is self.native_plan else plan(args)
-                if results is not None:
-                    self.native_plan = plan
-                    return results
         values = padding.true_sizes(self.gm, args) if self.bounds or self.symbolic_constants else {}
         if self.bounds and all(symbol in values for symbol in self.bounds):
             padded = {s: padding.bucket(values[s], upper) for s, upper in self.bounds.items()}
@@ -403,6 +399,18 @@ class CompiledGraph:
                 )
                 self.bounds = None
         return self._run(args, values, None)
+
+    def _replayed(self, args: tuple) -> list[Any] | None:
+        """The call replayed by the native plan of its signature (the last one tried first), or None."""
+        precision = linalg.global_float32_matmul_precision()
+        last = self.native_plan
+        for planned in (last, *(other for other in self.native_plans.values() if other is not last)):
+            plan, made_under = planned
+            results = plan(args) if plan is not None and made_under == precision else None
+            if results is not None:
+                self.native_plan = planned
+                return results
+        return None
 
     def _run(self, args: Sequence[Any], values: dict[Any, int], padded: dict[Any, int] | None) -> list[Any]:
         """One call; `values` binds the size symbols the inputs carry, `padded` their buckets (or None)."""
@@ -476,7 +484,8 @@ class CompiledGraph:
             args[index].copy_(storage.host_tensor(value))
         results = self._results(computed, values, found.layouts, tensors, device)
         if slot_shapes is not None:
-            self.native_plans[id(found)] = self._native_plan(signature, found, slot_shapes, stores, device)
+            self.native_plans[id(found)] = (self._native_plan(signature, found, slot_shapes, stores, device),
+                                            linalg.global_float32_matmul_precision())
         self.native_plan = self.native_plans.get(id(found)) if replayable else None
         return results
 
