@@ -496,7 +496,8 @@ class CompiledGraph:
             return None
         return native_call.plan(
             signature, slot_shapes, [st.dtype for st in stores], found.written, self.outputs, found.layouts, device,
-            found.program.call, functools.partial(_next_key, device.index) if self.random else None,
+            functools.partial(_call_program, found.program),
+            functools.partial(_next_key, device.index) if self.random else None,
             self.eager_part.forward if self.eager_part is not None else None,
             functools.partial(_issue_checks, tuple(found.checks)))
 
@@ -554,6 +555,12 @@ class CompiledGraph:
                 dtype, shape, strides, numel = layout
                 results.append(storage.new_tensor(next(produced), dtype, device, shape, strides, numel))
         return results
+
+
+def _call_program(program: programs.Program, *args: Any) -> Any:
+    """A native plan's program call: Program.call looked up at each call, as the Python path does (benchmarks
+    and tools that wrap it see native calls too)."""
+    return program.call(*args)
 
 
 def _next_key(index: int) -> Any:
