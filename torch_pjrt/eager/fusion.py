@@ -20,7 +20,6 @@ state updated in place) are donated to it.
 from __future__ import annotations
 
 import functools
-import hashlib
 import os
 import sys
 import threading
@@ -28,8 +27,6 @@ import traceback
 import weakref
 from collections import Counter
 from typing import Any
-
-import torch
 
 from torch_pjrt import storage
 from torch_pjrt.runtime import checks, client, disk_store, metrics, programs, spmd
@@ -290,9 +287,8 @@ def _stored_key(nodes: list[tuple[Any, tuple[Any, ...]]], wanted: tuple[tuple[in
     each op's structure (overload, views, static arguments, default dtype, matmul precision, kernel
     fingerprint), the wiring, the outputs kept, the donated inputs and each input's type; None when
     an op's structure is known only in this process."""
-    digest = hashlib.sha256()
-    for part in (disk_store.code_version(), torch.__version__, client.platform(), checks.ENABLED, wanted, donated):
-        digest.update(repr(part).encode())
+    digest = disk_store.entry_digest()
+    digest.update(f"{wanted!r}\0{donated!r}\n".encode())
     for entry, refs in nodes:
         structure = getattr(entry, "structure", None)
         if structure is None:
