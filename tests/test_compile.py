@@ -270,6 +270,27 @@ def test_a_repeated_signature_replays_natively_and_another_takes_the_python_path
         assert [plan.hits for plan in plans] == [3, 2]
 
 
+def test_the_native_replay_takes_pending_fused_results_as_inputs() -> None:
+    """In DEFER_AND_FUSE a graph's inputs are often results of ops still recorded; the native replay runs their
+    fused program first, as the Python path does, instead of leaving the call to it."""
+    import gc
+
+    from torch_pjrt.compile import backend, native_call
+
+    before = [o for o in gc.get_objects() if type(o) is backend.CompiledGraph]  # held: their ids stay theirs
+    compiled = torch.compile(lambda x, w: (x @ w).relu(), backend="pjrt", fullgraph=True)
+    w = torch.randn(6, 3)
+    pjrt_w = w.to("pjrt")
+    with torch.pjrt.set_eager_mode("defer_and_fuse"):
+        for _ in range(3):
+            x = torch.randn(4, 6)
+            actual = compiled(x.to("pjrt") * 2 + 1, pjrt_w)
+            torch.testing.assert_close(actual.cpu(), ((x * 2 + 1) @ w).relu())
+    [graph] = [o for o in gc.get_objects() if type(o) is backend.CompiledGraph and all(o is not b for b in before)]
+    if native_call.module() is not None:
+        assert [plan.hits for plan, _ in graph.native_plans.values()] == [2]
+
+
 def test_a_new_float32_matmul_precision_is_another_signature_for_the_native_replay() -> None:
     """The matmul precision is part of a program's signature: called under another precision, a graph's native
     replay of the old one does not run; the Python path makes the new one's, and each replays its own calls."""

@@ -3,8 +3,8 @@
 // Python builds everything once per input signature: the program, which storage slot each pjrt input
 // reads, the CPU inputs' per-dtype batches, the storages the program writes, the outputs' layouts. It
 // hands them over as a GraphPlan; a call with that signature then runs here: each input checked against
-// the plan (tensor metadata, its storage's dtype and array, which inputs share a storage), the CPU inputs
-// copied into one fresh buffer per dtype, the written storages' arrays donated, the program called
+// the plan (tensor metadata, its storage's dtype and materialized array, which inputs share a storage),
+// the CPU inputs copied into one fresh buffer per dtype, the written storages' arrays donated, the program called
 // through its Program.call, and the outputs wrapped as pjrt tensors. A call the plan does not describe
 // returns None and takes the Python path, which builds the plan of its own signature.
 //
@@ -112,7 +112,8 @@ class GraphPlan {
         s_array_(attribute_name("array")),
         s_dtype_(attribute_name("dtype")),
         s_shape_(attribute_name("shape")),
-        s_copy_(attribute_name("copy")) {
+        s_copy_(attribute_name("copy")),
+        s_materialize_(attribute_name("materialize")) {
     for (py::handle item : inputs) {
       py::tuple entry = py::reinterpret_borrow<py::tuple>(item);
       Input input{static_cast<InputKind>(entry[0].cast<int>())};
@@ -256,10 +257,18 @@ class GraphPlan {
       if (!array || !dtype) {
         throw py::error_already_set();
       }
-      // a pending fused result or an uninitialised storage is materialized by Python
-      if (Py_TYPE(array.ptr()) != reinterpret_cast<PyTypeObject*>(array_type_.ptr()) ||
-          dtype.ptr() != slot.storage_dtype.ptr()) {
+      if (dtype.ptr() != slot.storage_dtype.ptr()) {
         return false;
+      }
+      if (Py_TYPE(array.ptr()) != reinterpret_cast<PyTypeObject*>(array_type_.ptr())) {
+        // a pending fused result or an uninitialised storage: materialized, as the Python path does
+        array = py::reinterpret_steal<py::object>(PyObject_CallMethodNoArgs(storage, s_materialize_.ptr()));
+        if (!array) {
+          throw py::error_already_set();
+        }
+        if (Py_TYPE(array.ptr()) != reinterpret_cast<PyTypeObject*>(array_type_.ptr())) {
+          return false;
+        }
       }
       py::object shape = py::reinterpret_steal<py::object>(PyObject_GetAttr(array.ptr(), s_shape_.ptr()));
       if (!shape) {
@@ -357,6 +366,7 @@ class GraphPlan {
   py::object s_dtype_;
   py::object s_shape_;
   py::object s_copy_;
+  py::object s_materialize_;
   int64_t hits_ = 0;
 };
 
