@@ -119,6 +119,8 @@ def test_the_zoo_builds_from_each_models_own_code() -> None:
     assert 0 <= inputs["timestep"].min() and inputs["timestep"].max() < 1
     _, inputs = built("DiTTransformer2DModel")
     assert inputs["timestep"].min() >= 50
+    krea2, inputs = built("Krea2Transformer2DModel")  # scaled by 1e3 inside its time embedding's forward
+    assert inputs["timestep"].max() < 1 and inputs["encoder_hidden_states"].shape[2] == krea2.config.num_text_layers
     flux2, inputs = built("Flux2Transformer2DModel")
     assert inputs["img_ids"].shape[1] == len(flux2.config.axes_dims_rope) == 4
     transformer, _ = built("Transformer2DModel")

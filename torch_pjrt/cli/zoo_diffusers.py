@@ -212,7 +212,7 @@ def _timestep() -> torch.Tensor:
 
 # A model that multiplies its timestep by 1000 itself (Flux and its kin in forward, AuraFlow and Qwen-Image in a
 # Timesteps projection with scale 1000, Z-Image and LTX by a config factor) is passed the schedule's fraction.
-SCALES_TIMESTEP = re.compile(r"\btimesteps?\b[^\n]*\*\s*1000\b")
+SCALES_TIMESTEP = re.compile(r"\btimesteps?\b[^\n]*\*\s*(1000|1e3)\b")
 TIMESTEP_FACTORS = ("t_scale", "timestep_scale_multiplier", "time_factor")
 
 
@@ -225,10 +225,13 @@ def _takes_fractions(model: nn.Module) -> bool:
         return True
     if any(isinstance(module, Timesteps) and module.scale == 1000 for module in model.modules()):
         return True
-    try:
-        return bool(SCALES_TIMESTEP.search(inspect.getsource(type(model).forward)))
-    except (OSError, TypeError):
-        return False
+    for module_class in {type(module) for module in model.modules()}:  # its own forward or a time embedding's
+        try:
+            if SCALES_TIMESTEP.search(inspect.getsource(module_class.forward)):
+                return True
+        except (OSError, TypeError):
+            continue
+    return False
 
 
 def _argument(name: str, shapes: _Shapes) -> Any:
