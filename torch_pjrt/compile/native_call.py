@@ -47,11 +47,6 @@ def module() -> ModuleType | None:
         return None
 
 
-@functools.cache
-def _array_type() -> type:
-    return type(client.jax_module().device_put(np.zeros((0,), np.float32), client.device_for(0)))
-
-
 def plan(signature: Sequence[Any], slot_shapes: Sequence[tuple[int, ...]], slot_dtypes: Sequence[torch.dtype],
          written: Sequence[int], outputs: Sequence[Any], layouts: Sequence[Any], device: torch.device,
          call: Callable[..., Any], next_key: Callable[[], Any] | None, eager_part: Callable[..., Any] | None,
@@ -101,4 +96,4 @@ def plan(signature: Sequence[Any], slot_shapes: Sequence[tuple[int, ...]], slot_
             described.append((DEVICE_OUTPUT, *layout))
     slots = list(zip(slot_dtypes, slot_shapes))
     return native.GraphPlan(inputs, slots, list(zip(groups, sizes)), list(written), described, device.index, device,
-                            _array_type(), storage.DeviceStorage, call, next_key, eager_part, issue_checks)
+                            client.array_type(), storage.DeviceStorage, call, next_key, eager_part, issue_checks)

@@ -1209,9 +1209,7 @@ def configure_native(module: Any) -> None:
     fusion module (its pending graph, its size cap and debug switch), the fused result type and the
     source of a checked op's user line, the table of live lengths (a factory of such a size is padded
     here) and the device arrays of traced numbers."""
-    jax = client.jax_module()
-    array_type = type(jax.device_put(np.zeros((0,), np.float32), client.device_for(0)))
-    module.configure_dispatch(native_miss, storage.DeviceStorage, array_type, metrics.op_counts,
+    module.configure_dispatch(native_miss, storage.DeviceStorage, client.array_type(), metrics.op_counts,
                               startup.newest_outputs(), lambda index: rng.state(index).next_key(), storage.Padded,
                               dynamic.note_padded, native_checks_issued, fusion, fusion.Deferred, checks.caller,
                               dynamic.live_lengths(), client.scalar_array)

@@ -19,7 +19,6 @@ state updated in place) are donated to it.
 
 from __future__ import annotations
 
-import functools
 import os
 import sys
 import threading
@@ -228,21 +227,13 @@ _NUMBERS = (int, float, bool, complex)
 def _unreferenced(inputs: list[Any]) -> tuple[int, ...]:
     """Positions of the device arrays that only this list holds: no storage, tensor, pending
     result or user keeps them, so the program may reuse their buffers (the in-place updates)."""
-    array = _array_type()
+    array = client.array_type()
     # (counted inline as compile/backend.py's _donated is: a helper's frame can hold one more reference)
     held_here = 2  # the list's reference and getrefcount's argument
     return tuple([
         index for index in range(len(inputs))
         if type(inputs[index]) is array and sys.getrefcount(inputs[index]) == held_here
     ])
-
-
-@functools.cache
-def _array_type() -> type:
-    """The concrete type of jax's device arrays: compared exactly, as isinstance against jax.Array costs
-    about 1.3 us for each traced number (its metaclass's check), dozens a flush."""
-    jax = client.jax_module()
-    return type(jax.device_put(0, client.device_for(0)))
 
 
 def _fused_program(
