@@ -264,7 +264,7 @@ def test_a_repeated_signature_replays_natively_and_another_takes_the_python_path
         for a, e in zip(actual, expected):
             torch.testing.assert_close(a.cpu(), e)
     [graph] = [o for o in gc.get_objects() if type(o) is backend.CompiledGraph and all(o is not b for b in before)]
-    plans = [plan for plan, _ in graph.native_plans.values()]
+    plans = [found.native for found in graph.programs.values()]
     assert len(plans) == 2
     if native_call.module() is not None:
         assert [plan.hits for plan in plans] == [3, 2]
@@ -288,7 +288,7 @@ def test_the_native_replay_takes_pending_fused_results_as_inputs() -> None:
             torch.testing.assert_close(actual.cpu(), ((x * 2 + 1) @ w).relu())
     [graph] = [o for o in gc.get_objects() if type(o) is backend.CompiledGraph and all(o is not b for b in before)]
     if native_call.module() is not None:
-        assert [plan.hits for plan, _ in graph.native_plans.values()] == [2]
+        assert [found.native.hits for found in graph.programs.values()] == [2]
 
 
 def test_a_new_float32_matmul_precision_is_another_signature_for_the_native_replay() -> None:
@@ -312,7 +312,7 @@ def test_a_new_float32_matmul_precision_is_another_signature_for_the_native_repl
             torch.testing.assert_close(product.cpu(), a @ b, atol=5e-2, rtol=5e-2)
     finally:
         torch.set_float32_matmul_precision(previous)
-    hits = {made_under: plan.hits if plan is not None else None for plan, made_under in graph.native_plans.values()}
+    hits = {found.precision: found.native and found.native.hits for found in graph.programs.values()}
     assert hits == ({"highest": 2, "medium": 1} if native_call.module() is not None else
                     {"highest": None, "medium": None})
 

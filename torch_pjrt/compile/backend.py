@@ -9,6 +9,7 @@ into the input tensors after the program runs.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import json
@@ -19,7 +20,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import torch
@@ -173,7 +174,8 @@ def _outputs(gm: torch.fx.GraphModule, eager: set[torch.fx.Node]) -> list[Output
     return [Output(v, eager) for v in (values if isinstance(values, (list, tuple)) else [values])]
 
 
-class SignatureProgram(NamedTuple):
+@dataclasses.dataclass(slots=True)
+class SignatureProgram:
     """A graph's program for one input signature, and what a call needs besides it."""
 
     program: programs.Program
@@ -181,6 +183,10 @@ class SignatureProgram(NamedTuple):
     written: list[int]  # storage slots of the mutated pjrt inputs, in the program's output order
     host_mutations: list[int]  # CPU inputs the program's host updates are copied into
     checks: list[checks.Check]  # the device-side checks its lowerings made (filled in when traced)
+    precision: str  # the float32 matmul precision it was traced under (part of its signature)
+    # Its native replay (native_call.py); None: only Python runs it, or `planned` is still False (not run yet).
+    native: Any = None
+    planned: bool = False
 
 
 class CompiledGraph:
@@ -215,10 +221,8 @@ class CompiledGraph:
                                   if node.op == "call_function" and node.target in spmd.COLLECTIVES}
         self.mesh: Any = None
         self.mesh_resolved = not self.collective_groups
-        # The native replay of each signature's program run so far (None: one only Python runs) with the matmul
-        # precision it was made under (part of the signature), and the one that replayed or was made last.
-        self.native_plans: dict[int, tuple[Any, str]] = {}
-        self.native_plan: tuple[Any, str] | None = None
+        # The replayable signature that ran last (natively or not): its native replay is tried first.
+        self.native_last: SignatureProgram | None = None
 
     def _refuse_like_cpu(self) -> None:
         """CPU's NotImplementedError for an op on float8 or fp4 tensors that CPU has no kernel for, as eager pjrt
@@ -332,7 +336,7 @@ class CompiledGraph:
             found = _load_stored(stored, example) or _export_stored(run, example, layouts, made, stored)
         program, layouts, made = found or (_graph_program(run), layouts, made)
         host_mutations = [index for index in mutated if signature[index][0] != "pjrt"]
-        found = self.programs[key] = SignatureProgram(program, layouts, written, host_mutations, made)
+        found = self.programs[key] = SignatureProgram(program, layouts, written, host_mutations, made, precision)
         if padded is None and len(self.programs) == self.recompile_budget + 1:
             warnings.warn(self._recompile_message(), stacklevel=3)
         return found
@@ -380,7 +384,7 @@ class CompiledGraph:
         )
 
     def __call__(self, *args: Any) -> Any:
-        if self.native_plan is not None:
+        if self.native_last is not None:
             results = self._replayed(args)
             if results is not None:
                 return results
@@ -400,12 +404,11 @@ class CompiledGraph:
     def _replayed(self, args: tuple) -> list[Any] | None:
         """The call replayed by the native plan of its signature (the last one tried first), or None."""
         precision = linalg.global_float32_matmul_precision()
-        last = self.native_plan
-        for planned in (last, *(other for other in self.native_plans.values() if other is not last)):
-            plan, made_under = planned
-            results = plan(args) if plan is not None and made_under == precision else None
+        last = self.native_last
+        for found in (last, *(other for other in self.programs.values() if other is not last)):
+            results = found.native(args) if found.native is not None and found.precision == precision else None
             if results is not None:
-                self.native_plan = planned
+                self.native_last = found
                 return results
         return None
 
@@ -465,7 +468,7 @@ class CompiledGraph:
         found = self._program(tuple(signature), padded, (flats, donated, hosts, key, true), out_buckets)
         replayable = padded is None and self.mesh is None and not self.bounds and not self.symbolic_constants
         slot_shapes = None
-        if replayable and id(found) not in self.native_plans:
+        if replayable and not found.planned:
             arrays = list(flats)
             for slot, flat in zip(found.written, donated):
                 arrays[slot] = flat
@@ -481,9 +484,8 @@ class CompiledGraph:
             args[index].copy_(storage.host_tensor(value))
         results = self._results(computed, values, found.layouts, tensors, device)
         if slot_shapes is not None:
-            self.native_plans[id(found)] = (self._native_plan(signature, found, slot_shapes, stores, device),
-                                            linalg.global_float32_matmul_precision())
-        self.native_plan = self.native_plans.get(id(found)) if replayable else None
+            found.native, found.planned = self._native_plan(signature, found, slot_shapes, stores, device), True
+        self.native_last = found if replayable else None
         return results
 
     def _native_plan(self, signature: list[Any], found: SignatureProgram, slot_shapes: list[tuple[int, ...]],
@@ -686,7 +688,8 @@ def _stored_graph_program(fn: Callable, example: tuple, key: str) -> programs.Pr
 
 def _donated(flats: list[Any], written: list[int]) -> list[Any]:
     """The arrays of the storages a graph writes, taken out of `flats` for the program to write its results
-    into: each one only its storage holds (any other holder, or a pending copy to the host, gets a copy)."""
+    into: each one only its storage holds (any other holder, or a pending copy to the host, gets a copy).
+    The same rule, by reference count, is csrc/graph_call.cpp's GraphPlan (its native replay): change both."""
     # Counted here, not in a shared helper: one more Python call frame under Dynamo's frame hook holds one more
     # reference to its arguments (measured: 5 where 4 was due), and every array would be copied.
     held_by_storage_list_and_call = 3

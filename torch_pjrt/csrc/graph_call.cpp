@@ -178,7 +178,8 @@ class GraphPlan {
     for (size_t slot = 0; slot < n_slots; ++slot) {
       flats[slot] = arrays[slot];
     }
-    // The arrays the program writes are donated where only their storage holds them (else a copy is).
+    // The arrays the program writes are donated where only their storage holds them (else a copy is): the
+    // rule of compile/backend.py's _donated (change both); here the two references are the storage's and `flat`.
     py::list donated(written_.size());
     for (size_t i = 0; i < written_.size(); ++i) {
       const int slot = written_[i];
@@ -338,11 +339,9 @@ class GraphPlan {
       } else {
         py::object array = py::reinterpret_borrow<py::object>(*produced);
         ++produced;
-        at::Tensor tensor =
-            make_tensor(device_, output.dtype, output.sizes, output.strides, new_address(output.nbytes), output.nbytes);
         py::object storage = storage_type_(array, output.dtype_object, output.numel, device_object_);
-        link_device_storage(tensor.storage().unsafeGetStorageImpl(), storage.ptr());
-        results[i] = py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(tensor)));
+        results[i] = py::reinterpret_steal<py::object>(THPVariable_Wrap(
+            linked_tensor(device_, output.dtype, output.sizes, output.strides, output.nbytes, storage.ptr())));
       }
     }
     ++hits_;

@@ -39,6 +39,16 @@ PyObject* device_storage_of(const c10::StorageImpl* impl);
 // pjrt storage made here.
 bool link_device_storage(c10::StorageImpl* impl, PyObject* device_storage);
 
+// A pjrt tensor over a new storage of nbytes at a fresh address, linked to `device_storage` (a new reference
+// is taken): a program's result as a tensor (the native dispatch's and the graph call's outputs).
+at::Tensor linked_tensor(
+    c10::DeviceIndex index,
+    c10::ScalarType scalar_type,
+    c10::IntArrayRef sizes,
+    c10::IntArrayRef strides,
+    int64_t nbytes,
+    PyObject* device_storage);
+
 // Adds torch.UntypedStorage's `_pjrt` descriptor and the memory figures to the module.
 void init_storage_link(py::module& m);
 

@@ -184,6 +184,13 @@ bool link_device_storage(c10::StorageImpl* impl, PyObject* device_storage) {
   return true;
 }
 
+at::Tensor linked_tensor(c10::DeviceIndex index, c10::ScalarType scalar_type, c10::IntArrayRef sizes,
+                         c10::IntArrayRef strides, int64_t nbytes, PyObject* device_storage) {
+  at::Tensor tensor = make_tensor(index, scalar_type, sizes, strides, new_address(nbytes), nbytes);
+  link_device_storage(tensor.storage().unsafeGetStorageImpl(), device_storage);
+  return tensor;
+}
+
 void init_storage_link(py::module& m) {
   py::object storage_class = py::module_::import("torch").attr("UntypedStorage");
   auto* type = reinterpret_cast<PyTypeObject*>(storage_class.ptr());
