@@ -131,6 +131,27 @@ def test_the_zoo_builds_from_each_models_own_code() -> None:
     assert len(multi.nets) == len(inputs["controlnet_cond"]) == len(inputs["conditioning_scale"]) == 2
 
 
+def test_the_zoo_tries_a_models_own_channels_and_lengths_and_class_rules() -> None:
+    """A VAE configured by its latent width gets an RGB image; an audio autoencoder a waveform two hops long; a
+    video ControlNet its conditioned frames with their mask and the text once per frame."""
+    from torch_pjrt.cli import zoo_catalog, zoo_diffusers
+
+    def built(name: str) -> tuple[torch.nn.Module, dict]:
+        return zoo_catalog.build(zoo_catalog.Case(name, "autoencoder", "diffusion", model_class=name,
+                                                  library="diffusers"))
+
+    vae, inputs = built("ConsistencyDecoderVAE")
+    assert inputs["sample"].shape[1] == vae.config.encoder_in_channels == 3
+    oobleck, inputs = built("AutoencoderOobleck")
+    hop = zoo_diffusers._hop(dict(oobleck.config))
+    assert inputs["sample"].shape == (2, oobleck.config.audio_channels, 2 * hop) and hop == 2048
+    sparse, inputs = built("SparseControlNetModel")
+    frames = inputs["sample"].shape[2]
+    assert inputs["controlnet_cond"].shape[1] == sparse.config.conditioning_channels
+    assert inputs["conditioning_mask"].shape == (2, 1, frames, *inputs["sample"].shape[3:])
+    assert inputs["encoder_hidden_states"].shape[0] == 2 * frames
+
+
 def test_a_fixed_zoo_slice_matches_cpu() -> None:
     from torch_pjrt.cli import zoo
 

@@ -81,6 +81,12 @@ CONSTRUCTOR_OVERRIDES: dict[str, dict[str, Any]] = {
                           "num_attention_heads": (2, 2), "dropout": (0.0, 0.0)},
     "I2VGenXLUNet": {"attention_head_dim": 8},
     "LTXVideoTransformer3DModel": {"cross_attention_dim": 128},  # heads x head size, at 2 heads
+    # Audio models' widths (over a minute on pjrt at their defaults).
+    "AutoencoderOobleck": {"decoder_channels": 32},
+    "AutoencoderKLMiniMaxH3Audio": {"decoder_dim": 256},
+    "MMAudioVocoder": {"upsample_initial_channel": 64},
+    "ErnieImageTransformer2DModel": {"hidden_size": 256, "ffn_hidden_size": 512},  # 2 heads of the rotary's 128
+    "UNetSpatioTemporalConditionModel": {"num_attention_heads": (2, 2, 2, 2)},  # 5 heads of 32 channels: 30
     "LTX2VideoDiffusionDecoderModel": {"decoder_stage_channels": (128, 64, 32, 32, 16),
                                        "decoder_stage_depths": (1, 1, 1, 1, 1)},
 }
@@ -170,11 +176,12 @@ def _config_int(config: Any, names: tuple[str, ...], default: int | None = None)
 class _Shapes:
     """The sizes one candidate uses: the main input's layout (image, video or tokens) and its side."""
 
-    def __init__(self, config: dict[str, Any], layout: str, frames: int = 1, fractions: bool = False) -> None:
-        self.config, self.layout, self.frames, self.fractions = config, layout, frames, fractions
+    def __init__(self, config: dict[str, Any], layout: str, frames: int = 1, fractions: bool = False,
+                 channels: int | None = None, length: int = LENGTH) -> None:
+        self.config, self.layout, self.frames, self.fractions, self.length = config, layout, frames, fractions, length
         sample = config.get("sample_size")
         self.side = min(sample, SIDE) if isinstance(sample, int) and sample >= 8 else SIDE
-        self.channels = _config_int(config, CHANNEL_NAMES, 4)
+        self.channels = channels or _config_int(config, CHANNEL_NAMES, 4)
         self.text_width = _config_int(config, TEXT_WIDTHS, 32)
         patch = _config_int(config, ("patch_size",), 1)
         self.tokens = (self.side // max(patch, 1)) ** 2 if layout == "tokens" else 0
@@ -189,7 +196,7 @@ class _Shapes:
         if self.layout == "vector":
             return torch.randn(BATCH, _config_int(self.config, ("embedding_dim",), self.channels))
         if self.layout == "sequence":
-            return torch.randn(BATCH, self.channels, LENGTH)
+            return torch.randn(BATCH, self.channels, self.length)
         return torch.randn(BATCH, self.side * self.side // 4, self.channels)  # packed latent tokens
 
     def text(self) -> torch.Tensor:
@@ -302,13 +309,78 @@ def _argument(name: str, shapes: _Shapes) -> Any:
     raise KeyError(name)
 
 
+def _text(config: dict[str, Any], batch: int = BATCH, tokens: int = TEXT_TOKENS) -> torch.Tensor:
+    return torch.randn(batch, tokens, _config_int(config, TEXT_WIDTHS, 32))
+
+
+def _channels(config: dict[str, Any]) -> int:
+    return _config_int(config, CHANNEL_NAMES, 4)
+
+
+# Inputs of classes whose forward the generic rules cannot feed (a batch of frames, a condition of its own shape),
+# built from the config by the model's own conventions (as its pipeline passes them); the generic rules fill in the
+# arguments a rule leaves out.
+CLASS_INPUTS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+    # Frames folded into the batch, their count passed beside.
+    "TransformerTemporalModel": lambda config: {
+        "hidden_states": torch.randn(BATCH * FRAMES[1], _channels(config), SIDE // 4, SIDE // 4),
+        "num_frames": FRAMES[1], "encoder_hidden_states": None},  # no cross-attention: self-attention twice
+    # CLIP image embeddings: the noisy one, its projection and the text tokens, all of the embedding width.
+    "PriorTransformer": lambda config: {
+        "hidden_states": torch.randn(BATCH, config["embedding_dim"]),
+        "proj_embedding": torch.randn(BATCH, config["embedding_dim"]),
+        "encoder_hidden_states": torch.randn(BATCH, config["num_embeddings"], config["embedding_dim"])},
+    # A video, its few conditioned frames with their mask, and the text per frame (AnimateDiff repeats it).
+    "SparseControlNetModel": lambda config: {
+        "sample": torch.randn(BATCH, _channels(config), FRAMES[1], SIDE, SIDE),
+        "controlnet_cond": torch.randn(BATCH, config["conditioning_channels"], FRAMES[1], SIDE, SIDE),
+        "conditioning_mask": (torch.rand(BATCH, 1, FRAMES[1], SIDE, SIDE) > 0.5).float(),
+        "encoder_hidden_states": _text(config, BATCH * FRAMES[1])},
+    # Text states with their lengths (the shorter padded).
+    "ErnieImageTransformer2DModel": lambda config: {
+        "text_bth": torch.randn(BATCH, TEXT_TOKENS, config["text_in_dim"]),
+        "text_lens": torch.tensor([TEXT_TOKENS, TEXT_TOKENS - 3])},
+    # A text encoder's states and the target tokenizer's ids it is rewritten into.
+    "AnimaTextConditioner": lambda config: {
+        "source_hidden_states": torch.randn(BATCH, TEXT_TOKENS, config["source_dim"]),
+        "target_input_ids": torch.randint(0, config["target_vocab_size"], (BATCH, TEXT_TOKENS))},
+    # The autoregressive prior's image tokens, one per latent patch, a random few dropped.
+    "GlmImageTransformer2DModel": lambda config: {
+        "prior_token_id": torch.randint(0, config["prior_vq_quantizer_codebook_size"],
+                                        (BATCH, (SIDE // config["patch_size"]) ** 2)),
+        "prior_token_drop": torch.rand(BATCH, (SIDE // config["patch_size"]) ** 2) < 0.2,
+        "target_size": torch.tensor([[SIDE * 8.0, SIDE * 8.0]] * BATCH),
+        "crop_coords": torch.zeros(BATCH, 2)},
+}
+
+
 # Optional forward arguments a model needs in practice (its output is not defined without them).
 USED_OPTIONAL = ("timestep", "encoder_hidden_states", "pooled_projections", "img_ids", "txt_ids", "img_shapes",
                  "text_encoder_layers")
 
 
+# Channel counts tried after the configured one: what the config names the model's own input, an RGB image or
+# video (autoencoders configured by their latent width), a mono or stereo waveform.
+OTHER_CHANNELS = ("input_channels", "encoder_in_channels", "num_mels", "in_dim")
+# Config lists whose product is an audio model's hop (samples per latent frame): its length is one hop at least.
+HOP_FACTORS = ("downsampling_ratios", "encoder_rates", "strides", "upsample_rates")
+
+
+def _hop(config: dict[str, Any]) -> int:
+    """The product of the first stride list the config has (1 where it has none)."""
+    for name in HOP_FACTORS:
+        value = config.get(name)
+        if isinstance(value, (list, tuple)) and value and all(isinstance(v, int) for v in value):
+            product = 1
+            for factor in value:
+                product *= factor
+            return product
+    return 1
+
+
 def _layouts(config: dict[str, Any], class_name: str, fractions: bool = False) -> Iterator[_Shapes]:
-    """The candidate input layouts, the one the class name suggests first."""
+    """The candidate input layouts, the one the class name suggests first; then the same with other channel counts
+    and, for 1-D signals, a length of two hops."""
     video = any(word in class_name for word in ("Video", "3D", "Temporal", "Motion", "Wan", "Mochi", "Allegro",
                                                   "Cosmos", "Magvit", "Latte", "I2VGen", "Hunyuan", "Sana"))
     audio = any(word in class_name for word in ("Audio", "1D", "Oobleck", "Music", "Vocoder"))
@@ -318,6 +390,17 @@ def _layouts(config: dict[str, Any], class_name: str, fractions: bool = False) -
     for layout in [*order, "vector"]:
         for frames in (FRAMES if "video" in layout else (1,)):
             yield _Shapes(config, layout, frames, fractions)
+    configured = _config_int(config, CHANNEL_NAMES, 4)
+    named = [_config_int(config, (name,), None) for name in OTHER_CHANNELS]
+    for layout in order:
+        others = (1, 2) if layout == "sequence" else (3,)
+        lengths = (LENGTH, 2 * _hop(config)) if layout == "sequence" else (LENGTH,)
+        for channels in dict.fromkeys(c for c in (*named, *others, configured) if c is not None):
+            for length in dict.fromkeys(lengths):
+                if channels == configured and length == LENGTH:
+                    continue
+                for frames in (FRAMES if "video" in layout else (1,)):
+                    yield _Shapes(config, layout, frames, fractions, channels, length)
 
 
 def synthesize_inputs(model: nn.Module, class_name: str) -> dict[str, Any]:
@@ -335,9 +418,11 @@ def synthesize_inputs(model: nn.Module, class_name: str) -> dict[str, Any]:
     if "class_labels" in parameters and (config.get("num_embeds_ada_norm") or config.get("num_class_embeds")):
         wanted.append("class_labels")
     errors: list[str] = []
+    rule = CLASS_INPUTS.get(class_name)
     for shapes in _layouts(config, class_name, _takes_fractions(model)):
+        given = rule(config) if rule else {}
         try:
-            inputs = {name: _argument(name, shapes) for name in wanted}
+            inputs = {name: _argument(name, shapes) for name in wanted if name not in given} | given
         except KeyError as missing:
             raise Skip(f"the zoo has no rule for its forward argument {missing.args[0]!r}") from None
         try:
