@@ -209,3 +209,42 @@ def test_the_cache_command_counts_aotautograd_entries_and_prunes_other_code_vers
     assert not stale.parent.exists()
     assert json.loads(cache("--format", "json"))["kinds"]["aotautograd"]["entries"] == entries - 1
     assert "cleared" in cache("clear") and not (tmp_path / "aotautograd").exists()
+
+
+OPTIONS_SEEN = textwrap.dedent(
+    """
+    import sys, torch, torch_pjrt
+    from jax._src import compiler
+    torch_pjrt.runtime.client.jax_module()
+    seen = []
+    compile_and_load = compiler.backend_compile_and_load
+
+    def recording(backend, module, devices, options, callbacks):
+        seen.append(dict(options.env_option_overrides))
+        return compile_and_load(backend, module, devices, options, callbacks)
+
+    compiler.backend_compile_and_load = recording
+    if sys.argv[1] == "fused":
+        torch_pjrt.set_eager_mode(torch_pjrt.EagerMode.DEFER_AND_FUSE)
+    torch.manual_seed(int(sys.argv[2]))
+    x, w = torch.randn(5, 7), torch.randn(7, 3)
+    y = ((x.to("pjrt") @ w.to("pjrt")).tanh() * 3 - x.to("pjrt")[:, :3].exp()).cpu()
+    torch.testing.assert_close(y, (x @ w).tanh() * 3 - x[:, :3].exp(), rtol=1e-5, atol=1e-5)
+    wanted = torch_pjrt.runtime.client.one_op_options()
+    print(len(seen), sum(all(options.get(k) == str(v) or options.get(k) == v for k, v in wanted.items())
+                         for options in seen), int(bool(wanted)))
+    """
+)
+
+
+def test_one_op_programs_are_compiled_with_their_xla_options_and_fused_ones_without(tmp_path: Path) -> None:
+    """Strict eager's one-op programs get XLA's options for small programs (client.one_op_options) at the
+    compile itself; a fused program, run every decode step, keeps XLA's defaults."""
+    seed = str(int.from_bytes(os.urandom(2), "little"))
+    for mode, share in (("strict", "all"), ("fused", "none")):
+        result = subprocess.run([sys.executable, "-c", OPTIONS_SEEN, mode, seed], capture_output=True, text=True,
+                                timeout=300, env={**os.environ, "TORCH_PJRT_CACHE_DIR": str(tmp_path / mode)})
+        assert result.returncode == 0, result.stderr[-2000:]
+        compiles, with_options, options_exist = map(int, result.stdout.split())
+        assert compiles > 0 and options_exist == 1
+        assert with_options == (compiles if share == "all" else 0), (mode, compiles, with_options)

@@ -882,16 +882,18 @@ class StoredOp:
         if executable is None:
             entry = self.entry
             key = hashlib.sha256(f"{self.key}{avals!r}".encode()).hexdigest()
-            executable = self.by_avals[avals] = programs.stored_executable(
-                entry.fn, tuple(args), key, entry.program.name, donate=entry.donate,
-                device_index=self.device_index).jitted
+            with client.compile_options(client.one_op_options()):
+                executable = self.by_avals[avals] = programs.stored_executable(
+                    entry.fn, tuple(args), key, entry.program.name, donate=entry.donate,
+                    device_index=self.device_index).jitted
         self.current = executable
 
 
 def _stored_op_key(structure: str) -> str:
-    """An op's program as later processes find it: its structure, our code and what else it depends on."""
+    """An op's program as later processes find it: its structure, our code, the XLA options it is compiled
+    with and what else it depends on."""
     digest = disk_store.entry_digest()
-    digest.update(structure.encode())
+    digest.update(f"{structure}\0{sorted(client.one_op_options().items())}".encode())
     return digest.hexdigest()
 
 
