@@ -9,7 +9,8 @@ does (this machine sets PYTHONDONTWRITEBYTECODE, which would make every process 
 
 The phases are self times (a nested phase is not counted in the one around it): imports (every
 module loaded, at start or lazily), Dynamo tracing, AOTAutograd, jax's tracing and lowering of our
-programs (the lowering table running), XLA compile or persistent-cache load, and the rest (building
+programs (the lowering table running), XLA compile or persistent-cache load, deserializing the
+executables our store keeps (strict ops, fused programs, compiled graphs), and the rest (building
 the model, the first run of the programs, Python around them). The hit columns count executables from
 XLA's cache, entries of our store (traced graphs and fused programs, their executables) and compiled
 graphs from AOTAutograd's cache.
@@ -74,7 +75,9 @@ CHILD = textwrap.dedent(
     torch.manual_seed(0)
     model = GPT(width=128, layers=2, heads=4, context=64).to("pjrt")
     import jax
+    from jax.experimental import serialize_executable
     jax.monitoring.register_event_duration_secs_listener(jax_event)
+    serialize_executable.deserialize_and_load = timed("load", serialize_executable.deserialize_and_load)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     tokens, targets = batches(corpus_bytes(), 8, 64, 1)[0]
     step = train_step
@@ -109,7 +112,7 @@ GOAL = 0.5  # warm first step over cold, issue #33
 # A child's environment reads the bytecode `compile_bytecode` wrote (an empty value unsets the variable).
 BYTECODE_READ = {"PYTHONDONTWRITEBYTECODE": ""}
 PHASES = (("imports", "imports"), ("dynamo", "Dynamo"), ("aot", "AOTAutograd"), ("trace", "jax trace+lower"),
-          ("xla", "XLA compile/load"), ("rest", "rest"))
+          ("xla", "XLA compile/load"), ("load", "our store's load"), ("rest", "rest"))
 
 
 def first_step(cache: str, mode: str) -> dict:
