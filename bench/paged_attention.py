@@ -43,8 +43,7 @@ def inputs(tokens: int, requests: int, context: int) -> dict[str, torch.Tensor]:
     positions = context - per_request + torch.arange(tokens) % per_request
     span = torch.arange(context)
     found = dict(query=torch.randn(tokens, HEADS, SIZE), cache=cache, tables=tables[request],
-                 lengths=(positions + 1).int(), context_blocks=tables[request][:, span // BLOCK],
-                 context_offsets=span % BLOCK, visible=span[None, :] <= positions[:, None])
+                 lengths=(positions + 1).int(), visible=span[None, :] <= positions[:, None])
     return {name: t.to("pjrt") for name, t in found.items()}
 
 
@@ -53,8 +52,7 @@ def kernel(a: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 def torch_ops(a: dict[str, torch.Tensor]) -> torch.Tensor:
-    return paged.gathered_attention(a["query"], a["cache"][1], a["context_blocks"], a["context_offsets"],
-                                    a["visible"], scale=0.125)
+    return paged.gathered_attention(a["query"], a["cache"][1], a["tables"], a["visible"], scale=0.125)
 
 
 def timed(fn: Callable[[], torch.Tensor], repeats: int) -> float:

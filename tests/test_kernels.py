@@ -508,9 +508,8 @@ def test_gathered_attention_matches_attention_over_the_gathered_context(whole_bu
     layer, p = 1, PAGED
     expected = paged_attention_cpu(query, cache, tables, lengths, layer, 0.2, 5.0)
     positions = torch.arange(p["pages"] * p["block_size"])
-    blocks, offsets = tables[:, positions // p["block_size"]], positions % p["block_size"]
     visible = positions[None, :] < lengths[:, None]
-    on_device = [t.to("pjrt") for t in (query, cache if whole_buffer else cache[layer], blocks, offsets, visible)]
+    on_device = [t.to("pjrt") for t in (query, cache if whole_buffer else cache[layer], tables, visible)]
     index = torch.tensor([layer], device="pjrt") if whole_buffer else None
     actual = paged.gathered_attention(*on_device, scale=0.2, soft_cap=5.0, layer=index).cpu()
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)

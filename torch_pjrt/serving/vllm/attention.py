@@ -6,7 +6,8 @@ prefills, chunked prefills and decodes: every query token writes its key and val
 (`slot_mapping`), then gathers its request's keys and values through the block table and attends to the
 positions at or before its own (within its layer's sliding window, if it has one). The host ships one
 small integer array a step (each token's slot, position and its request's block table row); the context's
-blocks, offsets and masks are computed from it on the device (inside the program on the compile path).
+masks are computed from it on the device (inside the program on the compile path), and the attention
+gathers the context a page at a time through the block table.
 
 The key/value length is padded to a power of two (at least two blocks where the table has them), so
 decode steps of growing length reuse one set of programs per bucket instead of compiling per length. On
@@ -53,7 +54,7 @@ def _pjrt_device() -> torch.device:
 class PjrtAttentionMetadata:
     """One step's attention inputs on the pjrt device, shipped in one transfer and shared by the layers.
 
-    What the layers attend over (each token's context blocks, offsets and causal or windowed masks) is
+    What the layers attend over (each token's causal or windowed mask over its pages) is
     computed from these on the device by `context_of`: inside the compiled program on the compile path,
     once per step in eager mode."""
 
@@ -80,12 +81,10 @@ class PjrtAttentionMetadata:
 class Context:
     """What the query tokens of a step attend over, for `paged.gathered_attention`."""
 
-    blocks: torch.Tensor
-    """(tokens, padded context) cache block holding each context position of the token's request."""
-    offsets: torch.Tensor
-    """(padded context,) row inside the block for each context position."""
+    block_tables: torch.Tensor
+    """(tokens, pages) the cache blocks of each token's request, context position s in page s // block_size."""
     visible: torch.Tensor
-    """(tokens, padded context) bool: the position is at or before the token (and within its window)."""
+    """(tokens, pages * block_size) bool: the position is at or before the token (and within its window)."""
 
 
 def context_of(meta: PjrtAttentionMetadata, window: int | None) -> Context:
@@ -98,12 +97,11 @@ def context_of(meta: PjrtAttentionMetadata, window: int | None) -> Context:
         return found
     pages = meta.block_tables.shape[1]
     context_positions = torch.arange(pages * meta.block_size, device=meta.block_tables.device)
-    page_of_position = torch.div(context_positions, meta.block_size, rounding_mode="floor")
     positions = meta.positions[:, None]
     visible = context_positions[None, :] <= positions
     if window is not None:
         visible = visible & (context_positions[None, :] > positions - window)
-    found = Context(meta.block_tables[:, page_of_position], context_positions % meta.block_size, visible)
+    found = Context(meta.block_tables, visible)
     if not torch.compiler.is_compiling():  # a traced graph computes it in the program; eager once per step
         meta.contexts[window] = found
     return found
@@ -260,7 +258,7 @@ class PjrtAttentionImpl(AttentionImpl[PjrtAttentionMetadata]):
         context = context_of(attn_metadata, self.sliding_window)
         attended = paged.gathered_attention(
             query[:tokens].view(tokens, heads, size), kv_cache if buffer is None else buffer,
-            context.blocks, context.offsets, context.visible, scale=self.scale,
+            context.block_tables, context.visible, scale=self.scale,
             soft_cap=self.logits_soft_cap, layer=self.layer_index)
         output[:tokens].copy_(attended.reshape(output[:tokens].shape).to(output.dtype))
         return output
