@@ -188,6 +188,14 @@ def dynamo_skip_our_packages() -> None:
         trace_rules.add(name)
 
 
+def min_cut_partition() -> Callable[..., Any]:
+    """AOTAutograd's min-cut partitioner (Inductor's): views and cheap ops of the forward are recomputed in
+    the backward instead of saved, so a compiled forward hands fewer tensors over."""
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    return min_cut_rematerialization_partition
+
+
 @functools.cache
 def dynamo_optimizer_without_cudagraph_import() -> None:
     """Let Dynamo trace `optimizer.step()` on non-CUDA tensors without importing Inductor's CUDA graph trees.
