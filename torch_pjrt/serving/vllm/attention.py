@@ -5,7 +5,8 @@ key and value share one row of it (key in the first half, value in the second). 
 prefills, chunked prefills and decodes: every query token writes its key and value at its slot
 (`slot_mapping`), then gathers its request's keys and values through the block table and attends to the
 positions at or before its own (within its layer's sliding window, if it has one). The host ships one
-small integer array a step (each token's slot, position and its request's block table row); the context's
+small integer array a step (each token's id, slot, position and its request's block table row: the model's
+token ids and positions are taken from it, so a step has one host-to-device transfer); the context's
 masks are computed from it on the device (inside the program on the compile path), and the attention
 gathers the context a page at a time through the block table.
 
@@ -60,6 +61,13 @@ class PjrtAttentionMetadata:
 
     num_actual_tokens: int
     """Token rows of the step, padding included (padded_token_count of the real tokens)."""
+    token_ids: torch.Tensor
+    """(tokens,) the step's input token ids, padding rows 0 (the runner's forward takes them and `positions`
+    from here when they equal its own inputs, so a step has one host-to-device transfer)."""
+    token_ids_host: np.ndarray
+    """The shipped token ids on the host, for that check."""
+    positions_host: np.ndarray
+    """The shipped positions on the host, for that check."""
     slots: torch.Tensor
     """(tokens,) cache slot (block * block_size + row) each token's key/value is written to."""
     positions: torch.Tensor
@@ -119,12 +127,14 @@ def padded_token_count(tokens: int) -> int:
 
 
 class PjrtAttentionMetadataBuilder(AttentionMetadataBuilder[PjrtAttentionMetadata]):
-    """Turns vLLM's host-side batch description into PjrtAttentionMetadata: each token's slot, position and
-    request's block table, padded, in one host-to-device transfer."""
+    """Turns vLLM's host-side batch description into PjrtAttentionMetadata: each token's id, slot, position
+    and request's block table, padded, in one host-to-device transfer."""
 
     def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any, device: torch.device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.block_size = kv_cache_spec.block_size
+        self.token_ids: torch.Tensor | None = None
+        """The runner's host buffer of the step's token ids (PjrtModelRunner sets it), shipped with the rest."""
 
     def build(
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
@@ -149,6 +159,9 @@ class PjrtAttentionMetadataBuilder(AttentionMetadataBuilder[PjrtAttentionMetadat
         # step it meets, and Dynamo makes a width of 1 there a constant (a later, wider table would then be
         # read as one page: other tokens than Hugging Face's once a request's context passed a block).
         pages = min(max(2, context // self.block_size), block_table.shape[1])
+        token_ids = np.zeros(padded, np.int64)
+        if self.token_ids is not None:
+            token_ids[:tokens] = self.token_ids[:tokens].numpy()
         slots = np.zeros(padded, np.int64)
         slots[:tokens] = np.maximum(meta.slot_mapping.cpu().numpy()[:tokens], 0)
         token_positions = np.zeros(padded, np.int64)
@@ -159,14 +172,16 @@ class PjrtAttentionMetadataBuilder(AttentionMetadataBuilder[PjrtAttentionMetadat
         row_padding = padded_token_count(meta.num_reqs) - meta.num_reqs
         sampled_rows = np.concatenate([last_rows, last_rows[-1:].repeat(row_padding)])
         # one transfer; each part a contiguous view of it
-        shipped = torch.from_numpy(np.concatenate([slots, token_positions, tables.ravel(), sampled_rows]))
-        slots_on_device, positions_on_device, tables_on_device, rows_on_device = shipped.to(_pjrt_device()).split(
-            [padded, padded, tables.size, sampled_rows.size])
+        shipped = torch.from_numpy(np.concatenate([token_ids, slots, token_positions, tables.ravel(), sampled_rows]))
+        ids_on_device, slots_on_device, positions_on_device, tables_on_device, rows_on_device = shipped.to(
+            _pjrt_device()).split([padded, padded, padded, tables.size, sampled_rows.size])
         tables_on_device = tables_on_device.view(padded, pages)
         # the compile path traces the graph once: the token count and the table's width are its symbols
-        for tensor in (slots_on_device, positions_on_device, tables_on_device):
+        for tensor in (ids_on_device, slots_on_device, positions_on_device, tables_on_device):
             _torch_private.mark_dynamic(tensor, list(range(tensor.dim())))
-        return PjrtAttentionMetadata(num_actual_tokens=padded, slots=slots_on_device, positions=positions_on_device,
+        return PjrtAttentionMetadata(num_actual_tokens=padded, token_ids=ids_on_device, token_ids_host=token_ids,
+                                     positions_host=token_positions,
+                                     slots=slots_on_device, positions=positions_on_device,
                                      block_tables=tables_on_device, block_size=self.block_size,
                                      kernel=paged.switch.enabled(), sampled_rows=rows_on_device,
                                      sampled_rows_host=sampled_rows)

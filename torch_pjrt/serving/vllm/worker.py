@@ -2,8 +2,8 @@
 
 vLLM's CPU runner keeps the step's bookkeeping (input batch, block tables, sampling state) in host
 tensors; this runner reuses all of it and moves only what the model and the sampler read: token ids and
-positions go to the device before the forward (padded to a power-of-two token count, which bounds the
-programs compiled), the attention backend ships its index tensors once per step, and the sampled rows'
+positions reach the device in the attention backend's one transfer a step, with its index tensors (padded
+to a power-of-two token count, which bounds the programs compiled), and the sampled rows'
 gather and the lm head run as one program right after the forward's (the rows' indices ride in the
 attention metadata's transfer). When vLLM's sampler would only take the argmax (greedy, no logprobs,
 penalties or acting logits processors) that program takes it too and only the token ids come back;
@@ -46,7 +46,12 @@ from vllm.v1.worker.gpu_worker import Worker, init_worker_distributed_environmen
 
 from torch_pjrt import envvars
 from torch_pjrt.eager.modes import EagerMode
-from torch_pjrt.serving.vllm.attention import PjrtAttentionMetadata, bind_cache_buffers, padded_token_count
+from torch_pjrt.serving.vllm.attention import (
+    PjrtAttentionMetadata,
+    PjrtAttentionMetadataBuilder,
+    bind_cache_buffers,
+    padded_token_count,
+)
 from torch_pjrt.serving.vllm.moe import register_fused_moe_method
 
 logger = init_logger(__name__)
@@ -195,8 +200,14 @@ class PjrtModelRunner(CPUModelRunner):
                 t = torch.cat([t, t.new_zeros((padding, *t.shape[1:]))])
             return t.to(self.model_device, non_blocking=True)
 
+        shipped = _shipped_with_attention(input_ids, positions)
+        if shipped is not None:
+            input_ids, positions = shipped
+        else:  # the shipped ids' dtype: the compiled graph may have been traced with those
+            input_ids = to_device(None if input_ids is None else input_ids.long())
+            positions = to_device(positions)
         hidden_states = super()._model_forward(
-            to_device(input_ids), to_device(positions), intermediate_tensors, to_device(inputs_embeds), **model_kwargs
+            input_ids, positions, intermediate_tensors, to_device(inputs_embeds), **model_kwargs
         )
         logits_indices, self._step_logits_indices = self._step_logits_indices, None
         sampled = self._sample_in_program(hidden_states, logits_indices)
@@ -207,6 +218,14 @@ class PjrtModelRunner(CPUModelRunner):
         # makes that gather free (compute_logits_where_sampled then returns the logits computed here)
         return torch.empty((hidden_states.shape[0], 0))
 
+    def initialize_metadata_builders(self, kv_cache_config: KVCacheConfig, kernel_block_sizes: list[int]) -> None:
+        """The pjrt attention builders ship the step's token ids with their indices (one transfer a step)."""
+        super().initialize_metadata_builders(kv_cache_config, kernel_block_sizes)
+        for group in self._attn_group_iterator():
+            for builder in group.metadata_builders:
+                if isinstance(builder, PjrtAttentionMetadataBuilder):
+                    builder.token_ids = self.input_ids.cpu
+
     def _sample_in_program(self, hidden_states: Any, logits_indices: torch.Tensor | None) -> SampledInProgram | None:
         """The step's sampled rows' logits, and their greedy tokens when vLLM's sampler would only take their
         argmax, in one program after the forward's, the rows' indices from the attention metadata's transfer:
@@ -214,8 +233,7 @@ class PjrtModelRunner(CPUModelRunner):
         states itself (drafts, prompt logprobs, pooling) or the metadata's rows are not vLLM's."""
         if logits_indices is None or not isinstance(hidden_states, torch.Tensor):
             return None
-        metadata = next((m for m in (get_forward_context().attn_metadata or {}).values()
-                         if isinstance(m, PjrtAttentionMetadata)), None)
+        metadata = _step_attention_metadata()
         if metadata is None or metadata.sampled_rows_host is None \
                 or not np.array_equal(metadata.sampled_rows_host, logits_indices.numpy()):
             return None
@@ -259,6 +277,28 @@ class PjrtModelRunner(CPUModelRunner):
         self._step_logits_indices = logits_indices if plain and one_rank and not hidden_states_read else None
         self._step_has_grammar = bool(getattr(scheduler_output, "has_structured_output_requests", True))
         return (logits_indices, spec_decode_metadata, *rest)
+
+
+def _step_attention_metadata() -> PjrtAttentionMetadata | None:
+    """This step's pjrt attention metadata (any layer's: they share it), or None."""
+    return next((m for m in (get_forward_context().attn_metadata or {}).values()
+                 if isinstance(m, PjrtAttentionMetadata)), None)
+
+
+def _shipped_with_attention(input_ids: torch.Tensor | None,
+                            positions: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The step's token ids and positions already on the device in the attention metadata, when what it
+    shipped equals them (None otherwise: multimodal positions, ids changed after the build, no metadata)."""
+    if input_ids is None or positions is None or positions.dim() != 1:
+        return None
+    meta = _step_attention_metadata()
+    tokens = input_ids.shape[0]
+    if meta is None or meta.num_actual_tokens != padded_token_count(tokens):
+        return None
+    shipped = (meta.token_ids_host[:tokens], meta.positions_host[:tokens])
+    if not (np.array_equal(shipped[0], input_ids.numpy()) and np.array_equal(shipped[1], positions.numpy())):
+        return None
+    return meta.token_ids, meta.positions
 
 
 @dataclasses.dataclass
