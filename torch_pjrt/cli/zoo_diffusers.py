@@ -54,9 +54,7 @@ CONSTRUCTOR_OVERRIDES: dict[str, dict[str, Any]] = {
     "DreamLiteTransformer2DModel": {"in_channels": 32},
     "TransformerTemporalModel": {"in_channels": 32},
     "DreamLiteUNetModel": {"attention_head_dim": 16},
-    "LatteTransformer3DModel": {"in_channels": 4, "patch_size": 2},
     "LuminaNextDiT2DModel": {"num_kv_heads": 2},
-    "EasyAnimateTransformer3DModel": {"in_channels": 16, "patch_size": 2},
     "HiDreamImageTransformer2DModel": {"patch_size": 2},
     "Kandinsky3UNet": {"groups": 8},
     "AutoencoderKLHunyuanImage": {"in_channels": 3},
@@ -86,6 +84,11 @@ CONSTRUCTOR_OVERRIDES: dict[str, dict[str, Any]] = {
     "AutoencoderKLMiniMaxH3Audio": {"decoder_dim": 256},
     "MMAudioVocoder": {"upsample_initial_channel": 64},
     "ErnieImageTransformer2DModel": {"hidden_size": 256, "ffn_hidden_size": 512},  # 2 heads of the rotary's 128
+    "EasyAnimateTransformer3DModel": {"in_channels": 16, "out_channels": 16, "patch_size": 2},
+    "LatteTransformer3DModel": {"in_channels": 4, "out_channels": 4, "patch_size": 2, "caption_channels": 32,
+                                "video_length": FRAMES[0]},  # its frame position table spans the clip
+    "ZImageTransformer2DModel": {"dim": 256},  # 2 heads of the rotary axes' 128
+    "WanVACETransformer3DModel": {"vace_layers": [0, 1]},  # every block of the shrunk model takes a VACE hint
     "UNetSpatioTemporalConditionModel": {"num_attention_heads": (2, 2, 2, 2)},  # 5 heads of 32 channels: 30
     "LTX2VideoDiffusionDecoderModel": {"decoder_stage_channels": (128, 64, 32, 32, 16),
                                        "decoder_stage_depths": (1, 1, 1, 1, 1)},
@@ -317,6 +320,22 @@ def _channels(config: dict[str, Any]) -> int:
     return _config_int(config, CHANNEL_NAMES, 4)
 
 
+def _ideogram_packed(config: dict[str, Any]) -> dict[str, Any]:
+    """One packed sequence per sample: text tokens (role 3) then a latent grid's patches (role 2), each row holding
+    both the latent and the text features (the model masks each by role), (t, h, w) positions with the image's
+    offset past the text, and one segment per sample."""
+    side = SIDE // 4
+    length = TEXT_TOKENS + side * side
+    indicator = torch.cat([torch.full((TEXT_TOKENS,), 3), torch.full((side * side,), 2)]).expand(BATCH, length)
+    rows, columns = torch.meshgrid(torch.arange(side), torch.arange(side), indexing="ij")
+    image = torch.stack([torch.zeros(side * side, dtype=torch.long), rows.flatten(), columns.flatten()], 1) + 65536
+    text = torch.arange(TEXT_TOKENS)[:, None].expand(TEXT_TOKENS, 3)
+    return {"hidden_states": torch.randn(BATCH, length, config["in_channels"]),
+            "encoder_hidden_states": torch.randn(BATCH, length, config["llm_features_dim"]),
+            "position_ids": torch.cat([text, image]).expand(BATCH, length, 3).contiguous(),
+            "segment_ids": torch.zeros(BATCH, length, dtype=torch.long), "indicator": indicator.contiguous()}
+
+
 # Inputs of classes whose forward the generic rules cannot feed (a batch of frames, a condition of its own shape),
 # built from the config by the model's own conventions (as its pipeline passes them); the generic rules fill in the
 # arguments a rule leaves out.
@@ -351,6 +370,11 @@ CLASS_INPUTS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
         "prior_token_drop": torch.rand(BATCH, (SIDE // config["patch_size"]) ** 2) < 0.2,
         "target_size": torch.tensor([[SIDE * 8.0, SIDE * 8.0]] * BATCH),
         "crop_coords": torch.zeros(BATCH, 2)},
+    "Ideogram4Transformer2DModel": lambda config: _ideogram_packed(config),
+    # The control video (VACE's masked frames and mask, packed into its input channels) beside the latent video.
+    "WanVACETransformer3DModel": lambda config: {
+        "hidden_states": torch.randn(BATCH, config["in_channels"], FRAMES[1], SIDE, SIDE),
+        "control_hidden_states": torch.randn(BATCH, config["vace_in_channels"], FRAMES[1], SIDE, SIDE)},
 }
 
 
