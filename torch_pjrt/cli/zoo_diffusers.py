@@ -48,8 +48,8 @@ CHANNEL_NAMES = ("audio_channels", "in_channels", "latent_channels", "num_channe
 # Constructor arguments of classes whose defaults leave a size to a checkpoint's config (None) or that no longer
 # build once shrunk (norm groups wider than the shrunk channels, heads wider than the width): small values.
 CONSTRUCTOR_OVERRIDES: dict[str, dict[str, Any]] = {
-    "HunyuanDiT2DModel": {"in_channels": 4, "patch_size": 2},
-    "HunyuanDiT2DControlNetModel": {"in_channels": 4, "patch_size": 2},
+    "HunyuanDiT2DModel": {"in_channels": 4, "patch_size": 2, "hidden_size": 2 * 88},  # heads x head size
+    "HunyuanDiT2DControlNetModel": {"in_channels": 4, "patch_size": 2, "hidden_size": 2 * 88},
     "Transformer2DModel": {"in_channels": 32},
     "DreamLiteTransformer2DModel": {"in_channels": 32},
     "TransformerTemporalModel": {"in_channels": 32},
@@ -336,6 +336,23 @@ def _ideogram_packed(config: dict[str, Any]) -> dict[str, Any]:
             "segment_ids": torch.zeros(BATCH, length, dtype=torch.long), "indicator": indicator.contiguous()}
 
 
+def _hunyuan_dit(config: dict[str, Any]) -> dict[str, Any]:
+    """What HunyuanDiT's pipeline passes: CLIP and T5 text states with their masks, the latent grid's 2-D rotary
+    table, image size metadata and a style id."""
+    from diffusers.models.embeddings import get_2d_rotary_pos_embed
+
+    grid = SIDE // config["patch_size"]
+    rotary = get_2d_rotary_pos_embed(config["attention_head_dim"], ((0, 0), (grid, grid)), (grid, grid),
+                                     output_type="pt")
+    return {"hidden_states": torch.randn(BATCH, config["in_channels"], SIDE, SIDE),
+            "encoder_hidden_states": torch.randn(BATCH, config["text_len"], config["cross_attention_dim"]),
+            "text_embedding_mask": torch.ones(BATCH, config["text_len"], dtype=torch.long),
+            "encoder_hidden_states_t5": torch.randn(BATCH, config["text_len_t5"], config["cross_attention_dim_t5"]),
+            "text_embedding_mask_t5": torch.ones(BATCH, config["text_len_t5"], dtype=torch.long),
+            "image_meta_size": torch.tensor([[SIDE * 8.0, SIDE * 8.0, SIDE * 8.0, SIDE * 8.0, 0.0, 0.0]] * BATCH),
+            "style": torch.zeros(BATCH, dtype=torch.long), "image_rotary_emb": rotary}
+
+
 # Inputs of classes whose forward the generic rules cannot feed (a batch of frames, a condition of its own shape),
 # built from the config by the model's own conventions (as its pipeline passes them); the generic rules fill in the
 # arguments a rule leaves out.
@@ -371,6 +388,9 @@ CLASS_INPUTS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
         "target_size": torch.tensor([[SIDE * 8.0, SIDE * 8.0]] * BATCH),
         "crop_coords": torch.zeros(BATCH, 2)},
     "Ideogram4Transformer2DModel": lambda config: _ideogram_packed(config),
+    "HunyuanDiT2DModel": lambda config: _hunyuan_dit(config),
+    "HunyuanDiT2DControlNetModel": lambda config: _hunyuan_dit(config) | {
+        "controlnet_cond": torch.randn(BATCH, config["in_channels"], SIDE, SIDE)},  # the control image's latents
     # The control video (VACE's masked frames and mask, packed into its input channels) beside the latent video.
     "WanVACETransformer3DModel": lambda config: {
         "hidden_states": torch.randn(BATCH, config["in_channels"], FRAMES[1], SIDE, SIDE),
