@@ -716,6 +716,7 @@ from torch_pjrt.eager.modes import EagerMode
 folder, prompts, others = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
 llm = LLM(model=folder, skip_tokenizer_init=True, enforce_eager=False, dtype="float32", max_model_len=128,
           max_num_seqs=4, kv_cache_memory_bytes=1 << 24)
+traced_at_start = compilation_counter.num_graphs_seen
 params = SamplingParams(temperature=0, max_tokens=8, min_tokens=8, detokenize=False)
 def serve(batch):
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], params, use_tqdm=False)
@@ -727,15 +728,16 @@ serve(others)  # the first batch of these lengths (their prefills are not cached
 graphs = torch_pjrt.metrics.counters()["graph_compiles"]
 again = serve([[t + 1 for t in p] for p in others])  # the same lengths, new tokens
 print("RESULT " + json.dumps({"strict": strict, "fused": fused, "pieces": compilation_counter.num_piecewise_graphs_seen,
-                              "dynamo": compilation_counter.num_graphs_seen,
+                              "dynamo": compilation_counter.num_graphs_seen, "traced_at_start": traced_at_start,
                               "new_graphs": torch_pjrt.metrics.counters()["graph_compiles"] - graphs,
                               "graphs": graphs}))
 """
 
 
 def test_vllms_compile_path_gives_hugging_faces_tokens_with_programs_per_bucket(tiny_llama: Path) -> None:
-    """enforce_eager=False: vLLM's one Dynamo trace, attention inside it, one graph compiled by the pjrt
-    backend (strict and fused eager around it); prompts of new lengths in seen buckets compile nothing."""
+    """enforce_eager=False: vLLM's one Dynamo trace, at start-up (the worker's warm-up), attention inside it,
+    one graph compiled by the pjrt backend (strict and fused eager around it); prompts of new lengths in seen
+    buckets compile nothing."""
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
     others = [[(7 * i + j) % 250 + 3 for j in range(n)] for i, n in enumerate((6, 12, 19, 33))]
     done = subprocess.run([sys.executable, "-c", COMPILED_IN_A_NEW_PROCESS, str(tiny_llama),
@@ -748,6 +750,7 @@ def test_vllms_compile_path_gives_hugging_faces_tokens_with_programs_per_bucket(
     assert result["strict"] == expected
     assert result["fused"] == expected
     assert result["dynamo"] == 1 and result["pieces"] == 1  # one traced model, its attention layers inside
+    assert result["traced_at_start"] == 1  # traced before the first request
     assert result["graphs"] > 0 and result["new_graphs"] == 0
 
 

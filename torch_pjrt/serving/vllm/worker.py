@@ -177,11 +177,27 @@ class PjrtModelRunner(CPUModelRunner):
     def warming_up_model(self) -> None:
         """The compile path's one trace, on a small dummy batch with attention metadata: vLLM's CPU runner
         traces its profiling run, which has none, and the attention traced then would be skipped for good
-        (vLLM keeps no guards). The batch's token and context lengths are the graph's symbols."""
+        (vLLM keeps no guards). The batch's token and context lengths are the graph's symbols. vLLM's dummy
+        run hands the model the runner's host token ids and positions: they go to the device first, as a
+        step's do, or Dynamo would trace host inputs against device weights."""
         if self.compilation_config.mode == CompilationMode.NONE:
             return
-        with set_global_compilation_settings(self.vllm_config):
-            self._dummy_run(min(WARM_UP_TOKENS, self.max_num_tokens), force_attention=True)
+        model = self.model
+        self.model = InputsOnDevice(model, self._on_device_padded)
+        try:
+            with set_global_compilation_settings(self.vllm_config):
+                self._dummy_run(min(WARM_UP_TOKENS, self.max_num_tokens), force_attention=True)
+        finally:
+            self.model = model
+
+    def _on_device_padded(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        """A model input on the device, its token dimension padded as the attention metadata pads it."""
+        if t is None:
+            return None
+        padding = padded_token_count(t.shape[0]) - t.shape[0]
+        if padding:
+            t = torch.cat([t, t.new_zeros((padding, *t.shape[1:]))])
+        return t.to(self.model_device, non_blocking=True)
 
     def _model_forward(
         self,
@@ -191,15 +207,7 @@ class PjrtModelRunner(CPUModelRunner):
         inputs_embeds: torch.Tensor | None = None,
         **model_kwargs: Any,
     ) -> Any:
-        def to_device(t: torch.Tensor | None) -> torch.Tensor | None:
-            """On the device, its token dimension padded as the attention metadata pads it."""
-            if t is None:
-                return None
-            padding = padded_token_count(t.shape[0]) - t.shape[0]
-            if padding:
-                t = torch.cat([t, t.new_zeros((padding, *t.shape[1:]))])
-            return t.to(self.model_device, non_blocking=True)
-
+        to_device = self._on_device_padded
         shipped = _shipped_with_attention(input_ids, positions)
         if shipped is not None:
             input_ids, positions = shipped
@@ -299,6 +307,22 @@ def _shipped_with_attention(input_ids: torch.Tensor | None,
     if not (np.array_equal(shipped[0], input_ids.numpy()) and np.array_equal(shipped[1], positions.numpy())):
         return None
     return meta.token_ids, meta.positions
+
+
+class InputsOnDevice:
+    """The model as vLLM's dummy run calls it, its token ids and positions moved to the device first (as
+    int64, the shipped ids' dtype a step's graph is called with); every other attribute the model's."""
+
+    def __init__(self, model: torch.nn.Module, to_device: Any) -> None:
+        self.model, self.to_device = model, to_device
+
+    def __call__(self, input_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+                 **kwargs: Any) -> Any:
+        ids = None if input_ids is None else self.to_device(input_ids.long())
+        return self.model(input_ids=ids, positions=self.to_device(positions), **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.model, name)
 
 
 @dataclasses.dataclass
@@ -402,6 +426,14 @@ class PjrtWorker(CPUWorker):
         )
         set_random_seed(self.model_config.seed)
         self.model_runner = PjrtModelRunner(self.vllm_config, self.device)
+
+    def compile_or_warm_up_model(self) -> Any:
+        """The compile path's trace at start-up, on the bound KV cache: vLLM's CPU worker runs it from
+        determine_available_memory, which this worker overrides, so without this Dynamo traced the graph at
+        the first request (on a server: one short prompt, its trace paid by that request)."""
+        if self.model_runner.kv_caches:
+            self.model_runner.warming_up_model()
+        return super().compile_or_warm_up_model()
 
     def _maybe_get_memory_pool_context(self, tag: str) -> contextlib.AbstractContextManager:
         """No sleep-mode memory pool on pjrt: weights and caches come from the device's own allocator."""
