@@ -2,10 +2,11 @@
 
 Three workloads each run in a fresh process with the persistent cache off, so every program is
 compiled: strict eager (Hugging Face generate() of bench/tiny_llama's Llama, 4 new tokens), the same
-in DEFER_AND_FUSE, and torch.compile(backend="pjrt") of examples/gpt.py's training step. Every
+in DEFER_AND_FUSE, examples/gpt.py's AdamW training step in strict eager ("strict-step") and that
+step under torch.compile(backend="pjrt"). Every
 program XLA compiles there is captured (its StableHLO and compile options) with its compile time.
 Then, in this process, each captured program of a kind is compiled again under each option set and
-run on random inputs: the columns are the kind's total compile ms (best of `--rounds`) and its
+run on random inputs: the columns are the kind's total compile CPU ms (best of `--rounds`) and its
 summed run us (median of 20 runs each), each option set side by side with XLA's defaults.
 Strict eager's programs are one op each; the fused and compiled kinds are their largest programs
 (the decode step's fused program, the training step's graphs).
@@ -62,7 +63,8 @@ CAPTURE = textwrap.dedent(
         model = GPT(width=128, layers=2, heads=4, context=64).to("pjrt")
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
         tokens, targets = batches(corpus_bytes(), 8, 64, 1)[0]
-        torch.compile(train_step, backend="pjrt")(model, optimizer, tokens.to("pjrt"), targets.to("pjrt")).item()
+        step = train_step if workload == "strict-step" else torch.compile(train_step, backend="pjrt")
+        step(model, optimizer, tokens.to("pjrt"), targets.to("pjrt")).item()
     with open(out, "wb") as file:
         pickle.dump(captured, file)
     """
@@ -131,7 +133,8 @@ def _dtype(name: str) -> object:
 
 
 def _compiled(text: str, options: bytes, debug: dict) -> tuple[float, object, list]:
-    """One compile of a captured program under extra debug options: seconds, executable, random host inputs."""
+    """One compile of a captured program under extra debug options: its CPU seconds (every thread of this
+    process: less swayed by other processes than wall time on a loaded machine), executable, random inputs."""
     import jax
     from jax._src import compiler
     from jax._src.interpreters import mlir
@@ -142,10 +145,10 @@ def _compiled(text: str, options: bytes, debug: dict) -> tuple[float, object, li
         module = mlir.ir.Module.parse(text)
         compile_options = xla_client.CompileOptions.ParseFromString(options)
         compile_options.env_option_overrides = [*compile_options.env_option_overrides, *debug.items()]
-        start = time.perf_counter()
+        start = time.process_time()
         executable = compiler.backend_compile_and_load(device.client, module, xla_client.DeviceList((device,)),
                                                        compile_options, [])
-        seconds = time.perf_counter() - start
+        seconds = time.process_time() - start
         return seconds, executable, _inputs(module)
 
 
@@ -167,27 +170,29 @@ def _run_us(executable: object, host: list) -> float:
     return statistics.median(runs[2:]) * 1e6
 
 
-def measure(programs: list, rounds: int) -> dict[str, tuple[float, float]]:
-    """Per option set, the programs' summed compile ms (each its best of `rounds`, option sets interleaved
-    round by round) and summed run us."""
+def measure(programs: list, rounds: int, variants: tuple) -> dict[str, tuple[float, float]]:
+    """Per option set, the programs' summed compile CPU ms (each its best of `rounds`, option sets
+    interleaved round by round) and summed run us."""
     best: dict[tuple[str, int], float] = {}
     run_us: dict[str, float] = {}
     for round_index in range(rounds):
-        for label, debug in VARIANTS:
+        for label, debug in variants:
             for index, (_, text, options, _) in enumerate(programs):
                 seconds, executable, host = _compiled(text, options, debug)
                 best[(label, index)] = min(best.get((label, index), float("inf")), seconds)
                 if round_index == rounds - 1:
                     run_us[label] = run_us.get(label, 0.0) + _run_us(executable, host)
     return {label: (sum(best[(label, i)] for i in range(len(programs))) * 1000, run_us[label])
-            for label, _ in VARIANTS}
+            for label, _ in variants}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=2, help="compiles per program and option set (best kept)")
     parser.add_argument("--captures", help="a folder keeping the captured programs between runs")
-    parser.add_argument("--kinds", default="strict,fused,compiled", help="program kinds measured")
+    parser.add_argument("--kinds", default="strict,strict-step,fused,compiled", help="program kinds measured")
+    parser.add_argument("--variants", default=",".join(map(str, range(len(VARIANTS)))),
+                        help="option sets measured, by their index in VARIANTS (0: XLA's defaults, the baseline)")
     parser.add_argument("--ops", type=int, default=40, help="distinct strict ops kept (the first compiled)")
     parser.add_argument("--largest", type=int, default=4, help="programs kept per fused and compiled workload")
     arguments = parser.parse_args()
@@ -196,20 +201,22 @@ def main() -> None:
     jax.config.update("jax_enable_x64", True)
     with tempfile.TemporaryDirectory() as temporary:
         folder = arguments.captures or temporary
-        captured = {workload: capture(workload, folder) for workload in ("strict", "fused", "compiled")}
+        captured = {workload: capture(workload, folder) for workload in ("strict", "strict-step", "fused", "compiled")}
     print(f"{'kind':<34}{'programs':>9}{'compile ms in workload':>24}")
     for workload, programs in captured.items():
         print(f"{workload:<34}{len(programs):>9}{sum(p[3] for p in programs) * 1000:>24.0f}")
     kinds = {"strict op": _distinct(captured["strict"])[:arguments.ops],
+             "strict-step op": _distinct(captured["strict-step"])[:arguments.ops],
              "fused program": _largest(captured["fused"], arguments.largest),
              "compiled graph": _largest(captured["compiled"], arguments.largest)}
+    variants = tuple(VARIANTS[int(index)] for index in arguments.variants.split(","))
     kinds = {kind: programs for kind, programs in kinds.items() if kind.split()[0] in arguments.kinds.split(",")}
-    print(f"\n{'kind, option set':<58}{'compile ms':>11}{'x default':>10}{'run us':>10}{'x default':>10}")
+    print(f"\n{'kind, option set':<58}{'compile CPU ms':>15}{'x default':>10}{'run us':>10}{'x default':>10}")
     for kind, programs in kinds.items():
-        figures = measure(programs, arguments.rounds)
-        base = figures[VARIANTS[0][0]]
+        figures = measure(programs, arguments.rounds, variants)
+        base = figures[variants[0][0]]
         for label, (compile_ms, run_us) in figures.items():
-            print(f"{kind + ' (' + str(len(programs)) + '), ' + label:<58}{compile_ms:>11.1f}"
+            print(f"{kind + ' (' + str(len(programs)) + '), ' + label:<58}{compile_ms:>15.1f}"
                   f"{compile_ms / base[0]:>10.2f}{run_us:>10.1f}{run_us / base[1]:>10.2f}", flush=True)
 
 

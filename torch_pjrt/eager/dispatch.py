@@ -882,7 +882,7 @@ class StoredOp:
         if executable is None:
             entry = self.entry
             key = hashlib.sha256(f"{self.key}{avals!r}".encode()).hexdigest()
-            with client.compile_options(client.one_op_options()):
+            with client.compile_options(client.one_op_options(), client.ONE_OP_MAX_CHARACTERS):
                 executable = self.by_avals[avals] = programs.stored_executable(
                     entry.fn, tuple(args), key, entry.program.name, donate=entry.donate,
                     device_index=self.device_index).jitted
@@ -893,7 +893,7 @@ def _stored_op_key(structure: str) -> str:
     """An op's program as later processes find it: its structure, our code, the XLA options it is compiled
     with and what else it depends on."""
     digest = disk_store.entry_digest()
-    digest.update(f"{structure}\0{sorted(client.one_op_options().items())}".encode())
+    digest.update(f"{structure}\0{sorted(client.one_op_options().items())}{client.ONE_OP_MAX_CHARACTERS}".encode())
     return digest.hexdigest()
 
 

@@ -81,25 +81,29 @@ def xla_cache_reads_off() -> Iterator[None]:
 
 _xla_options = threading.local()  # `compile_options`'s stack of XLA options for this thread's compiles
 
-# XLA options for programs of one op (strict eager), where XLA's fixed cost dominates: its MLIR fusion
-# emitters cost more compile time than a one-op program's run ever returns (bench/compile_cost.py, 117 ops
-# of a Llama's generate: compile 0.62x, run no slower). Measured on XLA's CPU client only.
+# XLA options for programs of one op (strict eager) whose StableHLO is small, where XLA's fixed cost
+# dominates: its MLIR fusion emitters cost more compile time than such a program's run returns. Compile
+# CPU time over the 182 one-op programs of a Llama generate and a GPT AdamW step (bench/compile_cost.py and
+# a per-program split): 0.66x for the 171 up to 10,000 characters, while the 11 larger ones, mostly
+# AdamW's multi-tensor foreach updates (18-52 thousand), took 1.7x together: they keep XLA's defaults.
 ONE_OP_XLA_OPTIONS = {"cpu": {"xla_cpu_use_fusion_emitters": False}}
+ONE_OP_MAX_CHARACTERS = 10_000
 
 
 def one_op_options() -> dict[str, Any]:
-    """The XLA options a one-op program is compiled with on this platform (part of its stored key)."""
+    """The XLA options a small one-op program is compiled with on this platform (part of its stored key)."""
     return ONE_OP_XLA_OPTIONS.get(platform(), {})
 
 
 @contextlib.contextmanager
-def compile_options(options: dict[str, Any]) -> Iterator[None]:
+def compile_options(options: dict[str, Any], max_characters: int) -> Iterator[None]:
     """Compile this thread's programs meanwhile with these XLA options added to jax's (as jax.jit's
-    compiler_options would be); XLA's persistent cache keys them, as they are part of what it digests."""
+    compiler_options would be) where their StableHLO has at most `max_characters`; XLA's persistent cache
+    keys them, as they are part of what it digests."""
     stack = getattr(_xla_options, "stack", None)
     if stack is None:
         stack = _xla_options.stack = []
-    stack.append(options)
+    stack.append((options, max_characters))
     try:
         yield
     finally:
@@ -115,8 +119,8 @@ def _pass_compile_options() -> None:
 
     def with_options(backend: Any, computation: Any, devices: Any, options: Any, *rest: Any, **named: Any) -> Any:
         stack = getattr(_xla_options, "stack", None)
-        if stack:
-            options.env_option_overrides = [*options.env_option_overrides, *stack[-1].items()]
+        if stack and stack[-1][0] and len(str(computation)) <= stack[-1][1]:
+            options.env_option_overrides = [*options.env_option_overrides, *stack[-1][0].items()]
         return compile_or_get_cached(backend, computation, devices, options, *rest, **named)
 
     compiler.compile_or_get_cached = with_options
