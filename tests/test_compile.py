@@ -317,6 +317,34 @@ def test_a_new_float32_matmul_precision_is_another_signature_for_the_native_repl
                     {"highest": None, "medium": None})
 
 
+def test_the_forward_saves_weights_not_their_transposes_and_gradients_match_cpu() -> None:
+    """AOTAutograd's min-cut partition: a linear layer's forward hands its weight itself to the backward, which
+    transposes it inside its program, so torch makes no view of it after each forward call."""
+    import copy
+    import gc
+
+    from torch_pjrt.compile import backend
+
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+    on_device = copy.deepcopy(net).to("pjrt")
+    before = [o for o in gc.get_objects() if type(o) is backend.CompiledGraph]  # held: their ids stay theirs
+    compiled = torch.compile(lambda x: on_device(x).square().mean(), backend="pjrt", fullgraph=True)
+    for _ in range(2):
+        x = torch.randn(5, 8)
+        net.zero_grad(set_to_none=True)
+        on_device.zero_grad(set_to_none=True)
+        expected = net(x).square().mean()
+        expected.backward()
+        actual = compiled(x.to("pjrt"))
+        actual.backward()
+        torch.testing.assert_close(actual.detach().cpu(), expected.detach())
+        for parameter, on_pjrt in zip(net.parameters(), on_device.parameters()):
+            torch.testing.assert_close(on_pjrt.grad.cpu(), parameter.grad)
+    made = [o for o in gc.get_objects() if type(o) is backend.CompiledGraph and all(o is not b for b in before)]
+    [forward] = [graph for graph in made if graph.eager_part is not None]
+    assert [node.target for node in forward.eager_part.graph.nodes if node.op == "call_function"] == []
+
+
 def test_views_of_inputs_alias_them_and_a_graph_of_views_runs_no_program() -> None:
     weight, x = torch.randn(6, 4), torch.randn(3, 4)
     linear = torch.compile(lambda w, x: x @ w.t(), backend="pjrt")

@@ -796,6 +796,9 @@ def pjrt_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], mode: 
     _torch_private.dynamo_skip_our_packages()
     make = functools.partial(CompiledGraph, **_checked_options(options or {}))
     with warm_start.aot_cache(example_inputs, make) as compiler:
-        backend = aot_autograd(fw_compiler=compiler, bw_compiler=compiler, keep_inference_input_mutations=True)
+        # Min-cut: views of the inputs and cheap ops are recomputed inside the backward's program instead of saved
+        # by the forward (the GPT step's forward: 9 weight transposes made by torch after each call, 190 -> 100 us).
+        backend = aot_autograd(fw_compiler=compiler, bw_compiler=compiler, keep_inference_input_mutations=True,
+                               partition_fn=_torch_private.min_cut_partition())
         return backend(gm, example_inputs)
 
