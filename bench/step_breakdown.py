@@ -17,7 +17,9 @@ import argparse
 import os
 import statistics
 import sys
+import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -84,32 +86,64 @@ def timed_steps(row: TorchRow | JaxRow, data: list) -> tuple[list[float], list[f
 
 def graph_calls(model: torch.nn.Module, data: list) -> None:
     """Each compiled graph's calls: inputs, calls per step and the median CPU time of one call (thread_time on the
-    calling thread, so the backward's is autograd's), over the steps after the first three."""
-    spent: dict[int, list[float]] = {}
+    calling thread, so the backward's is autograd's), over the steps after the first three, split into the program
+    call (jax), torch's own part of the graph (views and host ops, run by torch after the program) and the rest
+    (our checks of the inputs, batching and wrapping of the outputs)."""
+    calls_of: dict[int, list[list[float]]] = {}  # per graph, per call: [all, program, torch's part]
     inputs: dict[int, int] = {}
-    call = backend.CompiledGraph.__call__
+    within = threading.local()
+    call, make, program_call = backend.CompiledGraph.__call__, backend.CompiledGraph.__init__, programs.Program.call
+
+    def part_timer(index: int, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed_part(*args: Any) -> Any:
+            start = time.thread_time()
+            try:
+                return fn(*args)
+            finally:
+                if getattr(within, "times", None) is not None:
+                    within.times[index] += time.thread_time() - start
+        return timed_part
+
+    def made(self: backend.CompiledGraph, *args: Any, **kwargs: Any) -> None:
+        make(self, *args, **kwargs)
+        if self.eager_part is not None:  # before any native plan takes its forward
+            self.eager_part.forward = part_timer(2, self.eager_part.forward)
 
     def timed(self: backend.CompiledGraph, *args: Any) -> Any:
+        within.times = times = [0.0, 0.0, 0.0]
         start = time.thread_time()
         try:
             return call(self, *args)
         finally:
-            spent.setdefault(id(self), []).append(time.thread_time() - start)
+            times[0] = time.thread_time() - start
+            within.times = None
+            calls_of.setdefault(id(self), []).append(times)
             inputs[id(self)] = len(args)
 
-    row = TorchRow(model, "pjrt", "compile", cpu_threads=1)
-    row.run(data[:3])
-    backend.CompiledGraph.__call__ = timed
+    backend.CompiledGraph.__init__ = made
+    programs.Program.call = part_timer(1, program_call)
     try:
-        timed_steps(row, data[3:])
+        row = TorchRow(model, "pjrt", "compile", cpu_threads=1)
+        row.run(data[:3])
+        backend.CompiledGraph.__call__ = timed
+        try:
+            timed_steps(row, data[3:])
+        finally:
+            backend.CompiledGraph.__call__ = call
     finally:
-        backend.CompiledGraph.__call__ = call
+        backend.CompiledGraph.__init__, programs.Program.call = make, program_call
     steps = len(data) - 3
-    print(f"compiled GPT step's graph calls over {steps} steps (CPU us per call, median, on the calling thread)")
-    print(f"{'inputs':>8}{'calls/step':>12}{'cpu us':>10}")
-    for key, times in spent.items():
-        print(f"{inputs[key]:>8}{len(times) / steps:>12.1f}{statistics.median(times) * 1e6:>10.0f}")
-    print(f"{'total':>8}{'':>12}{sum(sum(t) for t in spent.values()) / steps * 1e6:>10.0f}  (per step)")
+    print(f"compiled GPT step's graph calls over {steps} steps (CPU us per call, median, on the calling thread; "
+          f"load {open('/proc/loadavg').read().split()[0]})")
+    print(f"{'inputs':>8}{'calls/step':>12}{'cpu us':>10}{'program':>10}{'torch part':>12}{'rest':>8}")
+    for key, times in calls_of.items():
+        columns = [statistics.median(t[k] for t in times) * 1e6 for k in range(3)]
+        rest = statistics.median((t[0] - t[1] - t[2]) for t in times) * 1e6
+        print(f"{inputs[key]:>8}{len(times) / steps:>12.1f}{columns[0]:>10.0f}{columns[1]:>10.0f}{columns[2]:>12.0f}"
+              f"{rest:>8.0f}")
+    totals = [sum(t[k] for ts in calls_of.values() for t in ts) / steps * 1e6 for k in range(3)]
+    print(f"{'total':>8}{'':>12}{totals[0]:>10.0f}{totals[1]:>10.0f}{totals[2]:>12.0f}"
+          f"{totals[0] - totals[1] - totals[2]:>8.0f}  (per step)")
 
 
 def main() -> None:
