@@ -207,3 +207,100 @@ def test_cpu_fallback_runs_outside_the_graph(fused: None) -> None:
         with pytest.warns(UserWarning):
             result = torch.ops.pjrt_test_fused.twice(x)
     assert torch.equal(result.cpu(), torch.arange(4.0) * 2 + 2)
+
+
+def _attention_inputs(device: str, dtype: torch.dtype, heads: int, kv_heads: int, q_len: int, k_len: int,
+                      mask: str) -> tuple[torch.Tensor, ...]:
+    """Random q, k, v (leaves that require grad) and a mask: None, float (added) or bool (one query row
+    fully masked, which the math route gives zeros for)."""
+    generator = torch.Generator().manual_seed(heads * 100 + q_len * 10 + k_len)
+    shapes = ((2, heads, q_len, 8), (2, kv_heads, k_len, 8), (2, kv_heads, k_len, 6))
+    q, k, v = (torch.randn(shape, generator=generator).to(dtype) for shape in shapes)
+    if mask == "float":
+        attn_mask = torch.randn(2, 1, q_len, k_len, generator=generator).to(dtype)
+    elif mask == "bool":
+        attn_mask = torch.rand(q_len, k_len, generator=generator) > 0.3
+        attn_mask[0] = False
+    else:
+        attn_mask = None
+    tensors = [t.to(device).requires_grad_() for t in (q, k, v)]
+    if attn_mask is not None:
+        attn_mask = attn_mask.to(device)
+        if attn_mask.is_floating_point():
+            attn_mask.requires_grad_()
+    return (*tensors, attn_mask)
+
+
+@pytest.mark.parametrize("mode", [torch.pjrt.EagerMode.DEFER_NEVER, FUSE])
+@pytest.mark.parametrize(("heads", "kv_heads", "q_len", "k_len", "mask", "causal", "scale"), [
+    (4, 4, 5, 5, "none", False, None),
+    (4, 4, 5, 5, "none", True, 0.3),
+    (4, 2, 1, 7, "none", False, None),
+    (4, 2, 6, 6, "float", False, -0.5),
+    (2, 2, 4, 7, "bool", False, None),
+    (4, 1, 3, 3, "bool", False, 0.2),
+])
+def test_sdpa_is_one_op_and_matches_cpu_math(mode: torch.pjrt.EagerMode, heads: int, kv_heads: int, q_len: int,
+                                            k_len: int, mask: str, causal: bool, scale: float | None) -> None:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from torch_pjrt.runtime import metrics
+
+    dtype = torch.float32
+    gqa = heads != kv_heads
+    cpu = _attention_inputs("cpu", dtype, heads, kv_heads, q_len, k_len, mask)
+    with sdpa_kernel(SDPBackend.MATH):
+        want = F.scaled_dot_product_attention(*cpu[:3], attn_mask=cpu[3], is_causal=causal, scale=scale,
+                                              enable_gqa=gqa)
+    grad = torch.randn(want.shape, generator=torch.Generator().manual_seed(5))
+    want.backward(grad)
+    with torch.pjrt.set_eager_mode(mode):
+        pjrt = _attention_inputs("pjrt", dtype, heads, kv_heads, q_len, k_len, mask)
+        before = dict(metrics.op_counts)
+        got = F.scaled_dot_product_attention(*pjrt[:3], attn_mask=pjrt[3], is_causal=causal, scale=scale,
+                                             enable_gqa=gqa)
+        got.backward(grad.to("pjrt"))
+        counted = {name: n - before.get(name, 0) for name, n in metrics.op_counts.items() if n != before.get(name, 0)}
+        torch.testing.assert_close(got.cpu(), want.detach(), rtol=1e-5, atol=1e-5)
+        for mine, theirs in zip(pjrt, cpu):
+            if theirs is not None and theirs.requires_grad:
+                torch.testing.assert_close(mine.grad.cpu(), theirs.grad, rtol=1e-5, atol=1e-5)
+    if causal:  # (a causal call, a prompt's prefill, keeps the math route: csrc/dispatch.cpp's sdp_choice)
+        assert "torch_pjrt.fused_attention.default" not in counted and "aten.bmm.default" in counted
+        return
+    assert counted.get("torch_pjrt.fused_attention.default") == 1
+    assert counted.get("torch_pjrt.fused_attention_backward.default") == 1
+    assert "aten.bmm.default" not in counted and "aten._safe_softmax.default" not in counted
+
+
+@pytest.mark.parametrize("mode", [torch.pjrt.EagerMode.DEFER_NEVER, FUSE])
+def test_the_overrideable_attention_op_called_causal_matches_cpu_math(mode: torch.pjrt.EagerMode) -> None:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    cpu = _attention_inputs("cpu", torch.float32, 4, 4, 6, 9, "none")[:3]
+    with sdpa_kernel(SDPBackend.MATH):
+        want = F.scaled_dot_product_attention(*cpu, is_causal=True, scale=0.4)
+    grad = torch.randn(want.shape, generator=torch.Generator().manual_seed(6))
+    want.backward(grad)
+    with torch.pjrt.set_eager_mode(mode):
+        pjrt = _attention_inputs("pjrt", torch.float32, 4, 4, 6, 9, "none")[:3]
+        got = torch.ops.aten._scaled_dot_product_fused_attention_overrideable(*pjrt, None, 0.0, True, scale=0.4)[0]
+        got.backward(grad.to("pjrt"))
+        torch.testing.assert_close(got.cpu(), want.detach(), rtol=1e-5, atol=1e-5)
+        for mine, theirs in zip(pjrt, cpu):
+            torch.testing.assert_close(mine.grad.cpu(), theirs.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_sdpa_half_inputs_and_dropout_take_the_math_route_values(fused: None) -> None:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q, k, v, attn_mask = _attention_inputs("cpu", torch.bfloat16, 4, 2, 5, 5, "bool")
+    with torch.no_grad(), sdpa_kernel(SDPBackend.MATH):
+        want = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=True)
+        got = F.scaled_dot_product_attention(q.to("pjrt"), k.to("pjrt"), v.to("pjrt"), attn_mask=attn_mask.to("pjrt"),
+                                             enable_gqa=True)
+        torch.testing.assert_close(got.cpu(), want, rtol=2e-2, atol=2e-2)
+        # dropout needs the math route's random mask: all kept at p=0 equals the fused op, p=1 drops everything
+        dropped = F.scaled_dot_product_attention(q.to("pjrt"), k.to("pjrt"), v.to("pjrt"), dropout_p=1.0,
+                                                 enable_gqa=True)
+        assert torch.equal(dropped.cpu(), torch.zeros_like(want))

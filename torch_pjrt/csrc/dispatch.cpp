@@ -19,7 +19,10 @@
 // All state is guarded by the GIL, which every call holds (autograd's threads included), and the
 // pending graph by its own lock besides, as in Python.
 
+#include <ATen/native/transformers/attention.h>
+#include <ATen/SDPBackend.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <c10/util/SmallVector.h>
 #include <torch/csrc/Device.h>
 #include <torch/csrc/Dtype.h>
@@ -1296,10 +1299,25 @@ Convert convert_of(const c10::Argument& argument) {
   }
 }
 
-// Registers the native kernel of aten::name.overload, whose Python plan (eager/dispatch.OpPlan) runs misses.
+// The PrivateUse1 IMPL library of one of our own op namespaces (aten's is `library()`).
+torch::Library& library_of(const std::string& space) {
+  static std::unordered_map<std::string, torch::Library*> libraries;
+  auto& found = libraries[space];
+  if (found == nullptr) {
+    found = new torch::Library(torch::Library::IMPL, space, c10::DispatchKey::PrivateUse1, __FILE__, __LINE__);
+  }
+  return *found;
+}
+
+// Registers the native kernel of aten::name.overload (or of space::op.overload when `name` is qualified), whose
+// Python plan (eager/dispatch.OpPlan) runs misses.
 void register_kernel(const std::string& name, const std::string& overload, py::object plan,
                      std::vector<int> kinds, bool static_scalars, bool allow_cpu, std::vector<size_t> length_args) {
-  const auto handle = c10::Dispatcher::singleton().findSchemaOrThrow(("aten::" + name).c_str(), overload.c_str());
+  const auto separator = name.find("::");
+  const std::string qualified = separator == std::string::npos ? "aten::" + name : name;
+  const std::string op_name = separator == std::string::npos ? name : name.substr(separator + 2);
+  auto& target = separator == std::string::npos ? library() : library_of(name.substr(0, separator));
+  const auto handle = c10::Dispatcher::singleton().findSchemaOrThrow(qualified.c_str(), overload.c_str());
   const auto& arguments = handle.schema().arguments();
   TORCH_CHECK(kinds.size() == arguments.size(), "torch_pjrt native dispatch: ", name, ".", overload,
               " has ", arguments.size(), " arguments, its plan ", kinds.size());
@@ -1318,8 +1336,8 @@ void register_kernel(const std::string& name, const std::string& overload, py::o
   state->static_scalars = static_scalars;
   state->allow_cpu = allow_cpu;
   state->length_args = std::move(length_args);
-  library().impl(
-      overload.empty() ? name.c_str() : (name + "." + overload).c_str(),
+  target.impl(
+      overload.empty() ? op_name.c_str() : (op_name + "." + overload).c_str(),
       torch::CppFunction::makeFromBoxedFunctor(std::make_unique<Kernel>(state)));
 }
 
@@ -1391,6 +1409,90 @@ void configure(py::object miss, py::object storage_type, py::object array_type,
   rt.enabled = true;
 }
 
+
+// --- scaled_dot_product_attention as one op --------------------------------------------------------
+// PyTorch's scaled_dot_product_attention (a composite) asks the device's `_fused_sdp_choice` stub which
+// route to take. For pjrt tensors it answers "overrideable" where ops/nn/attention.py's one-op attention
+// applies (no dropout, 4-D inputs, key and value heads equal to the query's or, with enable_gqa, a divisor
+// of them), and "math" elsewhere, as without this stub: in fake tensors (torch.compile's tracing) and under
+// a Python dispatch mode too, so graphs and modes see what they saw before. A causal call (a prompt's
+// prefill) keeps the math route too: its ops read a static KV cache's slice of a marked length padded, op
+// by op, so a new prompt length runs its bucket's programs, where the one op would compile per length. The overrideable op and its
+// backward run torch_pjrt::fused_attention(_backward), lowered ops with native kernels, and hand back
+// the outputs a flash kernel's schema has but the math route does not need as undefined tensors.
+
+struct FusedAttentionOps {
+  c10::TypedOperatorHandle<std::tuple<at::Tensor, at::Tensor>(
+      const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, bool,
+      std::optional<double>)>
+      forward;
+  c10::TypedOperatorHandle<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
+      const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+      std::array<bool, 4>, bool, std::optional<double>)>
+      backward;
+};
+
+FusedAttentionOps* fused_attention_ops = nullptr;
+
+int64_t sdp_choice(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                   const std::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal,
+                   std::optional<double> scale, bool enable_gqa) {
+  const auto math = static_cast<int64_t>(at::SDPBackend::math);
+  if (dropout_p != 0.0 || is_causal || query.dim() != 4 || key.dim() != 4 || value.dim() != 4 ||
+      query.key_set().has(c10::DispatchKey::Python) || c10::impl::TorchDispatchModeTLS::stack_len() > 0) {
+    return math;
+  }
+  const int64_t heads = query.size(1);
+  const int64_t key_heads = key.size(1);
+  if (key_heads != value.size(1) || (heads != key_heads && !(enable_gqa && key_heads > 0 && heads % key_heads == 0))) {
+    return math;
+  }
+  return static_cast<int64_t>(at::SDPBackend::overrideable);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, c10::SymInt, c10::SymInt, at::Tensor, at::Tensor, at::Tensor>
+overrideable_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                       const std::optional<at::Tensor>& attn_bias, double dropout_p, bool is_causal,
+                       bool return_debug_mask, std::optional<double> scale) {
+  TORCH_CHECK(dropout_p == 0.0 && !return_debug_mask, "torch_pjrt: _scaled_dot_product_fused_attention_overrideable "
+              "runs without dropout or a debug mask only; call scaled_dot_product_attention, which picks it.");
+  auto [output, logsumexp] = fused_attention_ops->forward.call(query, key, value, attn_bias, is_causal, scale);
+  return {output, logsumexp, at::Tensor(), at::Tensor(), query.sym_size(2), key.sym_size(2),
+          at::Tensor(), at::Tensor(), at::Tensor()};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> overrideable_attention_backward(
+    const at::Tensor& grad_out, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+    const at::Tensor& attn_bias, std::array<bool, 4> grad_input_mask, const at::Tensor& out,
+    const at::Tensor& logsumexp, const at::Tensor& cum_seq_q, const at::Tensor& cum_seq_k, c10::SymInt max_q,
+    c10::SymInt max_k, double dropout_p, bool is_causal, const at::Tensor& philox_seed,
+    const at::Tensor& philox_offset, std::optional<double> scale) {
+  TORCH_CHECK(dropout_p == 0.0, "torch_pjrt: _scaled_dot_product_fused_attention_overrideable_backward runs "
+              "without dropout only; call scaled_dot_product_attention, which picks it.");
+  const std::optional<at::Tensor> bias = attn_bias.defined() ? std::optional<at::Tensor>(attn_bias) : std::nullopt;
+  return fused_attention_ops->backward.call(grad_out, query, key, value, bias, grad_input_mask, is_causal, scale);
+}
+
+// Installs the stub's answer and the two kernels (once the torch_pjrt ops are defined and registered).
+void install_fused_attention() {
+  if (fused_attention_ops != nullptr) {
+    return;
+  }
+  auto& dispatcher = c10::Dispatcher::singleton();
+  fused_attention_ops = new FusedAttentionOps{
+      dispatcher.findSchemaOrThrow("torch_pjrt::fused_attention", "")
+          .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                    const std::optional<at::Tensor>&, bool, std::optional<double>)>(),
+      dispatcher.findSchemaOrThrow("torch_pjrt::fused_attention_backward", "")
+          .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
+              const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+              const std::optional<at::Tensor>&, std::array<bool, 4>, bool, std::optional<double>)>()};
+  library().impl("_scaled_dot_product_fused_attention_overrideable", TORCH_FN(overrideable_attention));
+  library().impl("_scaled_dot_product_fused_attention_overrideable_backward",
+                 TORCH_FN(overrideable_attention_backward));
+  at::native::_fused_sdp_choice_stub.set_privateuse1_dispatch_ptr(&sdp_choice);
+}
+
 }  // namespace
 
 // The counters the hit path keeps, by their names in metrics.
@@ -1445,12 +1547,14 @@ void init_dispatch(py::module& m) {
         "Hand the native dispatch the Python objects it reads and calls, and turn it on.");
   m.def("register_kernel", &register_kernel, py::arg("name"), py::arg("overload"), py::arg("plan"),
         py::arg("kinds"), py::arg("static_scalars"), py::arg("allow_cpu"), py::arg("length_args"),
-        "Register the native PrivateUse1 kernel of aten::name.overload.");
+        "Register the native PrivateUse1 kernel of aten::name.overload (or of a qualified name's op).");
   m.def("register_metadata_kernel", &register_metadata_kernel, py::arg("name"), py::arg("overload"),
         "Register aten::name.overload (a view or metadata-only op) to run PyTorch's CPU kernel natively.");
   m.def("set_dispatch_enabled", [](bool on) { runtime().enabled = on && runtime().miss != nullptr; },
         py::arg("on"), "Turn the native hit path on or off (off: every call goes to Python).");
   m.def("dispatch_enabled", []() { return runtime().enabled; });
+  m.def("install_fused_attention", &install_fused_attention,
+        "Run scaled_dot_product_attention on pjrt tensors as torch_pjrt::fused_attention where it applies.");
 }
 
 }  // namespace torch_pjrt

@@ -325,7 +325,23 @@ def register_all() -> list[torch.library.Library]:
                 dispatch.register_native(native_dispatch, op, plan)
             else:
                 library.impl(op, dispatch.make_kernel(plan), KEY)
+    # (a native module built before install_fused_attention leaves SDPA to the math route)
+    if native_dispatch is not None and hasattr(native_dispatch, "install_fused_attention"):
+        _install_fused_attention(native_dispatch)
     return [library]
+
+
+def _install_fused_attention(native_dispatch: Any) -> None:
+    """scaled_dot_product_attention on pjrt tensors as one op (ops/nn/attention.py, csrc/dispatch.cpp):
+    its two torch_pjrt ops get native kernels, then the native module routes SDPA to them."""
+    from torch_pjrt.ops.nn import attention
+
+    for op in (attention.fused_attention_op, attention.fused_attention_backward_op):
+        plan = dispatch.plan_for(op)
+        native_dispatch.register_kernel(op._schema.name, op._schema.overload_name, plan,
+                                        [k.value for k in plan.kinds], plan.static_scalars, plan.allow_cpu,
+                                        list(plan.length_args))
+    native_dispatch.install_fused_attention()
 
 
 METADATA_OPS = frozenset(

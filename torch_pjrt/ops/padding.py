@@ -28,6 +28,7 @@ import torch.fx
 
 from torch_pjrt import _torch_private, storage
 from torch_pjrt.ops import graph
+from torch_pjrt.ops.nn import attention
 from torch_pjrt.runtime import checks, client
 
 aten = torch.ops.aten
@@ -343,6 +344,8 @@ class PaddedInterpreter:
             return self._nll_loss
         if packet is aten.constant_pad_nd:
             return self._constant_pad
+        if op in (attention.fused_attention_op, attention.fused_attention_backward_op):
+            return self._attention
         if packet in REDUCTION_IDENTITY:
             return self._identity_filled
         if packet in ZERO_FILLED or (packet is aten.index_put and _accumulates(node)):
@@ -385,6 +388,27 @@ class PaddedInterpreter:
                        for i, m in zip(args[1], [i.meta.get("val") if i is not None else None for i in node.args[1]])]
             filled[1] = indices
         return self._plain(op, node, metas, tuple(filled), kwargs, rng)
+
+    def _attention(self, op, node, metas, args, kwargs, rng):
+        """One-op attention (or its backward) over padded sequences: padded keys, values and bias entries
+        are zeros, the keys masked out of every query's softmax; padded queries give padded rows, and in
+        the backward their gradient rows are zeros, so they add nothing to the keys' and values' gradients."""
+        jnp = client.jax_module().numpy
+        first = 1 if op is attention.fused_attention_backward_op else 0  # (the backward's grad_output)
+        query, key, value = metas[first:first + 3]
+        if any(isinstance(size, torch.SymInt) for t in (query, key, value) for size in (*t.shape[:2], t.shape[-1])):
+            raise CannotPad("attention over a dynamic batch, head or feature dimension")
+        zeroed = [_fill(a, m, self.sizes, 0) for a, m in zip(args[:first + 3], metas[:first + 3])]
+        if not first:
+            zeroed[0] = args[0]  # (a padded query row only makes a padded output row)
+        bias = args[first + 3]
+        if bias is not None:
+            bias = _fill(bias, metas[first + 3], self.sizes, 0)
+        if isinstance(key.shape[2], torch.SymInt):
+            valid = jnp.arange(zeroed[first + 1].shape[2]) < self.sizes.real(key.shape[2])
+            bias = valid if bias is None else (bias & valid if bias.dtype == jnp.bool_
+                                               else jnp.where(valid, bias, -jnp.inf))
+        return self._plain(op, node, metas, (*zeroed, bias, *args[first + 4:]), kwargs, rng)
 
     def _constant_pad(self, op, node, metas, args, kwargs, rng):
         """Each dynamic dim: the true elements shifted by the pad before them, the fill everywhere else
