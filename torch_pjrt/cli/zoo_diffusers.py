@@ -83,6 +83,8 @@ CONSTRUCTOR_OVERRIDES: dict[str, dict[str, Any]] = {
     "AutoencoderOobleck": {"decoder_channels": 32},
     "AutoencoderKLMiniMaxH3Audio": {"decoder_dim": 256},
     "MMAudioVocoder": {"upsample_initial_channel": 64},
+    "MiniMaxMusic3Vocoder": {"decoder_input_dim": 128, "decoder_hidden_dim": 128},
+    "AutoencoderVidTok": {"ch": 32},  # no result in 300 s at 128
     "ErnieImageTransformer2DModel": {"hidden_size": 256, "ffn_hidden_size": 512},  # 2 heads of the rotary's 128
     "EasyAnimateTransformer3DModel": {"in_channels": 16, "out_channels": 16, "patch_size": 2},
     "LatteTransformer3DModel": {"in_channels": 4, "out_channels": 4, "patch_size": 2, "caption_channels": 32,
