@@ -788,12 +788,10 @@ py::object padded_holder(PyObject* layout, PyObject* array) {
 
 at::Tensor wrap_output(const OutSpec& spec, PyObject* array, c10::DeviceIndex device) {
   auto& rt = runtime();
-  at::Tensor tensor =
-      make_tensor(device, spec.dtype, spec.sizes, spec.strides, new_address(spec.nbytes), spec.nbytes);
   py::object holder = spec.layout == nullptr ? py::reinterpret_borrow<py::object>(array)
                                              : padded_holder(spec.layout, array);
   py::object device_storage = new_device_storage(holder.ptr(), spec, device);
-  link_device_storage(tensor.storage().unsafeGetStorageImpl(), device_storage.ptr());
+  at::Tensor tensor = linked_tensor(device, spec.dtype, spec.sizes, spec.strides, spec.nbytes, device_storage.ptr());
   if (spec.layout != nullptr) {
     call_python(rt.note_padded, {device_storage.ptr()});
   }
