@@ -8,6 +8,7 @@ import json
 import os
 
 import pytest
+import torch
 
 from torch_pjrt.cli import zoo
 from torch_pjrt.cli.main import main
@@ -91,3 +92,18 @@ def test_outside_tolerance_judged_against_a_float64_run() -> None:
 
     assert zoo._judge(cpu, cpu, no_float64_run) == {"status": "match", "detail": "", "forward_max_diff": 0.0,
                                                      "training_max_diff": 0.0, "loss": float(cpu.loss)}
+
+
+def test_a_generator_among_the_inputs_gives_both_devices_the_same_noise() -> None:
+    """A model that samples noise in its forward from a generator it is given (a consistency decoder) draws
+    the same numbers on CPU and on pjrt: the zoo re-seeds the generator before every call."""
+
+    class Noisy(torch.nn.Module):
+        def forward(self, x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+            return x + torch.randn(x.shape, generator=generator).to(x.device)
+
+    x, generator = torch.randn(4, 3), torch.Generator()
+    on_cpu = zoo._call(Noisy(), {"x": x, "generator": generator})
+    on_pjrt = zoo._call(Noisy(), {"x": x.to("pjrt"), "generator": generator})
+    torch.testing.assert_close(on_pjrt.cpu(), on_cpu)
+    assert not torch.equal(on_cpu, x)

@@ -89,6 +89,11 @@ def _to(value: Any, device: str) -> Any:
 
 
 def _call(model: torch.nn.Module, inputs: Any) -> Any:
+    """The model on its inputs. A torch.Generator among them is re-seeded first, so a model that samples
+    noise in its forward (a consistency decoder) draws the same numbers at every call on every device."""
+    for value in inputs.values() if isinstance(inputs, dict) else inputs:
+        if isinstance(value, torch.Generator):
+            value.manual_seed(0)
     return model(**inputs) if isinstance(inputs, dict) else model(*inputs)
 
 

@@ -393,6 +393,9 @@ CLASS_INPUTS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "HunyuanDiT2DModel": lambda config: _hunyuan_dit(config),
     "HunyuanDiT2DControlNetModel": lambda config: _hunyuan_dit(config) | {
         "controlnet_cond": torch.randn(BATCH, config["in_channels"], SIDE, SIDE)},  # the control image's latents
+    # Its decoder samples its starting noise and each step's: a CPU generator (re-seeded at each call) gives
+    # both devices the same noise, which diffusers draws on the generator's device and moves.
+    "ConsistencyDecoderVAE": lambda config: {"generator": torch.Generator()},
     # The control video (VACE's masked frames and mask, packed into its input channels) beside the latent video.
     "WanVACETransformer3DModel": lambda config: {
         "hidden_states": torch.randn(BATCH, config["in_channels"], FRAMES[1], SIDE, SIDE),
