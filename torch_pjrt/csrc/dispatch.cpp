@@ -1415,9 +1415,10 @@ void configure(py::object miss, py::object storage_type, py::object array_type,
 // of them), and "math" elsewhere, as without this stub: in fake tensors (torch.compile's tracing) and under
 // a Python dispatch mode too, so graphs and modes see what they saw before. A causal call (a prompt's
 // prefill) keeps the math route too: its ops read a static KV cache's slice of a marked length padded, op
-// by op, so a new prompt length runs its bucket's programs, where the one op would compile per length. The overrideable op and its
-// backward run torch_pjrt::fused_attention(_backward), lowered ops with native kernels, and hand back
-// the outputs a flash kernel's schema has but the math route does not need as undefined tensors.
+// by op, so a new prompt length runs its bucket's programs, where the one op would compile per length.
+// The overrideable op and its backward run torch_pjrt::fused_attention(_backward), lowered ops with
+// native kernels, and hand back the outputs a flash kernel's schema has but the math route does not need
+// as undefined tensors.
 
 struct FusedAttentionOps {
   c10::TypedOperatorHandle<std::tuple<at::Tensor, at::Tensor>(
