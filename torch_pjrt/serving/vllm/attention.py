@@ -56,7 +56,7 @@ class PjrtAttentionMetadata:
     """One step's attention inputs on the pjrt device, shipped in one transfer and shared by the layers.
 
     What the layers attend over (each token's causal or windowed mask over its pages) is
-    computed from these on the device by `context_of`: inside the compiled program on the compile path,
+    computed from these on the device by `visible_of`: inside the compiled program on the compile path,
     once per step in eager mode."""
 
     num_actual_tokens: int
@@ -81,26 +81,17 @@ class PjrtAttentionMetadata:
     """(padded_token_count(requests),) each request's last token row, the last repeated as padding: the rows
     vLLM samples from when it verifies no drafts (the runner checks them against its own, sampled_rows_host)."""
     sampled_rows_host: np.ndarray | None = None
-    contexts: dict[int | None, Context] = field(default_factory=dict)
-    """Sliding window (None: none) -> its Context, computed once per step in eager mode."""
+    visible: dict[int | None, torch.Tensor] = field(default_factory=dict)
+    """Sliding window (None: none) -> `visible_of` it, computed once per step in eager mode."""
 
 
-@dataclass
-class Context:
-    """What the query tokens of a step attend over, for `paged.gathered_attention`."""
-
-    block_tables: torch.Tensor
-    """(tokens, pages) the cache blocks of each token's request, context position s in page s // block_size."""
-    visible: torch.Tensor
-    """(tokens, pages * block_size) bool: the position is at or before the token (and within its window)."""
-
-
-def context_of(meta: PjrtAttentionMetadata, window: int | None) -> Context:
-    """The context of the step's tokens for a layer with sliding window `window`: each token sees its
-    request's positions up to its own, the last `window` of them when windowed (vLLM's and Hugging
-    Face's rule; the blocks vLLM frees behind the window read as the null block and are masked out).
-    Padding rows (position 0, block 0, vLLM's null block, which no request owns) see that block's first row."""
-    found = meta.contexts.get(window)
+def visible_of(meta: PjrtAttentionMetadata, window: int | None) -> torch.Tensor:
+    """(tokens, pages * block_size) bool: the context positions of `meta.block_tables` each token of the step
+    sees with sliding window `window`: its request's positions up to its own, the last `window` of them when
+    windowed (vLLM's and Hugging Face's rule; the blocks vLLM frees behind the window read as the null block
+    and are masked out). Padding rows (position 0, block 0, vLLM's null block, which no request owns) see
+    that block's first row."""
+    found = meta.visible.get(window)
     if found is not None:
         return found
     pages = meta.block_tables.shape[1]
@@ -109,10 +100,9 @@ def context_of(meta: PjrtAttentionMetadata, window: int | None) -> Context:
     visible = context_positions[None, :] <= positions
     if window is not None:
         visible = visible & (context_positions[None, :] > positions - window)
-    found = Context(meta.block_tables, visible)
     if not torch.compiler.is_compiling():  # a traced graph computes it in the program; eager once per step
-        meta.contexts[window] = found
-    return found
+        meta.visible[window] = visible
+    return visible
 
 
 def padded_context_length(max_seq_len: int, block_size: int, max_context: int) -> int:
@@ -270,10 +260,9 @@ class PjrtAttentionImpl(AttentionImpl[PjrtAttentionMetadata]):
                 soft_cap=self.logits_soft_cap)
             output[:tokens].copy_(attended.reshape(output[:tokens].shape))
             return output
-        context = context_of(attn_metadata, self.sliding_window)
         attended = paged.gathered_attention(
             query[:tokens].view(tokens, heads, size), kv_cache if buffer is None else buffer,
-            context.block_tables, context.visible, scale=self.scale,
+            attn_metadata.block_tables, visible_of(attn_metadata, self.sliding_window), scale=self.scale,
             soft_cap=self.logits_soft_cap, layer=self.layer_index)
         output[:tokens].copy_(attended.reshape(output[:tokens].shape).to(output.dtype))
         return output
