@@ -1198,9 +1198,9 @@ def register_native(module: Any, op: OpOverload, plan: OpPlan,
     and is not installed."""
     if unless_plain is not None:
         _UNLESS_PLAIN[op] = unless_plain
-    schema = op._schema
-    module.register_kernel(schema.name.split("::")[-1], schema.overload_name, plan, [k.value for k in plan.kinds],
-                           plan.static_scalars, plan.allow_cpu, list(plan.length_args))
+    schema = op._schema  # (an aten op by its bare name, one of ours qualified: torch_pjrt::fused_attention)
+    module.register_kernel(schema.name.removeprefix("aten::"), schema.overload_name, plan,
+                           [k.value for k in plan.kinds], plan.static_scalars, plan.allow_cpu, list(plan.length_args))
 
 
 def configure_native(module: Any) -> None:

@@ -337,10 +337,7 @@ def _install_fused_attention(native_dispatch: Any) -> None:
     from torch_pjrt.ops.nn import attention
 
     for op in (attention.fused_attention_op, attention.fused_attention_backward_op):
-        plan = dispatch.plan_for(op)
-        native_dispatch.register_kernel(op._schema.name, op._schema.overload_name, plan,
-                                        [k.value for k in plan.kinds], plan.static_scalars, plan.allow_cpu,
-                                        list(plan.length_args))
+        dispatch.register_native(native_dispatch, op, dispatch.plan_for(op))
     native_dispatch.install_fused_attention()
 
 
