@@ -186,7 +186,7 @@ class _Shapes:
         self.config, self.layout, self.frames, self.fractions, self.length = config, layout, frames, fractions, length
         sample = config.get("sample_size")
         self.side = min(sample, SIDE) if isinstance(sample, int) and sample >= 8 else SIDE
-        self.channels = channels or _config_int(config, CHANNEL_NAMES, 4)
+        self.channels = channels or _channels(config)
         self.text_width = _config_int(config, TEXT_WIDTHS, 32)
         patch = _config_int(config, ("patch_size",), 1)
         self.tokens = (self.side // max(patch, 1)) ** 2 if layout == "tokens" else 0
@@ -439,7 +439,7 @@ def _layouts(config: dict[str, Any], class_name: str, fractions: bool = False) -
     for layout in [*order, "vector"]:
         for frames in (FRAMES if "video" in layout else (1,)):
             yield _Shapes(config, layout, frames, fractions)
-    configured = _config_int(config, CHANNEL_NAMES, 4)
+    configured = _channels(config)
     named = [_config_int(config, (name,), None) for name in OTHER_CHANNELS]
     for layout in order:
         others = (1, 2) if layout == "sequence" else (3,)
