@@ -33,7 +33,12 @@ from vllm import LLM, SamplingParams  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
 
 from torch_pjrt.eager.modes import EagerMode  # noqa: E402
-from torch_pjrt.serving.vllm.attention import padded_context_length, padded_token_count  # noqa: E402
+from torch_pjrt.serving.vllm.attention import (  # noqa: E402
+    PjrtAttentionMetadata,
+    kernel_inputs_of,
+    padded_context_length,
+    padded_token_count,
+)
 
 MAX_MODEL_LEN = 128
 NEW_TOKENS = 8
@@ -363,6 +368,22 @@ def test_prompt_longer_than_max_model_len_gets_vllms_error_and_the_engine_keeps_
 
 def test_padded_context_length_is_a_power_of_two_within_the_table() -> None:
     assert [padded_context_length(n, 16, 128) for n in (1, 16, 17, 33, 100, 128)] == [16, 16, 32, 64, 128, 128]
+
+
+def test_the_kernels_int32_inputs_are_converted_once_a_step_for_all_layers() -> None:
+    tokens, pages = 8, 4
+    tables = torch.randint(1, 64, (tokens, pages))
+    positions = torch.randint(0, pages * 16, (tokens,))
+    device = torch.device("pjrt", 0)
+    meta = PjrtAttentionMetadata(
+        num_actual_tokens=tokens, token_ids=torch.zeros(tokens, dtype=torch.long, device=device),
+        token_ids_host=None, positions_host=None, slots=positions.to(device), positions=positions.to(device),
+        block_tables=tables.to(device), block_size=16, kernel=True)
+    first, second = kernel_inputs_of(meta), kernel_inputs_of(meta)  # two layers of one step
+    assert first[0] is second[0] and first[1] is second[1]
+    assert first[0].dtype == first[1].dtype == torch.int32
+    assert torch.equal(first[0].cpu(), tables.to(torch.int32))
+    assert torch.equal(first[1].cpu(), (positions + 1).to(torch.int32))
 
 
 def test_padded_token_count_is_a_power_of_two_from_eight() -> None:

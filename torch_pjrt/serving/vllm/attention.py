@@ -83,6 +83,8 @@ class PjrtAttentionMetadata:
     sampled_rows_host: np.ndarray | None = None
     visible: dict[int | None, torch.Tensor] = field(default_factory=dict)
     """Sliding window (None: none) -> `visible_of` it, computed once per step in eager mode."""
+    kernel_inputs: tuple[torch.Tensor, torch.Tensor] | None = None
+    """`kernel_inputs_of` this metadata, computed once per step in eager mode."""
 
 
 def visible_of(meta: PjrtAttentionMetadata, window: int | None) -> torch.Tensor:
@@ -103,6 +105,18 @@ def visible_of(meta: PjrtAttentionMetadata, window: int | None) -> torch.Tensor:
     if not torch.compiler.is_compiling():  # a traced graph computes it in the program; eager once per step
         meta.visible[window] = visible
     return visible
+
+
+def kernel_inputs_of(meta: PjrtAttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """The block tables and each token's context length (its position + 1) as the int32 paged.paged_attention
+    takes: converted once per step in eager mode, shared by the layers (a traced graph converts them in the
+    program)."""
+    if meta.kernel_inputs is not None:
+        return meta.kernel_inputs
+    inputs = meta.block_tables.to(torch.int32), (meta.positions + 1).to(torch.int32)
+    if not torch.compiler.is_compiling():
+        meta.kernel_inputs = inputs
+    return inputs
 
 
 def padded_context_length(max_seq_len: int, block_size: int, max_context: int) -> int:
@@ -254,10 +268,10 @@ class PjrtAttentionImpl(AttentionImpl[PjrtAttentionMetadata]):
                 buffer.index_put_((self.layer_index, *at), rows.to(buffer.dtype))
         # the kernel attends to the whole context: windowed layers gather with torch ops
         if buffer is not None and attn_metadata.kernel and self.sliding_window is None:
+            tables, lengths = kernel_inputs_of(attn_metadata)
             attended = paged.paged_attention(
-                query[:tokens].view(tokens, heads, size), buffer, attn_metadata.block_tables.to(torch.int32),
-                (attn_metadata.positions + 1).to(torch.int32), layer=self.layer_in_buffer, scale=self.scale,
-                soft_cap=self.logits_soft_cap)
+                query[:tokens].view(tokens, heads, size), buffer, tables, lengths, layer=self.layer_in_buffer,
+                scale=self.scale, soft_cap=self.logits_soft_cap)
             output[:tokens].copy_(attended.reshape(output[:tokens].shape))
             return output
         attended = paged.gathered_attention(
