@@ -239,12 +239,14 @@ OPTIONS_SEEN = textwrap.dedent(
 
 def test_one_op_programs_are_compiled_with_their_xla_options_and_fused_ones_without(tmp_path: Path) -> None:
     """Strict eager's one-op programs get XLA's options for small programs (client.one_op_options) at the
-    compile itself; a fused program, run every decode step, keeps XLA's defaults."""
+    compile itself, with a cache folder or without one; a fused program, run every decode step, keeps XLA's
+    defaults."""
     seed = str(int.from_bytes(os.urandom(2), "little"))
-    for mode, share in (("strict", "all"), ("fused", "none")):
+    for mode, folder, share in (("strict", str(tmp_path / "strict"), "all"), ("strict", "0", "all"),
+                                ("fused", str(tmp_path / "fused"), "none")):
         result = subprocess.run([sys.executable, "-c", OPTIONS_SEEN, mode, seed], capture_output=True, text=True,
-                                timeout=300, env={**os.environ, "TORCH_PJRT_CACHE_DIR": str(tmp_path / mode)})
+                                timeout=300, env={**os.environ, "TORCH_PJRT_CACHE_DIR": folder})
         assert result.returncode == 0, result.stderr[-2000:]
         compiles, with_options, options_exist = map(int, result.stdout.split())
         assert compiles > 0 and options_exist == 1
-        assert with_options == (compiles if share == "all" else 0), (mode, compiles, with_options)
+        assert with_options == (compiles if share == "all" else 0), (mode, folder, compiles, with_options)

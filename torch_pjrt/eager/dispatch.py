@@ -16,6 +16,7 @@ import functools
 import hashlib
 import math
 import pickle
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -829,16 +830,16 @@ def _prepare(entry: Entry, scan: Scan, inputs: list[Any]) -> None:
     padded op is traced at once, so a lowering error surfaces at the op, not at the flush."""
     key = _stored_op_key(entry.structure) if entry.structure is not None and disk_store.enabled() else None
     if key is None:
-        if modes.state.fusing or entry.form is not None:
+        if modes.state.fusing:
             _trace_now(entry, scan, inputs)
+        else:
+            _load_stored_op(entry, None, scan, inputs)
         return
     with disk_store.counted_as("op_store"):
         recorded = disk_store.read("op_checks", key)
         entry.checks = None  # set again by the program's function whenever it is traced
         if not modes.state.fusing:
-            stored = StoredOp(entry, key, scan.device.index)
-            stored.load(inputs)
-            entry.program = programs.Program.of_executable(stored, entry.program.name, device_index=scan.device.index)
+            _load_stored_op(entry, key, scan, inputs)
         elif recorded is None:
             _trace_now(entry, scan, inputs)
         if entry.checks is None:
@@ -850,15 +851,24 @@ def _prepare(entry: Entry, scan: Scan, inputs: list[Any]) -> None:
             disk_store.write("op_checks", key, pickle.dumps(entry.checks))
 
 
+def _load_stored_op(entry: Entry, key: str | None, scan: Scan, inputs: list[Any]) -> None:
+    """Make a strict op's program a `StoredOp` with the executable for these inputs, so every one-op program
+    compiles in one place (with its XLA options), with a cache folder or without."""
+    stored = StoredOp(entry, key, scan.device.index)
+    stored.load(inputs)
+    entry.program = programs.Program.of_executable(stored, entry.program.name, device_index=scan.device.index)
+
+
 class StoredOp:
     """A strict op's program as executables by the shapes and dtypes of the arrays it is called with (a
     storage's array has the shape its producer gave it, so one signature meets several, as jit would
-    retrace), each loaded from the cache folder or compiled and stored there."""
+    retrace), each loaded from the cache folder or compiled (and stored there when `key` is not None)."""
 
-    __slots__ = ("entry", "key", "device_index", "by_avals", "current")
+    __slots__ = ("entry", "key", "device_index", "by_avals", "current", "jit")
 
-    def __init__(self, entry: Entry, key: str, device_index: int) -> None:
+    def __init__(self, entry: Entry, key: str | None, device_index: int) -> None:
         self.entry, self.key, self.device_index = entry, key, device_index
+        self.jit = entry.program.jitted  # what compiles it where nothing is stored
         self.by_avals: dict[tuple, Any] = {}
         self.current: Any = None
 
@@ -880,13 +890,19 @@ class StoredOp:
                       for a in args)
         executable = self.by_avals.get(avals)
         if executable is None:
-            entry = self.entry
-            key = hashlib.sha256(f"{self.key}{avals!r}".encode()).hexdigest()
-            with client.compile_options(client.one_op_options(), client.ONE_OP_MAX_CHARACTERS):
-                executable = self.by_avals[avals] = programs.stored_executable(
-                    entry.fn, tuple(args), key, entry.program.name, donate=entry.donate,
-                    device_index=self.device_index).jitted
+            with client.one_op_compiles():
+                executable = self.by_avals[avals] = self._compiled(tuple(args), avals)
         self.current = executable
+
+    def _compiled(self, args: tuple, avals: tuple) -> Any:
+        if self.key is None:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+                return self.jit.lower(*args).compile()
+        key = hashlib.sha256(f"{self.key}{avals!r}".encode()).hexdigest()
+        entry = self.entry
+        return programs.stored_executable(entry.fn, args, key, entry.program.name, donate=entry.donate,
+                                          device_index=self.device_index).jitted
 
 
 def _stored_op_key(structure: str) -> str:

@@ -79,7 +79,7 @@ def xla_cache_reads_off() -> Iterator[None]:
         _xla_cache_reads_off.depth -= 1
 
 
-_xla_options = threading.local()  # `compile_options`'s stack of XLA options for this thread's compiles
+_one_op_compiles = threading.local()  # its depth: how many one_op_compiles are open on this thread
 
 # XLA options for programs of one op (strict eager) whose StableHLO is small, where XLA's fixed cost
 # dominates: its MLIR fusion emitters cost more compile time than such a program's run returns. Compile
@@ -96,31 +96,28 @@ def one_op_options() -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def compile_options(options: dict[str, Any], max_characters: int) -> Iterator[None]:
-    """Compile this thread's programs meanwhile with these XLA options added to jax's (as jax.jit's
-    compiler_options would be) where their StableHLO has at most `max_characters`; XLA's persistent cache
-    keys them, as they are part of what it digests."""
-    stack = getattr(_xla_options, "stack", None)
-    if stack is None:
-        stack = _xla_options.stack = []
-    stack.append((options, max_characters))
+def one_op_compiles() -> Iterator[None]:
+    """Compile this thread's programs meanwhile as one-op programs: with `one_op_options` added to jax's (as
+    jax.jit's compiler_options would be) where their StableHLO has at most ONE_OP_MAX_CHARACTERS; XLA's
+    persistent cache keys them, as they are part of what it digests."""
+    _one_op_compiles.depth = getattr(_one_op_compiles, "depth", 0) + 1
     try:
         yield
     finally:
-        stack.pop()
+        _one_op_compiles.depth -= 1
 
 
 def _pass_compile_options() -> None:
-    """Make jax's compile step add `compile_options`'s options (through jax's private module, pinned with
-    jaxlib): jax.jit's own compiler_options reach only programs jitted by the caller with them."""
+    """Make jax's compile step add `one_op_options` within `one_op_compiles` (through jax's private module,
+    pinned with jaxlib): jax.jit's own compiler_options reach only programs jitted by the caller with them."""
     from jax._src import compiler
 
     compile_or_get_cached = compiler.compile_or_get_cached
 
     def with_options(backend: Any, computation: Any, devices: Any, options: Any, *rest: Any, **named: Any) -> Any:
-        stack = getattr(_xla_options, "stack", None)
-        if stack and stack[-1][0] and len(str(computation)) <= stack[-1][1]:
-            options.env_option_overrides = [*options.env_option_overrides, *stack[-1][0].items()]
+        wanted = one_op_options() if getattr(_one_op_compiles, "depth", 0) else None
+        if wanted and len(str(computation)) <= ONE_OP_MAX_CHARACTERS:
+            options.env_option_overrides = [*options.env_option_overrides, *wanted.items()]
         return compile_or_get_cached(backend, computation, devices, options, *rest, **named)
 
     compiler.compile_or_get_cached = with_options
