@@ -270,6 +270,31 @@ def test_a_repeated_signature_replays_natively_and_another_takes_the_python_path
         assert [plan.hits for plan in plans] == [3, 2]
 
 
+def test_signatures_that_alternate_are_each_found_by_their_key_and_replayed_natively() -> None:
+    """A graph's native plans are looked up by a summary of the call's inputs: an input at another storage
+    offset is another signature with another key, and calls alternating between them each replay natively with
+    CPU's values."""
+    import gc
+
+    from torch_pjrt.compile import backend, native_call
+
+    before = [o for o in gc.get_objects() if type(o) is backend.CompiledGraph]  # held: their ids stay theirs
+    compiled = torch.compile(lambda a, b: a * 2 + b, backend="pjrt", fullgraph=True, dynamic=False)
+    keys = {}
+    for offset in (0, 1, 0, 1, 1, 0):
+        base, b = torch.randn(2, 5), torch.randn(5)
+        a = base.to("pjrt")[offset]
+        torch.testing.assert_close(compiled(a, b.to("pjrt")).cpu(), base[offset] * 2 + b)
+        if native_call.module() is not None:
+            keys[offset] = native_call.call_key((a, b.to("pjrt")))
+    [graph] = [o for o in gc.get_objects() if type(o) is backend.CompiledGraph and all(o is not b for b in before)]
+    assert len(graph.programs) == 2
+    if native_call.module() is not None:
+        assert keys[0] != keys[1]
+        plans = {found.native.signature_key: found.native.hits for found in graph.programs.values()}
+        assert plans == {keys[0]: 2, keys[1]: 2}
+
+
 def test_the_native_replay_takes_pending_fused_results_as_inputs() -> None:
     """In DEFER_AND_FUSE a graph's inputs are often results of ops still recorded; the native replay runs their
     fused program first, as the Python path does, instead of leaving the call to it."""

@@ -223,6 +223,9 @@ class CompiledGraph:
         self.mesh_resolved = not self.collective_groups
         # The replayable signature that ran last (natively or not): its native replay is tried first.
         self.native_last: SignatureProgram | None = None
+        # The signatures with a native replay by (matmul precision, the plan's signature_key): a call the last one
+        # does not replay tries only those of its own key (native_call.call_key), not every plan.
+        self.native_plans: dict[tuple[str, int], list[SignatureProgram]] = {}
 
     def _refuse_like_cpu(self) -> None:
         """CPU's NotImplementedError for an op on float8 or fp4 tensors that CPU has no kernel for, as eager pjrt
@@ -405,8 +408,14 @@ class CompiledGraph:
         """The call replayed by the native plan of its signature (the last one tried first), or None."""
         precision = linalg.global_float32_matmul_precision()
         last = self.native_last
-        for found in (last, *(other for other in self.programs.values() if other is not last)):
-            results = found.native(args) if found.native is not None and found.precision == precision else None
+        if last.native is not None and last.precision == precision:
+            results = last.native(args)
+            if results is not None:
+                return results
+        if not self.native_plans:
+            return None
+        for found in self.native_plans.get((precision, native_call.call_key(args)), ()):
+            results = found.native(args) if found is not last else None
             if results is not None:
                 self.native_last = found
                 return results
@@ -485,6 +494,8 @@ class CompiledGraph:
         results = self._results(computed, values, found.layouts, tensors, device)
         if slot_shapes is not None:
             found.native, found.planned = self._native_plan(signature, found, slot_shapes, stores, device), True
+            if found.native is not None:
+                self.native_plans.setdefault((found.precision, found.native.signature_key), []).append(found)
         self.native_last = found if replayable else None
         return results
 

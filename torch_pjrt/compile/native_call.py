@@ -47,6 +47,12 @@ def module() -> ModuleType | None:
         return None
 
 
+def call_key(args: tuple) -> int:
+    """A summary of a call's inputs equal to the signature_key of every plan that can replay it (the module is
+    there: only a graph with plans asks)."""
+    return module().call_key(args)
+
+
 def plan(signature: Sequence[Any], slot_shapes: Sequence[tuple[int, ...]], slot_dtypes: Sequence[torch.dtype],
          written: Sequence[int], outputs: Sequence[Any], layouts: Sequence[Any], device: torch.device,
          call: Callable[..., Any], next_key: Callable[[], Any] | None, eager_part: Callable[..., Any] | None,

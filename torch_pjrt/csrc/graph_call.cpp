@@ -18,6 +18,7 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -86,6 +87,53 @@ std::vector<int64_t> ints_of(py::handle sequence) {
     values.push_back(item.cast<int64_t>());
   }
   return values;
+}
+
+// A call's inputs summarized (their kinds, dtypes, sizes, and a pjrt tensor's strides and offset), so a graph's
+// plans are looked up by it: a call not replayed by the last plan tries only the plans of its key, not all of them.
+// A plan's key is the same summary of its own description (signature_key), so every call it replays has it.
+enum class KeyKind : uint64_t { Device = 1, Host = 2, Other = 3 };
+
+uint64_t mixed(uint64_t key, uint64_t value) {
+  return key ^ (value + 0x9e3779b97f4a7c15ULL + (key << 6) + (key >> 2));
+}
+
+uint64_t with_input(uint64_t key, KeyKind kind, c10::ScalarType dtype, c10::IntArrayRef sizes,
+                    c10::IntArrayRef strides, int64_t offset) {
+  key = mixed(key, static_cast<uint64_t>(kind));
+  if (kind == KeyKind::Other) {
+    return key;
+  }
+  key = mixed(key, static_cast<uint64_t>(dtype));
+  key = mixed(key, sizes.size());
+  for (const int64_t size : sizes) {
+    key = mixed(key, static_cast<uint64_t>(size));
+  }
+  if (kind == KeyKind::Device) {
+    for (const int64_t stride : strides) {
+      key = mixed(key, static_cast<uint64_t>(stride));
+    }
+    key = mixed(key, static_cast<uint64_t>(offset));
+  }
+  return key;
+}
+
+uint64_t call_key(const py::tuple& args) {
+  uint64_t key = static_cast<uint64_t>(PyTuple_GET_SIZE(args.ptr()));
+  for (py::handle value : args) {
+    if (!THPVariable_Check(value.ptr())) {
+      key = with_input(key, KeyKind::Other, c10::ScalarType::Undefined, {}, {}, 0);
+      continue;
+    }
+    const at::Tensor& tensor = THPVariable_Unpack(value.ptr());
+    const c10::DeviceType type = tensor.device().type();
+    const KeyKind kind = type == c10::DeviceType::PrivateUse1 ? KeyKind::Device
+                         : type == c10::DeviceType::CPU      ? KeyKind::Host
+                                                             : KeyKind::Other;
+    key = with_input(key, kind, tensor.scalar_type(), tensor.sizes(), tensor.strides(),
+                     kind == KeyKind::Device ? tensor.storage_offset() : 0);
+  }
+  return key;
 }
 
 // One signature's call, replayed.
@@ -208,6 +256,18 @@ class GraphPlan {
   }
 
   int64_t hits() const { return hits_; }
+
+  // call_key of every call this plan replays.
+  uint64_t signature_key() const {
+    uint64_t key = static_cast<uint64_t>(inputs_.size());
+    for (const Input& input : inputs_) {
+      const KeyKind kind = input.kind == InputKind::Device ? KeyKind::Device
+                           : input.kind == InputKind::Host ? KeyKind::Host
+                                                           : KeyKind::Other;
+      key = with_input(key, kind, input.dtype, input.sizes, input.strides, input.offset);
+    }
+    return key;
+  }
 
  private:
   // Checks every input against the plan; the storages and arrays of the pjrt inputs by slot.
@@ -383,5 +443,10 @@ PYBIND11_MODULE(_graph_call, m) {
            py::arg("call"), py::arg("next_key"), py::arg("eager_part"), py::arg("issue_checks"))
       .def("__call__", &GraphPlan::operator(), py::arg("args"),
            "The graph's outputs for these inputs, or None where they are not this plan's signature.")
-      .def_property_readonly("hits", &GraphPlan::hits, "Calls replayed natively.");
+      .def_property_readonly("hits", &GraphPlan::hits, "Calls replayed natively.")
+      .def_property_readonly("signature_key", &GraphPlan::signature_key,
+                             "call_key of the calls this plan replays (its plans are looked up by it).");
+  m.def("call_key", &torch_pjrt::call_key, py::arg("args"),
+        "A summary of a call's inputs (kinds, dtypes, sizes, a pjrt tensor's strides and offset): a plan replays "
+        "only calls of its signature_key.");
 }
