@@ -49,15 +49,18 @@ CHANNEL_NAMES = ("audio_channels", "in_channels", "latent_channels", "num_channe
 # build once shrunk (norm groups wider than the shrunk channels, heads wider than the width): small values.
 CONSTRUCTOR_OVERRIDES: dict[str, dict[str, Any]] = {
     "HunyuanDiT2DModel": {"in_channels": 4, "patch_size": 2, "hidden_size": 2 * 88},  # heads x head size
-    "HunyuanDiT2DControlNetModel": {"in_channels": 4, "patch_size": 2, "hidden_size": 2 * 88},
+    "HunyuanDiT2DControlNetModel": {"in_channels": 4, "patch_size": 2, "hidden_size": 2 * 88,
+                                    "transformer_num_layers": 4},  # one control block per 2 layers, less one
     "Transformer2DModel": {"in_channels": 32},
     "DreamLiteTransformer2DModel": {"in_channels": 32},
     "TransformerTemporalModel": {"in_channels": 32},
     "DreamLiteUNetModel": {"attention_head_dim": 16},
-    "LuminaNextDiT2DModel": {"num_kv_heads": 2},
+    "LuminaNextDiT2DModel": {"num_kv_heads": 2, "hidden_size": 256},  # 182M at 2304
     "HiDreamImageTransformer2DModel": {"patch_size": 2},
     "Kandinsky3UNet": {"groups": 8},
-    "AutoencoderKLHunyuanImage": {"in_channels": 3},
+    "AutoencoderKLHunyuanImage": {"in_channels": 3, "out_channels": 3, "latent_channels": 16, "layers_per_block": 1,
+                                  "block_out_channels": (32, 64, 64), "spatial_compression_ratio": 4,
+                                  "sample_size": SIDE},  # all left to the checkpoint; 2 downsamplings
     # Widths tied to heads x head size or to the rotary axes, at 2 heads.
     "AuraFlowTransformer2DModel": {"caption_projection_dim": 512},
     "Lumina2Transformer2DModel": {"hidden_size": 192},
@@ -79,6 +82,8 @@ CONSTRUCTOR_OVERRIDES: dict[str, dict[str, Any]] = {
                           "num_attention_heads": (2, 2), "dropout": (0.0, 0.0)},
     "I2VGenXLUNet": {"attention_head_dim": 8},
     "LTXVideoTransformer3DModel": {"cross_attention_dim": 128},  # heads x head size, at 2 heads
+    "CosmosControlNetModel": {"model_channels": 2 * 128},  # heads x head size, at 2 heads
+    "SD3ControlNetModel": {"caption_projection_dim": 128},  # heads x head size, at 2 heads (108M at 18 heads)
     # Audio models' widths (over a minute on pjrt at their defaults).
     "AutoencoderOobleck": {"decoder_channels": 32},
     "AutoencoderKLMiniMaxH3Audio": {"decoder_dim": 256},
@@ -325,7 +330,8 @@ def _channels(config: dict[str, Any]) -> int:
 def _ideogram_packed(config: dict[str, Any]) -> dict[str, Any]:
     """One packed sequence per sample: text tokens (role 3) then a latent grid's patches (role 2), each row holding
     both the latent and the text features (the model masks each by role), (t, h, w) positions with the image's
-    offset past the text, and one segment per sample."""
+    offset past the text, one segment per sample, and the model time its pipeline passes (its sinusoidal embedding
+    scales [0, 1] by 1e4: a 1000-step timestep makes float32's last bit of a frequency swing its phase by a radian)."""
     side = SIDE // 4
     length = TEXT_TOKENS + side * side
     indicator = torch.cat([torch.full((TEXT_TOKENS,), 3), torch.full((side * side,), 2)]).expand(BATCH, length)
@@ -335,7 +341,8 @@ def _ideogram_packed(config: dict[str, Any]) -> dict[str, Any]:
     return {"hidden_states": torch.randn(BATCH, length, config["in_channels"]),
             "encoder_hidden_states": torch.randn(BATCH, length, config["llm_features_dim"]),
             "position_ids": torch.cat([text, image]).expand(BATCH, length, 3).contiguous(),
-            "segment_ids": torch.zeros(BATCH, length, dtype=torch.long), "indicator": indicator.contiguous()}
+            "segment_ids": torch.zeros(BATCH, length, dtype=torch.long), "indicator": indicator.contiguous(),
+            "timestep": 1 - _timestep() / 1000}  # model time in [0, 1] (0 noise, 1 data), as its pipeline maps sigma
 
 
 def _hunyuan_dit(config: dict[str, Any]) -> dict[str, Any]:
@@ -353,6 +360,40 @@ def _hunyuan_dit(config: dict[str, Any]) -> dict[str, Any]:
             "text_embedding_mask_t5": torch.ones(BATCH, config["text_len_t5"], dtype=torch.long),
             "image_meta_size": torch.tensor([[SIDE * 8.0, SIDE * 8.0, SIDE * 8.0, SIDE * 8.0, 0.0, 0.0]] * BATCH),
             "style": torch.zeros(BATCH, dtype=torch.long), "image_rotary_emb": rotary}
+
+
+def _lumina_next(config: dict[str, Any]) -> dict[str, Any]:
+    """Lumina-Next's pipeline passes its 2-D complex rotary table (the model crops it to the latent grid) and the
+    text mask."""
+    from diffusers.models.embeddings import get_2d_rotary_pos_embed_lumina
+
+    head = config["hidden_size"] // config["num_attention_heads"]
+    return {"image_rotary_emb": get_2d_rotary_pos_embed_lumina(head, SIDE, SIDE),
+            "encoder_mask": torch.ones(BATCH, TEXT_TOKENS, dtype=torch.long), "cross_attention_kwargs": {}}
+
+
+def _kandinsky5(config: dict[str, Any]) -> dict[str, Any]:
+    """A channels-last latent video (batch, frames, height, width, channels) with the (t, h, w) rotary positions of
+    its patch grid and the text tokens' positions, as Kandinsky 5's pipeline builds them."""
+    frames, side = FRAMES[1], SIDE // 2
+    patch = config["patch_size"]
+    return {"hidden_states": torch.randn(BATCH, frames, side, side, config["in_visual_dim"]),
+            "encoder_hidden_states": torch.randn(BATCH, TEXT_TOKENS, config["in_text_dim"]),
+            "pooled_projections": torch.randn(BATCH, config["in_text_dim2"]),
+            "visual_rope_pos": [torch.arange(frames // patch[0]), torch.arange(side // patch[1]),
+                                torch.arange(side // patch[2])],
+            "text_rope_pos": torch.arange(TEXT_TOKENS)}
+
+
+def _cosmos(config: dict[str, Any], control: bool = False) -> dict[str, Any]:
+    """Cosmos's latent video with the padding mask it concatenates (and, for its ControlNet, the control video, the
+    base latents and the conditioning mask its pipeline passes)."""
+    video = (BATCH, 16 if control else config["in_channels"], FRAMES[1], SIDE, SIDE)
+    inputs = {"padding_mask": torch.zeros(1, 1, SIDE, SIDE)}  # one for the batch (the model repeats it)
+    if control:
+        return inputs | {"controls_latents": torch.randn(video), "latents": torch.randn(video),
+                         "condition_mask": (torch.rand(BATCH, 1, FRAMES[1], SIDE, SIDE) > 0.5).float()}
+    return inputs | {"hidden_states": torch.randn(video)}
 
 
 # Inputs of classes whose forward the generic rules cannot feed (a batch of frames, a condition of its own shape),
@@ -396,6 +437,23 @@ CLASS_INPUTS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     # Its decoder samples its starting noise and each step's: a CPU generator (re-seeded at each call) gives
     # both devices the same noise, which diffusers draws on the generator's device and moves.
     "ConsistencyDecoderVAE": lambda config: {"generator": torch.Generator()},
+    # The note and continuous encoders' outputs with their masks, spectrogram frames and the noise time in [0, 1).
+    "T5FilmDecoder": lambda config: {
+        "encodings_and_masks": [(torch.randn(BATCH, TEXT_TOKENS, config["d_model"]),
+                                 torch.ones(BATCH, TEXT_TOKENS, dtype=torch.bool)),
+                                (torch.randn(BATCH, 4, config["d_model"]), torch.ones(BATCH, 4, dtype=torch.bool))],
+        "decoder_input_tokens": torch.randn(BATCH, 16, config["input_dims"])},
+    "LuminaNextDiT2DModel": lambda config: _lumina_next(config),
+    "Kandinsky5Transformer3DModel": lambda config: _kandinsky5(config),
+    "CosmosTransformer3DModel": lambda config: _cosmos(config),
+    "CosmosControlNetModel": lambda config: _cosmos(config, control=True),
+    # Packed latent tokens of a side/2 grid; the vision-language sequence is the prompt's tokens then one slot per
+    # 2x2 latent tokens of the target image (img_mask marks those slots).
+    "QwenImage21Transformer2DModel": lambda config: {
+        "hidden_states": torch.randn(BATCH, (SIDE // 2) ** 2, config["in_channels"]),
+        "img_shapes": [[(1, SIDE // 2, SIDE // 2)]] * BATCH,
+        "img_mask": torch.cat([torch.zeros(TEXT_TOKENS, dtype=torch.bool),
+                               torch.ones((SIDE // 4) ** 2, dtype=torch.bool)]).expand(BATCH, -1).contiguous()},
     # The control video (VACE's masked frames and mask, packed into its input channels) beside the latent video.
     "WanVACETransformer3DModel": lambda config: {
         "hidden_states": torch.randn(BATCH, config["in_channels"], FRAMES[1], SIDE, SIDE),
@@ -515,6 +573,10 @@ COMBINED = {"MultiControlNetModel": "ControlNetModel", "SD3MultiControlNetModel"
             "QwenImageMultiControlNetModel": "QwenImageControlNetModel",
             "HunyuanDiT2DMultiControlNetModel": "HunyuanDiT2DControlNetModel",
             "MultiControlNetUnionModel": "ControlNetUnionModel", "MultiAdapter": "T2IAdapter"}
+# Per-model inputs of a combined class other than the generic ones: Flux's multi-ControlNet indexes each model's
+# control mode (ignored by a ControlNet that is not a union).
+COMBINED_INPUTS: dict[str, dict[str, Any]] = {
+    "FluxMultiControlNetModel": {"controlnet_mode": [torch.zeros(BATCH, dtype=torch.long)] * 2}}
 
 
 def _build_combined(model_class: Callable[..., nn.Module], part: str) -> tuple[nn.Module, dict[str, Any]]:
@@ -530,12 +592,16 @@ def _build_combined(model_class: Callable[..., nn.Module], part: str) -> tuple[n
     if parameters > MAX_PARAMETERS:
         raise Skip(f"{parameters / 1e6:.0f}M parameters as two {part}s, over the zoo's {MAX_PARAMETERS / 1e6:.0f}M")
     per_model = {"controlnet_cond": [part_inputs.get("controlnet_cond"), None], "conditioning_scale": [1.0, 0.5],
-                 "controlnet_mode": [None, None], "xs": [part_inputs.get("x"), None], "adapter_weights": [0.6, 0.4]}
+                 "controlnet_mode": [None, None], "xs": [part_inputs.get("x"), None], "adapter_weights": [0.6, 0.4],
+                 "return_dict": False,  # it zips its models' outputs as tuples, as pipelines call it
+                 } | COMBINED_INPUTS.get(model_class.__name__, {})
     inputs = {}
     for name in inspect.signature(model.forward).parameters:
         if name in per_model:
             value = per_model[name]
-            inputs[name] = [value[0], torch.randn_like(value[0])] if isinstance(value[0], torch.Tensor) else value
+            first = value[0] if isinstance(value, list) else None
+            second_condition = isinstance(first, torch.Tensor) and value[1] is None  # the first model's, redrawn
+            inputs[name] = [first, torch.randn_like(first)] if second_condition else value
         elif name in part_inputs:
             inputs[name] = part_inputs[name]
     try:
