@@ -214,6 +214,29 @@ def dynamo_optimizer_without_cudagraph_import() -> None:
     optimizer._is_static_for_cudagraphs = is_static_for_cudagraphs
 
 
+def dynamo_optimizer_capturable_on(device_type: str) -> None:
+    """Let Dynamo make an optimizer capturable when its parameters are on `device_type`, as it does on CUDA.
+
+    Dynamo traces `optimizer.step()` with the capturable update and sets `capturable=True` on a param group
+    whose state is not made yet only when its parameters are on CUDA or XPU; elsewhere the real state keeps
+    its step counts on the CPU, so every compiled step updates them in torch outside the program and sends
+    them to the device (AdamW: one per parameter). Groups on `device_type` now get the flag as CUDA's do, so
+    their step counts are device tensors updated inside the program; other devices are left as they were."""
+    from torch._dynamo.variables import optimizer
+
+    original = optimizer.OptimizerVariable._set_capturable
+
+    def set_capturable(self: Any, tx: Any) -> None:
+        for group in self.value.param_groups:
+            params = group.get("params", [])
+            if "capturable" in group and params and all(
+                    p.device.type == device_type and p not in self.value.state for p in params):
+                group["capturable"] = True
+        original(self, tx)
+
+    optimizer.OptimizerVariable._set_capturable = set_capturable
+
+
 # c10::ScalarType numbering, for schema defaults that arrive as plain numbers.
 _SCALAR_TYPES = {
     0: torch.uint8, 1: torch.int8, 2: torch.int16, 3: torch.int32, 4: torch.int64, 5: torch.float16,
