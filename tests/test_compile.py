@@ -80,6 +80,29 @@ def test_whole_training_step_with_optimizer_compiles() -> None:
     assert_trains_like_cpu(model, data, F.cross_entropy, "step")
 
 
+def test_a_compiled_optimizer_step_keeps_its_step_counts_on_the_device_and_trains_like_cpu() -> None:
+    """Dynamo makes an optimizer on pjrt capturable, as on CUDA: AdamW's step counts are pjrt tensors updated inside
+    the step's program, and parameters, moments and step counts equal CPU's (default, CPU step counts) each step."""
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 2))
+    on_device = copy.deepcopy(model).to("pjrt")
+    cpu_optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    optimizer = torch.optim.AdamW(on_device.parameters(), lr=1e-2, weight_decay=0.1)
+    compiled = torch.compile(optimizer.step, backend="pjrt")
+    for _ in range(3):
+        grads = [torch.randn_like(p) for p in model.parameters()]
+        for p, q, grad in zip(model.parameters(), on_device.parameters(), grads):
+            p.grad, q.grad = grad, grad.to("pjrt")
+        cpu_optimizer.step()
+        compiled()
+        for p, q in zip(model.parameters(), on_device.parameters()):
+            torch.testing.assert_close(q.cpu(), p)
+            for name in ("step", "exp_avg", "exp_avg_sq"):
+                assert optimizer.state[q][name].device.type == "pjrt"
+                torch.testing.assert_close(optimizer.state[q][name].cpu(), cpu_optimizer.state[p][name])
+    assert optimizer.param_groups[0]["capturable"] and not cpu_optimizer.param_groups[0]["capturable"]
+
+
 def test_transformer_dropout_follows_manual_seed() -> None:
     model = GPT(width=32, layers=1, heads=2, context=16)
     model.blocks[0].mlp.append(nn.Dropout(0.2))

@@ -35,6 +35,9 @@ from torch_pjrt.runtime import checks, client, disk_store, metrics, programs, rn
 aten = torch.ops.aten
 # Imported when torch.compile looks this backend up, before Dynamo traces a user's optimizer step.
 _torch_private.dynamo_optimizer_without_cudagraph_import()
+# An optimizer on pjrt is made capturable when Dynamo traces its step, as on CUDA: its step counts (AdamW: one a
+# parameter) are updated inside the step's program, not by torch on the CPU and sent to the device each step.
+_torch_private.dynamo_optimizer_capturable_on("pjrt")
 # Compiles of one graph for distinct input shapes before a warning names what keeps changing.
 RECOMPILE_BUDGET = int(os.environ.get("TORCH_PJRT_RECOMPILE_BUDGET", "8"))
 # torch.compile(backend="pjrt", options={...}): what each option means.
