@@ -84,6 +84,9 @@ CONSTRUCTOR_OVERRIDES: dict[str, dict[str, Any]] = {
     "LTXVideoTransformer3DModel": {"cross_attention_dim": 128},  # heads x head size, at 2 heads
     "CosmosControlNetModel": {"model_channels": 2 * 128},  # heads x head size, at 2 heads
     "SD3ControlNetModel": {"caption_projection_dim": 128},  # heads x head size, at 2 heads (108M at 18 heads)
+    "SanaVideoTransformer3DModel": {"cross_attention_dim": 2 * 112},  # cross heads x head size, at 2 heads
+    "StableAudio3DiTModel": {"embed_dim": 2 * 64},  # 146M at 1536
+    "LongCatAudioDiTTransformer": {"dit_dim": 256},  # 151M at 1536
     # Audio models' widths (over a minute on pjrt at their defaults).
     "AutoencoderOobleck": {"decoder_channels": 32},
     "AutoencoderKLMiniMaxH3Audio": {"decoder_dim": 256},
@@ -385,6 +388,18 @@ def _kandinsky5(config: dict[str, Any]) -> dict[str, Any]:
             "text_rope_pos": torch.arange(TEXT_TOKENS)}
 
 
+def _kandinsky6(config: dict[str, Any]) -> dict[str, Any]:
+    """A channels-last latent video holding the noisy latent, the conditioning latent and its mask (2 x latent + 1
+    channels where the config conditions on video), with the prompt's token and pooled states (none for the
+    super-resolution model, which takes the video alone)."""
+    channels = 2 * config["in_visual_dim"] + 1 if config.get("visual_cond", True) else config["in_visual_dim"]
+    inputs = {"hidden_states": torch.randn(BATCH, FRAMES[1], SIDE // 2, SIDE // 2, channels)}
+    if "in_text_dim" in config:
+        inputs |= {"encoder_hidden_states": torch.randn(BATCH, TEXT_TOKENS, config["in_text_dim"]),
+                   "pooled_projections": torch.randn(BATCH, config["in_text_dim2"])}
+    return inputs
+
+
 def _cosmos(config: dict[str, Any], control: bool = False) -> dict[str, Any]:
     """Cosmos's latent video with the padding mask it concatenates (and, for its ControlNet, the control video, the
     base latents and the conditioning mask its pipeline passes)."""
@@ -394,6 +409,18 @@ def _cosmos(config: dict[str, Any], control: bool = False) -> dict[str, Any]:
         return inputs | {"controls_latents": torch.randn(video), "latents": torch.randn(video),
                          "condition_mask": (torch.rand(BATCH, 1, FRAMES[1], SIDE, SIDE) > 0.5).float()}
     return inputs | {"hidden_states": torch.randn(video)}
+
+
+def _stable_audio(config: dict[str, Any]) -> dict[str, Any]:
+    """Stable Audio's pipeline: a latent waveform, the prompt's and the duration's states, the duration states as
+    the global token it prepends, and the real 1-D rotary table over the waveform and that token."""
+    from diffusers.models.embeddings import get_1d_rotary_pos_embed
+
+    return {"hidden_states": torch.randn(BATCH, config["in_channels"], LENGTH),
+            "encoder_hidden_states": torch.randn(BATCH, TEXT_TOKENS, config["cross_attention_input_dim"]),
+            "global_hidden_states": torch.randn(BATCH, 1, config["global_states_input_dim"]),
+            "rotary_embedding": get_1d_rotary_pos_embed(config["attention_head_dim"] // 2, LENGTH + 1, use_real=True,
+                                                        repeat_interleave_real=False)}
 
 
 # Inputs of classes whose forward the generic rules cannot feed (a batch of frames, a condition of its own shape),
@@ -444,7 +471,24 @@ CLASS_INPUTS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
                                 (torch.randn(BATCH, 4, config["d_model"]), torch.ones(BATCH, 4, dtype=torch.bool))],
         "decoder_input_tokens": torch.randn(BATCH, 16, config["input_dims"])},
     "LuminaNextDiT2DModel": lambda config: _lumina_next(config),
+    "StableAudioDiTModel": lambda config: _stable_audio(config),
+    # A latent waveform, the prompt's states and the duration's global vector, of the widths it configures.
+    "StableAudio3DiTModel": lambda config: {
+        "hidden_states": torch.randn(BATCH, config["io_channels"], LENGTH),
+        "encoder_hidden_states": torch.randn(BATCH, TEXT_TOKENS, config["cond_token_dim"]),
+        "global_hidden_states": torch.randn(BATCH, config["global_cond_dim"])},
+    # Frame-aligned conditioning (one row per latent frame) and flow-matching time in [0, 1] (1 is data).
+    "MiniMaxMusic3Transformer1DModel": lambda config: {
+        "hidden_states": torch.randn(BATCH, config["in_channels"], LENGTH),
+        "encoder_hidden_states": torch.randn(BATCH, LENGTH, config["condition_dim"]),
+        "timestep": 1 - _timestep() / 1000},
+    # Latent frames as tokens (batch, length, latent width) and the prompt's states with their mask.
+    "LongCatAudioDiTTransformer": lambda config: {
+        "hidden_states": torch.randn(BATCH, LENGTH, config["latent_dim"]),
+        "encoder_hidden_states": torch.randn(BATCH, TEXT_TOKENS, config["dit_text_dim"])},
     "Kandinsky5Transformer3DModel": lambda config: _kandinsky5(config),
+    "Kandinsky6Transformer3DModel": lambda config: _kandinsky6(config),
+    "Kandinsky6SRTransformer3DModel": lambda config: _kandinsky6(config),
     "CosmosTransformer3DModel": lambda config: _cosmos(config),
     "CosmosControlNetModel": lambda config: _cosmos(config, control=True),
     # Packed latent tokens of a side/2 grid; the vision-language sequence is the prompt's tokens then one slot per
