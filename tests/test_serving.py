@@ -738,6 +738,11 @@ folder, prompts, others = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.a
 llm = LLM(model=folder, skip_tokenizer_init=True, enforce_eager=False, dtype="float32", max_model_len=128,
           max_num_seqs=4, kv_cache_memory_bytes=1 << 24)
 traced_at_start = compilation_counter.num_graphs_seen
+before = torch_pjrt.metrics.counters()
+greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, detokenize=False)
+llm.generate([TokensPrompt(prompt_token_ids=prompts[0])], greedy, use_tqdm=False)  # the warm-up's buckets
+after = torch_pjrt.metrics.counters()
+first_request = {name: after[name] - before[name] for name in ("graph_compiles", "fused_compiles")}
 params = SamplingParams(temperature=0, max_tokens=8, min_tokens=8, detokenize=False)
 def serve(batch):
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], params, use_tqdm=False)
@@ -751,14 +756,14 @@ again = serve([[t + 1 for t in p] for p in others])  # the same lengths, new tok
 print("RESULT " + json.dumps({"strict": strict, "fused": fused, "pieces": compilation_counter.num_piecewise_graphs_seen,
                               "dynamo": compilation_counter.num_graphs_seen, "traced_at_start": traced_at_start,
                               "new_graphs": torch_pjrt.metrics.counters()["graph_compiles"] - graphs,
-                              "graphs": graphs}))
+                              "graphs": graphs, "first_request": first_request}))
 """
 
 
 def test_vllms_compile_path_gives_hugging_faces_tokens_with_programs_per_bucket(tiny_llama: Path) -> None:
     """enforce_eager=False: vLLM's one Dynamo trace, at start-up (the worker's warm-up), attention inside it,
-    one graph compiled by the pjrt backend (strict and fused eager around it); prompts of new lengths in seen
-    buckets compile nothing."""
+    one graph compiled by the pjrt backend (strict and fused eager around it); a first short greedy request and
+    prompts of new lengths in seen buckets compile nothing."""
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
     others = [[(7 * i + j) % 250 + 3 for j in range(n)] for i, n in enumerate((6, 12, 19, 33))]
     done = subprocess.run([sys.executable, "-c", COMPILED_IN_A_NEW_PROCESS, str(tiny_llama),
@@ -772,6 +777,8 @@ def test_vllms_compile_path_gives_hugging_faces_tokens_with_programs_per_bucket(
     assert result["fused"] == expected
     assert result["dynamo"] == 1 and result["pieces"] == 1  # one traced model, its attention layers inside
     assert result["traced_at_start"] == 1  # traced before the first request
+    # a greedy first request in the warm-up batch's buckets compiles neither the step's nor the sampling program
+    assert result["first_request"] == {"graph_compiles": 0, "fused_compiles": 0}
     assert result["graphs"] > 0 and result["new_graphs"] == 0
 
 

@@ -179,11 +179,13 @@ class PjrtModelRunner(CPUModelRunner):
         traces its profiling run, which has none, and the attention traced then would be skipped for good
         (vLLM keeps no guards). The batch's token and context lengths are the graph's symbols. vLLM's dummy
         run hands the model the runner's host token ids and positions: they go to the device first, as a
-        step's do, or Dynamo would trace host inputs against device weights."""
+        step's do, or Dynamo would trace host inputs against device weights. The greedy program after the
+        forward (the sampled rows' lm head and argmax) runs on the batch's hidden states too, so a first
+        request in that bucket compiles nothing."""
         if self.compilation_config.mode == CompilationMode.NONE:
             return
         model = self.model
-        self.model = InputsOnDevice(model, self._on_device_padded)
+        self.model = InputsOnDevice(model, self._warm_up_inputs, self._sample_warm_up_rows)
         try:
             with set_global_compilation_settings(self.vllm_config):
                 self._dummy_run(min(WARM_UP_TOKENS, self.max_num_tokens), force_attention=True)
@@ -199,6 +201,29 @@ class PjrtModelRunner(CPUModelRunner):
             t = torch.cat([t, t.new_zeros((padding, *t.shape[1:]))])
         return t.to(self.model_device, non_blocking=True)
 
+    def _inputs_on_device(self, input_ids: torch.Tensor | None,
+                          positions: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The step's token ids and positions on the device: those the attention metadata shipped when they
+        equal them (no transfer, and the views a step's graph is called with), else moved as int64 ids (the
+        shipped ids' dtype: the compiled graph may have been traced with those)."""
+        shipped = _shipped_with_attention(input_ids, positions)
+        if shipped is not None:
+            return shipped
+        to_device = self._on_device_padded
+        return to_device(None if input_ids is None else input_ids.long()), to_device(positions)
+
+    def _warm_up_inputs(self, input_ids: torch.Tensor | None,
+                        positions: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The warm-up batch's token ids and positions as a step's graph is called with them: the views of the
+        attention metadata's transfer. (The dummy batch's own positions, zeros, differ from those the metadata
+        computes, and separately moved inputs made the graph compile again for a first request in the same
+        buckets; the dummy's values matter to no one.)"""
+        meta = _step_attention_metadata()
+        if meta is not None and input_ids is not None and meta.num_actual_tokens == padded_token_count(
+                input_ids.shape[0]):
+            return meta.token_ids, meta.positions
+        return self._inputs_on_device(input_ids, positions)
+
     def _model_forward(
         self,
         input_ids: torch.Tensor | None = None,
@@ -207,15 +232,9 @@ class PjrtModelRunner(CPUModelRunner):
         inputs_embeds: torch.Tensor | None = None,
         **model_kwargs: Any,
     ) -> Any:
-        to_device = self._on_device_padded
-        shipped = _shipped_with_attention(input_ids, positions)
-        if shipped is not None:
-            input_ids, positions = shipped
-        else:  # the shipped ids' dtype: the compiled graph may have been traced with those
-            input_ids = to_device(None if input_ids is None else input_ids.long())
-            positions = to_device(positions)
+        input_ids, positions = self._inputs_on_device(input_ids, positions)
         hidden_states = super()._model_forward(
-            input_ids, positions, intermediate_tensors, to_device(inputs_embeds), **model_kwargs
+            input_ids, positions, intermediate_tensors, self._on_device_padded(inputs_embeds), **model_kwargs
         )
         logits_indices, self._step_logits_indices = self._step_logits_indices, None
         sampled = self._sample_in_program(hidden_states, logits_indices)
@@ -246,7 +265,12 @@ class PjrtModelRunner(CPUModelRunner):
                 or not np.array_equal(metadata.sampled_rows_host, logits_indices.numpy()):
             return None
         rows = self._sampled_rows or logits_indices.shape[0]
-        greedy = self._only_argmax_samples()
+        return self._sampled_rows_program(hidden_states, metadata, rows, self._only_argmax_samples())
+
+    def _sampled_rows_program(self, hidden_states: torch.Tensor, metadata: PjrtAttentionMetadata, rows: int,
+                              greedy: bool) -> SampledInProgram:
+        """The metadata's sampled rows' logits (their first `rows`), or their argmax when `greedy`, as one
+        fused program."""
         with torch.pjrt.set_eager_mode(EagerMode.DEFER_AND_FUSE):
             logits = self._compute_logits(hidden_states[metadata.sampled_rows])
             if greedy:
@@ -254,6 +278,12 @@ class PjrtModelRunner(CPUModelRunner):
             if not self.samples_on_device:
                 logits = logits.cpu()
         return SampledInProgram(logits=logits[:rows], tokens=None)
+
+    def _sample_warm_up_rows(self, hidden_states: Any) -> None:
+        """The warm-up batch's greedy program, as a step of that batch runs it (see warming_up_model)."""
+        metadata = _step_attention_metadata()
+        if isinstance(hidden_states, torch.Tensor) and metadata is not None and metadata.sampled_rows is not None:
+            self._sampled_rows_program(hidden_states, metadata, metadata.sampled_rows.shape[0], greedy=True)
 
     def _only_argmax_samples(self) -> bool:
         """Whether vLLM's sampler, given this batch's metadata, would return its logits' argmax and nothing
@@ -310,16 +340,19 @@ def _shipped_with_attention(input_ids: torch.Tensor | None,
 
 
 class InputsOnDevice:
-    """The model as vLLM's dummy run calls it, its token ids and positions moved to the device first (as
-    int64, the shipped ids' dtype a step's graph is called with); every other attribute the model's."""
+    """The model as vLLM's dummy run calls it, its token ids and positions on the device first (`to_device`:
+    as a step's forward takes them), and its output handed to `then` inside the run's forward context (where
+    the step's attention metadata is); every other attribute the model's."""
 
-    def __init__(self, model: torch.nn.Module, to_device: Any) -> None:
-        self.model, self.to_device = model, to_device
+    def __init__(self, model: torch.nn.Module, to_device: Any, then: Any) -> None:
+        self.model, self.to_device, self.then = model, to_device, then
 
     def __call__(self, input_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None,
                  **kwargs: Any) -> Any:
-        ids = None if input_ids is None else self.to_device(input_ids.long())
-        return self.model(input_ids=ids, positions=self.to_device(positions), **kwargs)
+        input_ids, positions = self.to_device(input_ids, positions)
+        output = self.model(input_ids=input_ids, positions=positions, **kwargs)
+        self.then(output)
+        return output
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.model, name)
