@@ -275,3 +275,30 @@ def test_a_warm_process_keeps_each_ops_device_checks_without_tracing_it(tmp_path
     warm = run(2)  # other random values and indices through the same programs
     assert warm["raised"] == cold["raised"]
     assert warm["compiles"] == warm["fused_traces"] == warm["ops_traced_alone"] == 0 and warm["hits"] > 0
+
+
+GARBAGE_AT_START = textwrap.dedent(
+    """
+    import gc, sys, torch
+    torch.manual_seed(int(sys.argv[1]))
+    full_collections = []
+    gc.callbacks.append(lambda phase, info: full_collections.append(1) if phase == "start" and
+                        info["generation"] == 2 else None)
+    alive = len(gc.get_objects())
+    torch.pjrt.init()
+    started_with = len(full_collections)
+    x = torch.randn(4, 5)
+    torch.testing.assert_close((x.to("pjrt") * 3).tanh().cpu(), (x * 3).tanh())
+    print(started_with, int(gc.isenabled()), int(gc.get_freeze_count() >= alive))
+    """
+)
+
+
+def test_the_device_starts_without_a_full_garbage_collection_and_leaves_the_collector_on() -> None:
+    """Starting the device (jax, the lowering table) runs no full collection of the process's objects, then
+    leaves the collector on with what was alive frozen out of its later collections."""
+    seed = str(int.from_bytes(os.urandom(2), "little"))
+    result = subprocess.run([sys.executable, "-c", GARBAGE_AT_START, seed], capture_output=True, text=True,
+                            timeout=300, env={**os.environ, "TORCH_PJRT_CACHE_DIR": "0"})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["0", "1", "1"]
