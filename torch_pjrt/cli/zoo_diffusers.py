@@ -82,6 +82,9 @@ CONSTRUCTOR_OVERRIDES: dict[str, dict[str, Any]] = {
                           "num_attention_heads": (2, 2), "dropout": (0.0, 0.0)},
     "I2VGenXLUNet": {"attention_head_dim": 8},
     "LTXVideoTransformer3DModel": {"cross_attention_dim": 128},  # heads x head size, at 2 heads
+    # SDXL's time embedding width (it embeds the control types with it); its control-type transformer at CHANNELS.
+    "ControlNetUnionModel": {"addition_time_embed_dim": 256, "num_trans_channel": CHANNELS,
+                             "num_proj_channel": CHANNELS},
     "CosmosControlNetModel": {"model_channels": 2 * 128},  # heads x head size, at 2 heads
     "SD3ControlNetModel": {"caption_projection_dim": 128},  # heads x head size, at 2 heads (108M at 18 heads)
     "SanaVideoTransformer3DModel": {"cross_attention_dim": 2 * 112},  # cross heads x head size, at 2 heads
@@ -491,6 +494,11 @@ CLASS_INPUTS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "Kandinsky6SRTransformer3DModel": lambda config: _kandinsky6(config),
     "CosmosTransformer3DModel": lambda config: _cosmos(config),
     "CosmosControlNetModel": lambda config: _cosmos(config, control=True),
+    # Two control images (at 8x the latent's side) of two of its control types, each with its scale.
+    "ControlNetUnionModel": lambda config: {
+        "controlnet_cond": [torch.randn(BATCH, config["conditioning_channels"], SIDE * 8, SIDE * 8) for _ in range(2)],
+        "control_type": torch.tensor([[1.0, 0.0, 1.0] + [0.0] * (config["num_control_type"] - 3)] * BATCH),
+        "control_type_idx": [0, 2], "conditioning_scale": [1.0, 0.5]},
     # Packed latent tokens of a side/2 grid; the vision-language sequence is the prompt's tokens then one slot per
     # 2x2 latent tokens of the target image (img_mask marks those slots).
     "QwenImage21Transformer2DModel": lambda config: {
@@ -617,10 +625,15 @@ COMBINED = {"MultiControlNetModel": "ControlNetModel", "SD3MultiControlNetModel"
             "QwenImageMultiControlNetModel": "QwenImageControlNetModel",
             "HunyuanDiT2DMultiControlNetModel": "HunyuanDiT2DControlNetModel",
             "MultiControlNetUnionModel": "ControlNetUnionModel", "MultiAdapter": "T2IAdapter"}
-# Per-model inputs of a combined class other than the generic ones: Flux's multi-ControlNet indexes each model's
-# control mode (ignored by a ControlNet that is not a union).
-COMBINED_INPUTS: dict[str, dict[str, Any]] = {
-    "FluxMultiControlNetModel": {"controlnet_mode": [torch.zeros(BATCH, dtype=torch.long)] * 2}}
+# Per-model inputs of a combined class other than the generic ones, from one part's inputs: Flux's multi-ControlNet
+# indexes each model's control mode (ignored by a ControlNet that is not a union); a union ControlNet takes a list
+# of control images, their control types and scales.
+COMBINED_INPUTS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+    "FluxMultiControlNetModel": lambda part: {"controlnet_mode": [torch.zeros(BATCH, dtype=torch.long)] * 2},
+    "MultiControlNetUnionModel": lambda part: {
+        "controlnet_cond": [part["controlnet_cond"], [torch.randn_like(c) for c in part["controlnet_cond"]]],
+        "control_type": [part["control_type"]] * 2, "control_type_idx": [part["control_type_idx"]] * 2,
+        "conditioning_scale": [part["conditioning_scale"], [0.8, 0.4]]}}
 
 
 def _build_combined(model_class: Callable[..., nn.Module], part: str) -> tuple[nn.Module, dict[str, Any]]:
@@ -638,7 +651,7 @@ def _build_combined(model_class: Callable[..., nn.Module], part: str) -> tuple[n
     per_model = {"controlnet_cond": [part_inputs.get("controlnet_cond"), None], "conditioning_scale": [1.0, 0.5],
                  "controlnet_mode": [None, None], "xs": [part_inputs.get("x"), None], "adapter_weights": [0.6, 0.4],
                  "return_dict": False,  # it zips its models' outputs as tuples, as pipelines call it
-                 } | COMBINED_INPUTS.get(model_class.__name__, {})
+                 } | COMBINED_INPUTS.get(model_class.__name__, lambda part: {})(part_inputs)
     inputs = {}
     for name in inspect.signature(model.forward).parameters:
         if name in per_model:
