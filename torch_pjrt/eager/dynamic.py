@@ -106,10 +106,12 @@ def live_bound(size: int) -> Bound | None:
     if found is None:
         return None
     upper, seen_at, owner = found
-    if owner() is None or metrics.counters_now("ops_executed") - seen_at > _LIVE_OPS:
+    if metrics.counters_now("ops_executed") - seen_at > _LIVE_OPS:
         del _LIVE_LENGTHS[size]
         return None
-    return upper
+    # (a dead owner's entry stays until its window ends: has_live_lengths() keeps a call's plain reads
+    # looking at the lengths of its own padded arguments, read_padded's fallback)
+    return None if owner() is None else upper
 
 
 def mark_dynamic(
@@ -415,6 +417,13 @@ class Symbols:
             self.uppers.append(upper)
         return found
 
+    def bound_of(self, value: int) -> Bound | None:
+        """The bound of a dynamic dim of this call whose true size is `value`, or None."""
+        for found, upper in zip(self.values, self.uppers):
+            if found == value:
+                return upper
+        return None
+
     def buckets(self) -> tuple[int, ...]:
         return tuple(bucket(v, u) for v, u in zip(self.values, self.uppers))
 
@@ -459,7 +468,11 @@ def read_padded(st: storage.DeviceStorage, slot: int, view: View, symbols: Symbo
             offset -= length * view.strides[d]
             start, sizes[d], bounds[d] = (d, length, upper), end, (end,)
             continue
+        # (or a dynamic length of this call's padded arguments: a static cache's `[:, :, :T]` beside the query
+        # of length T, when the storage last seen with T has died)
         upper = live_bound(size)
+        if upper is None:
+            upper = symbols.bound_of(size)
         padded_size = None if upper is None else bucket(size, upper)
         if padded_size is not None and padded_size > size:
             sizes[d], bounds[d] = padded_size, upper
