@@ -89,6 +89,7 @@ CONSTRUCTOR_OVERRIDES: dict[str, dict[str, Any]] = {
     "SD3ControlNetModel": {"caption_projection_dim": 128},  # heads x head size, at 2 heads (108M at 18 heads)
     "SanaVideoTransformer3DModel": {"cross_attention_dim": 2 * 112},  # cross heads x head size, at 2 heads
     "StableAudio3DiTModel": {"embed_dim": 2 * 64},  # 146M at 1536
+    "AceStepTransformer1DModel": {"hidden_size": 256, "intermediate_size": 512},  # 149M at 2048
     "LongCatAudioDiTTransformer": {"dit_dim": 256},  # 151M at 1536
     # Audio models' widths (over a minute on pjrt at their defaults).
     "AutoencoderOobleck": {"decoder_channels": 32},
@@ -485,6 +486,20 @@ CLASS_INPUTS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
         "hidden_states": torch.randn(BATCH, config["in_channels"], LENGTH),
         "encoder_hidden_states": torch.randn(BATCH, LENGTH, config["condition_dim"]),
         "timestep": 1 - _timestep() / 1000},
+    # The prompt's LLM states, its glyph (ByT5) states and an image's vision embeddings, each with its mask, as its
+    # image-to-video pipeline passes them.
+    "HunyuanVideo15Transformer3DModel": lambda config: {
+        "encoder_hidden_states": torch.randn(BATCH, TEXT_TOKENS, config["text_embed_dim"]),
+        "encoder_attention_mask": torch.ones(BATCH, TEXT_TOKENS, dtype=torch.long),
+        "encoder_hidden_states_2": torch.randn(BATCH, 4, config["text_embed_2_dim"]),
+        "encoder_attention_mask_2": torch.ones(BATCH, 4, dtype=torch.long),
+        "image_embeds": torch.randn(BATCH, 4, config["image_embed_dim"])},
+    # Acoustic latents as tokens, the context latents it concatenates to them (the rest of its input channels), and
+    # the condition encoder's states of the model width.
+    "AceStepTransformer1DModel": lambda config: {
+        "hidden_states": torch.randn(BATCH, LENGTH, config["audio_acoustic_hidden_dim"]),
+        "context_latents": torch.randn(BATCH, LENGTH, config["in_channels"] - config["audio_acoustic_hidden_dim"]),
+        "encoder_hidden_states": torch.randn(BATCH, TEXT_TOKENS, config["hidden_size"])},
     # Latent frames as tokens (batch, length, latent width) and the prompt's states with their mask.
     "LongCatAudioDiTTransformer": lambda config: {
         "hidden_states": torch.randn(BATCH, LENGTH, config["latent_dim"]),
