@@ -90,6 +90,8 @@ CONSTRUCTOR_OVERRIDES: dict[str, dict[str, Any]] = {
     "SanaVideoTransformer3DModel": {"cross_attention_dim": 2 * 112},  # cross heads x head size, at 2 heads
     "StableAudio3DiTModel": {"embed_dim": 2 * 64},  # 146M at 1536
     "AceStepTransformer1DModel": {"hidden_size": 256, "intermediate_size": 512},  # 149M at 2048
+    "Kandinsky6SRLatentUpscalerBank": {"stage_channels": (128, 64, 32), "num_pre_blocks": 1, "num_mid_blocks": 1,
+                                       "num_post_blocks": 1, "num_x2_adapter_blocks": 1},  # 2078M at its widths
     "LongCatAudioDiTTransformer": {"dit_dim": 256},  # 151M at 1536
     # Audio models' widths (over a minute on pjrt at their defaults).
     "AutoencoderOobleck": {"decoder_channels": 32},
@@ -494,6 +496,10 @@ CLASS_INPUTS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
         "encoder_hidden_states_2": torch.randn(BATCH, 4, config["text_embed_2_dim"]),
         "encoder_attention_mask_2": torch.ones(BATCH, 4, dtype=torch.long),
         "image_embeds": torch.randn(BATCH, 4, config["image_embed_dim"])},
+    # Latent video and the upscale factor of one of its models (x2).
+    "Kandinsky6SRLatentUpscalerBank": lambda config: {
+        "latents": torch.randn(BATCH, config["in_channels"], FRAMES[1], SIDE // 2, SIDE // 2),
+        "scale": config["scales"][0]},
     # Acoustic latents as tokens, the context latents it concatenates to them (the rest of its input channels), and
     # the condition encoder's states of the model width.
     "AceStepTransformer1DModel": lambda config: {
