@@ -17,7 +17,9 @@ busy spell on a shared machine hits every row alike. Output tokens must equal ac
 the vLLM environment: `make test-serving` builds it.
 With `--profile`, each pjrt row also prints torch.profiler's table of one more batch (docs/profiler.md). With
 `--breakdown`, every row times one more batch phase by phase (vLLM's scheduler, the runner's input
-preparation, attention metadata, forward, logits, sampling) and a table of wall ms per engine step follows.
+preparation, attention metadata, forward, logits, sampling; in pjrt rows also the forward's program calls made
+from Python and its copies to the host, which wait for the programs) and a table of wall ms per engine step
+follows.
 Run: .venv-vllm/bin/python bench/serving.py [--requests N] [--new-tokens T] [--repeats R] [--rounds K]
      [--kv-cache-mib M] [--profile | --breakdown] [--sampling auto|device|host] [--rows cpu,strict,fused,...]
 """
@@ -37,10 +39,14 @@ SERVE = textwrap.dedent(
     import json, sys, time
     from collections import defaultdict
 
-    # (phase, its parent phase, the object, its method): each one's wall time summed over a batch's steps
+    # (phase, its parent phase, the object, its method): each one's wall time summed over a batch's steps;
+    # a phase whose object is None is not timed in this row (torch-pjrt's, on vLLM's CPU platform)
     def step_breakdown(llm, batch):
         core = llm.llm_engine.engine_core.engine_core
         runner = core.model_executor.driver_worker.worker.model_runner
+        programs = client = None
+        if current_platform.device_type == "pjrt":
+            from torch_pjrt.runtime import client, programs
         phases = [
             ("engine step", None, core, "step_fn"),
             ("schedule", "engine step", core.scheduler, "schedule"),
@@ -50,6 +56,9 @@ SERVE = textwrap.dedent(
             ("attention metadata", "execute_model", runner, "_build_attention_metadata"),
             ("preprocess", "execute_model", runner, "_preprocess"),
             ("model forward", "execute_model", runner, "_model_forward"),
+            ("pjrt program calls from Python (the step's graph, the sampled rows' program)", "model forward",
+             programs and programs.Program, "call"),
+            ("pjrt copies to the host (waiting for the programs)", "model forward", client, "to_host_many"),
             ("logits (and their copy to the host)", "execute_model", runner.model, "compute_logits"),
             ("sample_tokens", "engine step", runner, "sample_tokens"),
             ("sample", "sample_tokens", runner, "_sample"),
@@ -68,9 +77,10 @@ SERVE = textwrap.dedent(
                     calls[label] += 1
             return wrapper
 
-        originals = [(owner, name, getattr(owner, name)) for _, _, owner, name in phases]
+        originals = [(owner, name, getattr(owner, name)) for _, _, owner, name in phases if owner is not None]
         for label, _, owner, name in phases:
-            setattr(owner, name, timed(label, getattr(owner, name)))
+            if owner is not None:
+                setattr(owner, name, timed(label, getattr(owner, name)))
         start = time.perf_counter()
         batch()
         spent["generate"] = time.perf_counter() - start
@@ -79,21 +89,21 @@ SERVE = textwrap.dedent(
         steps = calls["execute_model"]
         rows = [("generate (the whole batch)", spent["generate"], None)]
         for label, parent, _, _ in phases:
-            children = sum(spent[child] for child, up, _, _ in phases if up == label)
+            children = [spent[child] for child, up, _, _ in phases if up == label]
             rows.append((label, spent[label], parent))
-            if children:
-                rows.append((f"{label}: rest", spent[label] - children, label))
+            if children:  # every row's table lists the same phases, timed or not
+                rows.append((f"{label}: rest", spent[label] - sum(children), label))
         rows.append(("outside engine steps", spent["generate"] - spent["engine step"], None))
         return {"steps": steps, "ms_per_step": [(label, 1000 * value / steps, parent) for label, value, parent in rows]}
 
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
+    from vllm.platforms import current_platform
     if __name__ == "__main__":
         folder, mode, profile = sys.argv[1], sys.argv[6], sys.argv[7]
         requests, new_tokens, repeats, kv_mib = map(int, sys.argv[2:6])
         llm = LLM(model=folder, skip_tokenizer_init=True, enforce_eager=not mode.startswith("compiled"),
                   dtype="float32", max_model_len=256, max_num_seqs=requests, kv_cache_memory_bytes=kv_mib << 20)
-        from vllm.platforms import current_platform
         prompts = [TokensPrompt(prompt_token_ids=[(7 * i + 3 * j) % 250 + 3 for j in range(8 + 9 * (i % 6))])
                    for i in range(requests)]
         params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True, detokenize=False)
