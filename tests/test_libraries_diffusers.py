@@ -152,6 +152,28 @@ def test_the_zoo_tries_a_models_own_channels_and_lengths_and_class_rules() -> No
     assert inputs["encoder_hidden_states"].shape[0] == 2 * frames
 
 
+def test_the_zoo_feeds_models_as_their_pipelines_do() -> None:
+    """Ideogram4 gets model time in [0, 1] (its sinusoid scales it by 1e4); a union multi-ControlNet gets, per model,
+    a list of control images with their control types and scales; Stable Audio its duration as one global token,
+    with a rotary table spanning that token and the waveform."""
+    from torch_pjrt.cli import zoo_catalog
+
+    def built(name: str) -> tuple[torch.nn.Module, dict]:
+        return zoo_catalog.build(zoo_catalog.Case(name, "transformer", "diffusion", model_class=name,
+                                                  library="diffusers"))
+
+    _, inputs = built("Ideogram4Transformer2DModel")
+    assert 0 < inputs["timestep"].min() and inputs["timestep"].max() < 1
+    multi, inputs = built("MultiControlNetUnionModel")
+    assert len(multi.nets) == len(inputs["controlnet_cond"]) == len(inputs["control_type"]) == 2
+    assert all(len(images) == len(indices) == 2 for images, indices in zip(inputs["controlnet_cond"],
+                                                                            inputs["control_type_idx"]))
+    assert not torch.equal(inputs["controlnet_cond"][0][0], inputs["controlnet_cond"][1][0])
+    _, inputs = built("StableAudioDiTModel")
+    cos, sin = inputs["rotary_embedding"]
+    assert cos.shape[0] == sin.shape[0] == inputs["hidden_states"].shape[2] + inputs["global_hidden_states"].shape[1]
+
+
 def test_a_fixed_zoo_slice_matches_cpu() -> None:
     from torch_pjrt.cli import zoo
 
