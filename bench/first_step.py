@@ -10,10 +10,10 @@ does (this machine sets PYTHONDONTWRITEBYTECODE, which would make every process 
 The phases are self times (a nested phase is not counted in the one around it): imports (every
 module loaded, at start or lazily), Dynamo tracing, AOTAutograd, jax's tracing and lowering of our
 programs (the lowering table running), XLA compile or persistent-cache load, deserializing the
-executables our store keeps (strict ops, fused programs, compiled graphs), and the rest (building
-the model, the first run of the programs, Python around them). The hit columns count executables from
-XLA's cache, entries of our store (traced graphs and fused programs, their executables) and compiled
-graphs from AOTAutograd's cache.
+executables our store keeps (strict ops, fused programs, compiled graphs), Python's cyclic garbage
+collections (wherever they fall), and the rest (building the model, the first run of the programs,
+Python around them). The hit columns count executables from XLA's cache, entries of our store (traced
+graphs and fused programs, their executables) and compiled graphs from AOTAutograd's cache.
 Run: .venv/bin/python bench/first_step.py [--rounds 2]
 """
 
@@ -57,6 +57,9 @@ CHILD = textwrap.dedent(
             finally:
                 leave()
         return wrapper
+
+    import gc
+    gc.callbacks.append(lambda phase, info: enter("gc") if phase == "start" else leave())
 
     original_find_and_load = bootstrap._find_and_load
     def find_and_load(name, import_):
@@ -112,7 +115,7 @@ GOAL = 0.5  # warm first step over cold, issue #33
 # A child's environment reads the bytecode `compile_bytecode` wrote (an empty value unsets the variable).
 BYTECODE_READ = {"PYTHONDONTWRITEBYTECODE": ""}
 PHASES = (("imports", "imports"), ("dynamo", "Dynamo"), ("aot", "AOTAutograd"), ("trace", "jax trace+lower"),
-          ("xla", "XLA compile/load"), ("load", "our store's load"), ("rest", "rest"))
+          ("xla", "XLA compile/load"), ("load", "our store's load"), ("gc", "Python's GC"), ("rest", "rest"))
 
 
 def first_step(cache: str, mode: str) -> dict:
