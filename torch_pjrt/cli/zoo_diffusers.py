@@ -646,6 +646,8 @@ COMBINED = {"MultiControlNetModel": "ControlNetModel", "SD3MultiControlNetModel"
             "QwenImageMultiControlNetModel": "QwenImageControlNetModel",
             "HunyuanDiT2DMultiControlNetModel": "HunyuanDiT2DControlNetModel",
             "MultiControlNetUnionModel": "ControlNetUnionModel", "MultiAdapter": "T2IAdapter"}
+# Combined classes that take one model and run it once per condition (Qwen-Image's, for its union ControlNet).
+ONE_MODEL_PER_CONDITION = ("QwenImageMultiControlNetModel",)
 # Per-model inputs of a combined class other than the generic ones, from one part's inputs: Flux's multi-ControlNet
 # indexes each model's control mode (ignored by a ControlNet that is not a union); a union ControlNet takes a list
 # of control images, their control types and scales.
@@ -661,11 +663,11 @@ def _build_combined(model_class: Callable[..., nn.Module], part: str) -> tuple[n
     case = Case(part, family(part), "diffusion", model_class=part, library="diffusers")
     try:
         first, part_inputs = build_diffusers(case)
-        second, _ = build_diffusers(case)
+        nets = [first] if model_class.__name__ in ONE_MODEL_PER_CONDITION else [first, build_diffusers(case)[0]]
     except Skip as reason:
         raise Skip(f"it combines {part}s, which the zoo cannot run: {reason}") from None
     models_argument = next(iter(inspect.signature(model_class.__init__).parameters.keys() - {"self"}))
-    model = model_class(**{models_argument: [first, second]}).float().eval()
+    model = model_class(**{models_argument: nets}).float().eval()
     parameters = sum(p.numel() for p in model.parameters())
     if parameters > MAX_PARAMETERS:
         raise Skip(f"{parameters / 1e6:.0f}M parameters as two {part}s, over the zoo's {MAX_PARAMETERS / 1e6:.0f}M")
