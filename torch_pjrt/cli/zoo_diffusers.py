@@ -406,6 +406,18 @@ def _kandinsky6(config: dict[str, Any]) -> dict[str, Any]:
     return inputs
 
 
+def _ace_step(config: dict[str, Any]) -> dict[str, Any]:
+    """Acoustic latents as tokens, the context latents it concatenates to them (the rest of its input channels), the
+    condition encoder's states of the model width, and a sigma in [0, 1] as both t and r (its pipeline's scheduler
+    counts one train timestep; r = t in standard inference)."""
+    sigma = _timestep() / 1000
+    acoustic = config["audio_acoustic_hidden_dim"]
+    return {"hidden_states": torch.randn(BATCH, LENGTH, acoustic),
+            "context_latents": torch.randn(BATCH, LENGTH, config["in_channels"] - acoustic),
+            "encoder_hidden_states": torch.randn(BATCH, TEXT_TOKENS, config["hidden_size"]),
+            "timestep": sigma, "timestep_r": sigma.clone()}
+
+
 def _cosmos(config: dict[str, Any], control: bool = False) -> dict[str, Any]:
     """Cosmos's latent video with the padding mask it concatenates (and, for its ControlNet, the control video, the
     base latents and the conditioning mask its pipeline passes)."""
@@ -478,8 +490,9 @@ CLASS_INPUTS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
         "decoder_input_tokens": torch.randn(BATCH, 16, config["input_dims"])},
     "LuminaNextDiT2DModel": lambda config: _lumina_next(config),
     "StableAudioDiTModel": lambda config: _stable_audio(config),
-    # A latent waveform, the prompt's states and the duration's global vector, of the widths it configures.
-    "StableAudio3DiTModel": lambda config: {
+    # A latent waveform, the prompt's states and the duration's global vector, of the widths it configures; its
+    # timestep in [0, 1], as its forward documents.
+    "StableAudio3DiTModel": lambda config: {"timestep": _timestep() / 1000,
         "hidden_states": torch.randn(BATCH, config["io_channels"], LENGTH),
         "encoder_hidden_states": torch.randn(BATCH, TEXT_TOKENS, config["cond_token_dim"]),
         "global_hidden_states": torch.randn(BATCH, config["global_cond_dim"])},
@@ -500,12 +513,7 @@ CLASS_INPUTS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "Kandinsky6SRLatentUpscalerBank": lambda config: {
         "latents": torch.randn(BATCH, config["in_channels"], FRAMES[1], SIDE // 2, SIDE // 2),
         "scale": config["scales"][0]},
-    # Acoustic latents as tokens, the context latents it concatenates to them (the rest of its input channels), and
-    # the condition encoder's states of the model width.
-    "AceStepTransformer1DModel": lambda config: {
-        "hidden_states": torch.randn(BATCH, LENGTH, config["audio_acoustic_hidden_dim"]),
-        "context_latents": torch.randn(BATCH, LENGTH, config["in_channels"] - config["audio_acoustic_hidden_dim"]),
-        "encoder_hidden_states": torch.randn(BATCH, TEXT_TOKENS, config["hidden_size"])},
+    "AceStepTransformer1DModel": lambda config: _ace_step(config),
     # Latent frames as tokens (batch, length, latent width) and the prompt's states with their mask.
     "LongCatAudioDiTTransformer": lambda config: {
         "hidden_states": torch.randn(BATCH, LENGTH, config["latent_dim"]),
