@@ -90,6 +90,7 @@ CONSTRUCTOR_OVERRIDES: dict[str, dict[str, Any]] = {
     "SanaVideoTransformer3DModel": {"cross_attention_dim": 2 * 112},  # cross heads x head size, at 2 heads
     "StableAudio3DiTModel": {"embed_dim": 2 * 64},  # 146M at 1536
     "AceStepTransformer1DModel": {"hidden_size": 256, "intermediate_size": 512},  # 149M at 2048
+    "JoyImageEditTransformer3DModel": {"hidden_size": 2 * 128},  # 2 heads of its rotary axes' 128
     "Kandinsky6SRLatentUpscalerBank": {"stage_channels": (128, 64, 32), "num_pre_blocks": 1, "num_mid_blocks": 1,
                                        "num_post_blocks": 1, "num_x2_adapter_blocks": 1},  # 2078M at its widths
     "LongCatAudioDiTTransformer": {"dit_dim": 256},  # 151M at 1536
@@ -514,6 +515,14 @@ CLASS_INPUTS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
         "latents": torch.randn(BATCH, config["in_channels"], FRAMES[1], SIDE // 2, SIDE // 2),
         "scale": config["scales"][0]},
     "AceStepTransformer1DModel": lambda config: _ace_step(config),
+    # Per-frame hidden states of the autoregressive stage, its condition layers concatenated.
+    "MiniMaxMusic3ConditionEncoder": lambda config: {"hidden_states": torch.randn(
+        BATCH, 16, config["num_condition_layers"] * config["condition_hidden_dim"])},
+    # The control image (at 8x the latent's side) its ControlNet-XS half encodes.
+    "UNetControlNetXSModel": lambda config: {
+        "controlnet_cond": torch.randn(BATCH, config["ctrl_conditioning_channels"], SIDE * 8, SIDE * 8)},
+    # A mono waveform (batch, samples): it adds the channel itself.
+    "MMAudioVAE": lambda config: {"sample": torch.randn(BATCH, 16 * LENGTH)},
     # Latent frames as tokens (batch, length, latent width) and the prompt's states with their mask.
     "LongCatAudioDiTTransformer": lambda config: {
         "hidden_states": torch.randn(BATCH, LENGTH, config["latent_dim"]),
