@@ -271,6 +271,23 @@ def test_sdpa_is_one_op_and_matches_cpu_math(mode: torch.pjrt.EagerMode, heads: 
     assert "aten.bmm.default" not in counted and "aten._safe_softmax.default" not in counted
 
 
+def test_sdpa_kernel_math_keeps_pjrt_attention_on_the_math_route() -> None:
+    """torch.nn.attention.sdpa_kernel turning the overrideable route off is honoured: the math ops run."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from torch_pjrt.runtime import metrics
+
+    cpu = _attention_inputs("cpu", torch.float32, 4, 2, 5, 5, "none")[:3]
+    want = F.scaled_dot_product_attention(*cpu, is_causal=True, enable_gqa=True)
+    with torch.pjrt.set_eager_mode(FUSE), sdpa_kernel(SDPBackend.MATH):
+        pjrt = _attention_inputs("pjrt", torch.float32, 4, 2, 5, 5, "none")[:3]
+        before = dict(metrics.op_counts)
+        got = F.scaled_dot_product_attention(*pjrt, is_causal=True, enable_gqa=True)
+        torch.testing.assert_close(got.cpu(), want.detach(), rtol=1e-5, atol=1e-5)
+    counted = {name for name, n in metrics.op_counts.items() if n != before.get(name, 0)}
+    assert "torch_pjrt.fused_attention.default" not in counted and "aten.bmm.default" in counted
+
+
 @pytest.mark.parametrize("mode", [torch.pjrt.EagerMode.DEFER_NEVER, FUSE])
 def test_the_overrideable_attention_op_called_causal_matches_cpu_math(mode: torch.pjrt.EagerMode) -> None:
     from torch.nn.attention import SDPBackend, sdpa_kernel

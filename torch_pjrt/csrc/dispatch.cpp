@@ -19,6 +19,7 @@
 // All state is guarded by the GIL, which every call holds (autograd's threads included), and the
 // pending graph by its own lock besides, as in Python.
 
+#include <ATen/Context.h>
 #include <ATen/native/transformers/attention.h>
 #include <ATen/SDPBackend.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
@@ -1413,7 +1414,8 @@ void configure(py::object miss, py::object storage_type, py::object array_type,
 // route to take. For pjrt tensors it answers "overrideable" where ops/nn/attention.py's one-op attention
 // applies (no dropout, 4-D inputs, key and value heads equal to the query's or, with enable_gqa, a divisor
 // of them), and "math" elsewhere, as without this stub: in fake tensors (torch.compile's tracing) and under
-// a Python dispatch mode too, so graphs and modes see what they saw before. A causal call (a prompt's
+// a Python dispatch mode too, so graphs and modes see what they saw before, and where the user turned the
+// overrideable route off (`torch.nn.attention.sdpa_kernel([SDPBackend.MATH])`). A causal call (a prompt's
 // prefill) takes the one op as well: its mask is aligned at the top left, as the math route's, so padded
 // queries and keys (a marked prompt length held at its bucket) leave the true rows' mask as it is.
 // The overrideable op and its backward run torch_pjrt::fused_attention(_backward), lowered ops with
@@ -1437,7 +1439,8 @@ int64_t sdp_choice(const at::Tensor& query, const at::Tensor& key, const at::Ten
                    const std::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal,
                    std::optional<double> scale, bool enable_gqa) {
   const auto math = static_cast<int64_t>(at::SDPBackend::math);
-  if (dropout_p != 0.0 || query.dim() != 4 || key.dim() != 4 || value.dim() != 4 ||
+  if (!at::globalContext().userEnabledOverrideableSDP() || dropout_p != 0.0 || query.dim() != 4 ||
+      key.dim() != 4 || value.dim() != 4 ||
       query.key_set().has(c10::DispatchKey::Python) || c10::impl::TorchDispatchModeTLS::stack_len() > 0) {
     return math;
   }
