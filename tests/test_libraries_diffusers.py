@@ -91,11 +91,11 @@ def test_the_zoo_catalog_is_every_model_class_diffusers_exports() -> None:
 
 def test_the_zoo_synthesises_each_models_own_inputs() -> None:
     """A packed-token transformer gets tokens with their position ids, a video transformer 5-D latents."""
-    from torch_pjrt.cli import zoo_catalog
+    from torch_pjrt.cli import zoo, zoo_catalog
 
     def built(name: str) -> tuple[torch.nn.Module, dict]:
-        return zoo_catalog.build(zoo_catalog.Case(name, "transformer", "diffusion", model_class=name,
-                                                  library="diffusers"))
+        return zoo.build_case(zoo_catalog.Case(name, "transformer", "diffusion", model_class=name,
+                                                    library="diffusers"))
 
     flux, inputs = built("FluxTransformer2DModel")
     tokens = inputs["hidden_states"].shape[1]
@@ -109,11 +109,11 @@ def test_the_zoo_builds_from_each_models_own_code() -> None:
     """Flux scales its timestep by 1000 itself, so it gets a fraction; DiT gets steps; Flux2's position ids have
     one column per rotary axis; a class whose defaults leave in_channels to a checkpoint builds with an override;
     SD3, whose caption width is tied to heads x head size, builds with its head count kept."""
-    from torch_pjrt.cli import zoo_catalog
+    from torch_pjrt.cli import zoo, zoo_catalog
 
     def built(name: str) -> tuple[torch.nn.Module, dict]:
-        return zoo_catalog.build(zoo_catalog.Case(name, "transformer", "diffusion", model_class=name,
-                                                  library="diffusers"))
+        return zoo.build_case(zoo_catalog.Case(name, "transformer", "diffusion", model_class=name,
+                                                    library="diffusers"))
 
     _, inputs = built("FluxTransformer2DModel")
     assert 0 <= inputs["timestep"].min() and inputs["timestep"].max() < 1
@@ -134,11 +134,11 @@ def test_the_zoo_builds_from_each_models_own_code() -> None:
 def test_the_zoo_tries_a_models_own_channels_and_lengths_and_class_rules() -> None:
     """A VAE configured by its latent width gets an RGB image; an audio autoencoder a waveform two hops long; a
     video ControlNet its conditioned frames with their mask and the text once per frame."""
-    from torch_pjrt.cli import zoo_catalog, zoo_diffusers
+    from torch_pjrt.cli import zoo, zoo_catalog, zoo_diffusers
 
     def built(name: str) -> tuple[torch.nn.Module, dict]:
-        return zoo_catalog.build(zoo_catalog.Case(name, "autoencoder", "diffusion", model_class=name,
-                                                  library="diffusers"))
+        return zoo.build_case(zoo_catalog.Case(name, "autoencoder", "diffusion", model_class=name,
+                                                    library="diffusers"))
 
     vae, inputs = built("ConsistencyDecoderVAE")
     assert inputs["sample"].shape[1] == vae.config.encoder_in_channels == 3
@@ -156,11 +156,11 @@ def test_the_zoo_feeds_models_as_their_pipelines_do() -> None:
     """Ideogram4 gets model time in [0, 1] (its sinusoid scales it by 1e4); a union multi-ControlNet gets, per model,
     a list of control images with their control types and scales; Stable Audio its duration as one global token,
     with a rotary table spanning that token and the waveform."""
-    from torch_pjrt.cli import zoo_catalog
+    from torch_pjrt.cli import zoo, zoo_catalog
 
     def built(name: str) -> tuple[torch.nn.Module, dict]:
-        return zoo_catalog.build(zoo_catalog.Case(name, "transformer", "diffusion", model_class=name,
-                                                  library="diffusers"))
+        return zoo.build_case(zoo_catalog.Case(name, "transformer", "diffusion", model_class=name,
+                                                    library="diffusers"))
 
     _, inputs = built("Ideogram4Transformer2DModel")
     assert 0 < inputs["timestep"].min() and inputs["timestep"].max() < 1

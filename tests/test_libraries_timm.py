@@ -56,7 +56,7 @@ def test_a_net_with_a_minimum_input_size_gets_it() -> None:
     # inception_v3's stem and reductions leave a 2x2 map at 64x64, under its 3x3 kernels; 96 is the first side that runs
     assert zoo_catalog.timm_smallest_side("inception_v3", 3, 64) == 96
     assert zoo_catalog.timm_smallest_side("resnet18", 3, 64) == 64
-    model, (images,) = zoo_catalog.build(zoo_catalog.Case("inception_v3", "inception_v3", "image-classification",
+    model, (images,) = zoo.build_case(zoo_catalog.Case("inception_v3", "inception_v3", "image-classification",
                                                            model_class="inception_v3", library="timm"))
     assert images.shape == (zoo_catalog.BATCH, 3, 96, 96)
     with torch.no_grad():

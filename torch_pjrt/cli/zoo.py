@@ -203,6 +203,20 @@ def _mode(mode: str) -> Iterator[None]:
         fusion.flush("zoo step")
 
 
+def build_case(case: Case) -> tuple[torch.nn.Module, Any]:
+    """The case's CPU model and inputs; any failure here is the zoo's or the model's, not pjrt's (Skip)."""
+    try:
+        if case.library == "timm":
+            return zoo_catalog.build_timm(case)
+        if case.library == "diffusers":
+            return zoo_diffusers.build_diffusers(case)
+        return zoo_catalog.build_user(case) if case.factory else zoo_catalog.build_hf(case)
+    except Skip:
+        raise
+    except Exception as error:
+        raise Skip(f"building it on CPU fails: {first_line(error)}") from None
+
+
 def run_case(case: Case, mode: str = "strict") -> dict[str, Any]:
     """Build, run and compare one model; the row says match, mismatch, error or skipped, and why."""
     import torch_pjrt  # noqa: F401  (registers the device when autoload is off)
@@ -212,7 +226,7 @@ def run_case(case: Case, mode: str = "strict") -> dict[str, Any]:
     started = time.perf_counter()
     try:
         torch.manual_seed(0)
-        model, inputs = zoo_catalog.build(case)
+        model, inputs = build_case(case)
         row["parameters"] = sum(p.numel() for p in model.parameters())
         on_pjrt = copy.deepcopy(model).to("pjrt")  # as a user moves it (ties kept: module_moves.py)
         pjrt_inputs = _to(inputs, "pjrt")

@@ -446,19 +446,3 @@ def build_timm(case: Case) -> tuple[nn.Module, tuple[torch.Tensor]]:
         height = width = timm_smallest_side(case.model_class, channels, max(TIMM_IMAGE, smallest[1], smallest[2]))
     randomize_constant_matrices(model, 0.02)
     return model.float().eval(), (torch.randn(BATCH, channels, height, width),)
-
-
-def build(case: Case) -> tuple[nn.Module, Any]:
-    """The case's CPU model and inputs; any failure here is the zoo's or the model's, not pjrt's (Skip)."""
-    try:
-        if case.library == "timm":
-            return build_timm(case)
-        if case.library == "diffusers":
-            from torch_pjrt.cli import zoo_diffusers
-
-            return zoo_diffusers.build_diffusers(case)
-        return build_user(case) if case.factory else build_hf(case)
-    except Skip:
-        raise
-    except Exception as error:
-        raise Skip(f"building it on CPU fails: {first_line(error)}") from None
