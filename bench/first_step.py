@@ -3,17 +3,20 @@
 Each run is a new Python process that imports torch, builds the GPT of bench/train_step.py and runs
 one training step (compiled with backend="pjrt", in DEFER_AND_FUSE, or in strict eager), timed from
 before `import torch` to the step's loss on the host. Cold: an empty TORCH_PJRT_CACHE_DIR; warm: the
-same folder again. Cold and warm processes alternate over `--rounds` rounds (each round a new folder);
-the best of each is kept. Both start from Python bytecode compiled beforehand, as an installed package
+same folder again, once as is and once without the background preload of the stored executables the
+last process used (what that preload saves). The three alternate over `--rounds` rounds (each round a new
+folder); the best of each is kept. Both start from Python bytecode compiled beforehand, as an installed package
 does (this machine sets PYTHONDONTWRITEBYTECODE, which would make every process compile our sources).
 
 The phases are self times (a nested phase is not counted in the one around it): imports (every
 module loaded, at start or lazily), Dynamo tracing, AOTAutograd, jax's tracing and lowering of our
-programs (the lowering table running), XLA compile or persistent-cache load, deserializing the
-executables our store keeps (strict ops, fused programs, compiled graphs), Python's cyclic garbage
-collections (wherever they fall), and the rest (building the model, the first run of the programs,
-Python around them). The hit columns count executables from XLA's cache, entries of our store (traced
-graphs and fused programs, their executables) and compiled graphs from AOTAutograd's cache.
+programs (the lowering table running), XLA compile or persistent-cache load, the main thread's time
+getting the executables our store keeps (strict ops, fused programs, compiled graphs: deserializing
+them, or waiting for the background thread that preloads them), Python's cyclic garbage collections
+(wherever they fall), and the rest (building the model, the first run of the programs, Python around
+them). The hit columns count executables from XLA's cache, entries of our store (traced graphs and
+fused programs, their executables), compiled graphs from AOTAutograd's cache, and the store's
+executables a background thread had loaded (or was loading) when the step asked for them.
 Run: .venv/bin/python bench/first_step.py [--rounds 2]
 """
 
@@ -49,8 +52,13 @@ CHILD = textwrap.dedent(
         seconds[name] = seconds.get(name, 0.0) + now - mark[0]
         mark[0] = now
 
+    import threading
+    main_thread = threading.main_thread()
+
     def timed(name, fn):
         def wrapper(*args, **kwargs):
+            if threading.current_thread() is not main_thread:  # a background preload: not the main thread's time
+                return fn(*args, **kwargs)
             enter(name)
             try:
                 return fn(*args, **kwargs)
@@ -69,6 +77,9 @@ CHILD = textwrap.dedent(
     bootstrap._find_and_load = find_and_load
 
     import torch
+    if not PRELOAD:
+        from torch_pjrt.runtime import programs
+        programs.start_preload = lambda: None
     jax_seconds = {}
     def jax_event(event, duration, **_):
         jax_seconds[event] = jax_seconds.get(event, 0.0) + duration
@@ -81,6 +92,8 @@ CHILD = textwrap.dedent(
     from jax.experimental import serialize_executable
     jax.monitoring.register_event_duration_secs_listener(jax_event)
     serialize_executable.deserialize_and_load = timed("load", serialize_executable.deserialize_and_load)
+    from torch_pjrt.runtime import programs
+    programs._Preloads.claim = timed("load", programs._Preloads.claim)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     tokens, targets = batches(corpus_bytes(), 8, 64, 1)[0]
     step = train_step
@@ -107,21 +120,25 @@ CHILD = textwrap.dedent(
     stored = counters["disk_store_hits"] + counters.get("op_store_hits", 0)
     print(json.dumps({"total": total, "phases": seconds, "loss": loss, "programs": counters["compiles"],
                       "executables": counters["persistent_cache_hits"], "graphs": stored,
-                      "aot": counters["aot_cache_hits"]}))
+                      "aot": counters["aot_cache_hits"], "preloaded": counters.get("preload_hits", 0)}))
     """
 )
 MODES = (("torch.compile(backend='pjrt')", "compiled"), ("DEFER_AND_FUSE", "fused"), ("strict eager", "strict"))
 GOAL = 0.5  # warm first step over cold, issue #33
+# Each round's processes, in order; the last one, its executables not preloaded, shows what preloading saves.
+WITHOUT_PRELOAD = "warm, no preload"
+KINDS = ("cold", "warm", WITHOUT_PRELOAD)
 # A child's environment reads the bytecode `compile_bytecode` wrote (an empty value unsets the variable).
 BYTECODE_READ = {"PYTHONDONTWRITEBYTECODE": ""}
 PHASES = (("imports", "imports"), ("dynamo", "Dynamo"), ("aot", "AOTAutograd"), ("trace", "jax trace+lower"),
           ("xla", "XLA compile/load"), ("load", "our store's load"), ("gc", "Python's GC"), ("rest", "rest"))
 
 
-def first_step(cache: str, mode: str) -> dict:
-    """One fresh process's first step: total seconds, seconds per phase, loss and cache hits."""
+def first_step(cache: str, mode: str, preload: bool = True) -> dict:
+    """One fresh process's first step: total seconds, seconds per phase, loss and cache hits; `preload` False
+    keeps the device start from preloading the stored executables its entry point used last time."""
     examples = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples")
-    code = CHILD.replace("EXAMPLES", repr(examples)).replace("MODE", repr(mode))
+    code = CHILD.replace("EXAMPLES", repr(examples)).replace("MODE", repr(mode)).replace("PRELOAD", repr(preload))
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_child_environment(cache))
     if result.returncode != 0:
         raise RuntimeError(f"the {mode} child failed:\n{result.stderr[-3000:]}")
@@ -159,25 +176,25 @@ def main() -> None:
             if mode not in wanted:
                 continue
             with tempfile.TemporaryDirectory() as cache:
-                for kind in ("cold", "warm"):
-                    run = first_step(cache, mode)
+                for kind in KINDS:
+                    run = first_step(cache, mode, preload=kind != WITHOUT_PRELOAD)
                     if (mode, kind) not in best or run["total"] < best[(mode, kind)]["total"]:
                         best[(mode, kind)] = run
     header = "".join(f"{title:>17}" for _, title in PHASES)
-    print(f"{'first training step of a new process':<36}{'total s':>8}{header}{'programs lowered':>18}"
-          f"   hits: XLA cache  our store  AOTAutograd")
+    print(f"{'first training step of a new process':<50}{'total s':>8}{header}{'programs lowered':>18}"
+          f"   hits: XLA cache  our store  AOTAutograd  of them preloaded")
     for label, mode in MODES:
         if mode not in wanted:
             continue
-        for kind in ("cold", "warm"):
+        for kind in KINDS:
             run = best[(mode, kind)]
             phases = "".join(f"{run['phases'].get(key, 0.0):>17.2f}" for key, _ in PHASES)
-            print(f"{label + ', ' + kind:<36}{run['total']:>8.2f}{phases}{run['programs']:>18}"
-                  f"{run['executables']:>17}{run['graphs']:>11}{run['aot']:>13}")
+            print(f"{label + ', ' + kind:<50}{run['total']:>8.2f}{phases}{run['programs']:>18}"
+                  f"{run['executables']:>17}{run['graphs']:>11}{run['aot']:>13}{run.get('preloaded', 0):>18}")
         cold, warm = best[(mode, "cold")], best[(mode, "warm")]
         equal = "equal" if cold["loss"] == warm["loss"] else f"DIFFER ({cold['loss']} vs {warm['loss']})"
         per_program = cold["phases"]["xla"] / max(cold["programs"], 1)
-        print(f"{'  warm / cold':<36}{warm['total'] / cold['total']:>8.2f}   (losses {equal}; cold XLA compile "
+        print(f"{'  warm / cold':<50}{warm['total'] / cold['total']:>8.2f}   (losses {equal}; cold XLA compile "
               f"{per_program * 1000:.0f} ms per program lowered)")
     ratios = [(label, best[(mode, "warm")]["total"] / best[(mode, "cold")]["total"]) for label, mode in MODES
               if mode in wanted]

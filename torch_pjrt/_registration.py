@@ -94,9 +94,10 @@ def initialize() -> None:
         with _collector_paused():
             from torch_pjrt import native
             from torch_pjrt.eager import kernels
-            from torch_pjrt.runtime import client
+            from torch_pjrt.runtime import client, programs
 
             native.set_device_count(len(client.devices()))
+            programs.start_preload()
             if "torch._dynamo" in sys.modules:
                 _torch_private.dynamo_skip_our_packages()
             _state["libraries"].extend(kernels.register_all())

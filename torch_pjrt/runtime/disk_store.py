@@ -40,6 +40,11 @@ def _bump(what: str) -> None:
     metrics.bump(f"{getattr(_counting, 'prefix', 'disk_store')}_{what}")
 
 
+def count_hit() -> None:
+    """Count a payload read earlier (by a background preload) as a hit of what this thread serves now."""
+    _bump("hits")
+
+
 def enabled() -> bool:
     return client.cache_dir() is not None
 

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import os
 import pickle
+import sys
+import threading
 import time
 import warnings
 from collections.abc import Callable, Hashable
@@ -109,14 +112,11 @@ def stored_executable(fn: Callable, example: tuple, key: str, name: str, counter
                  os.environ.get("XLA_FLAGS", ""), donate):
         digest.update(str(part).encode())
     stored = digest.hexdigest()
-    payload = disk_store.read("executables", stored)
-    if payload is not None:
-        from jax.experimental import serialize_executable
-
-        serialized, in_tree, out_tree = pickle.loads(payload)
-        by_id = {device.id: device for device in client.devices()}
-        executable = serialize_executable.deserialize_and_load(
-            serialized, in_tree, out_tree, backend=backend, execution_devices=[by_id[i] for i in devices] or None)
+    _used.setdefault(stored, devices)
+    executable = _preloads.claim(stored)
+    if executable is None:
+        executable = _loaded(stored, devices)
+    if executable is not None:
         return Program.of_executable(executable, name, counter, device_index)
     start = time.perf_counter()
     with warnings.catch_warnings(), client.xla_cache_reads_off():  # one from XLA's cache cannot be stored
@@ -134,6 +134,110 @@ def stored_executable(fn: Callable, example: tuple, key: str, name: str, counter
         return made  # an executable XLA cannot serialize
     disk_store.write("executables", stored, pickle.dumps(serialized))
     return made
+
+
+def _loaded(stored: str, devices: list[int]) -> Any:
+    """The executable stored under this key for these device ids, or None when it is not stored."""
+    payload = disk_store.read("executables", stored)
+    if payload is None:
+        return None
+    from jax.experimental import serialize_executable
+
+    serialized, in_tree, out_tree = pickle.loads(payload)
+    by_id = {device.id: device for device in client.devices()}
+    return serialize_executable.deserialize_and_load(serialized, in_tree, out_tree, backend=client.devices()[0].client,
+                                                     execution_devices=[by_id[i] for i in devices] or None)
+
+
+# The stored executables this process asked for (key -> device ids), in order: the next process of the same
+# entry point preloads the first PRELOAD_LIMIT of them (what its first steps need; a long test session or
+# server meets many more, which would only hold memory and a core before they are asked for).
+_used: dict[str, list[int]] = {}
+PRELOAD_LIMIT = 64
+
+
+class _Preloads:
+    """Stored executables loaded by a background thread at device start, in the order the last process of
+    this entry point used them, while the main thread imports, traces and lowers (jax's deserialize_and_load
+    releases the GIL for most of its time). The main thread claims an entry: it takes the executable when
+    loaded, waits while it loads, and loads it itself when the thread has not reached it yet."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._waiting: dict[str, list[int]] = {}  # not begun
+        self._loading: dict[str, threading.Event] = {}
+        self._done: dict[str, Any] = {}
+        self._recorded: list[list[Any]] = []
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Read this entry point's record and load its executables in a daemon thread; record this process's at exit."""
+        if not disk_store.enabled():
+            return
+        with disk_store.counted_as("preload_record"):
+            payload = disk_store.read("preload", _entry_point())
+        self._recorded = [] if payload is None else pickle.loads(payload)
+        atexit.register(self._save_record)
+        if self._recorded:
+            self._waiting = {stored: devices for stored, devices in self._recorded}
+            self._thread = threading.Thread(target=self._load_all, name="torch_pjrt-preload", daemon=True)
+            self._thread.start()
+
+    def _load_all(self) -> None:
+        while True:
+            with self._lock:
+                if not self._waiting:
+                    return
+                stored, devices = next(iter(self._waiting.items()))
+                del self._waiting[stored]
+                loaded = self._loading[stored] = threading.Event()
+            try:
+                with disk_store.counted_as("preload"):
+                    self._done[stored] = _loaded(stored, devices)
+            except Exception:  # noqa: BLE001 - a failed preload only loses the head start; the claim loads it again
+                self._done[stored] = None
+            finally:
+                loaded.set()
+
+    def claim(self, stored: str) -> Any:
+        """The preloaded executable of this key (counted as a hit of the store), or None when not preloaded."""
+        with self._lock:
+            if self._waiting.pop(stored, None) is not None:
+                return None
+            loading = self._loading.pop(stored, None)
+        if loading is None or not (loading.is_set() or self._thread.is_alive()):  # a forked child has no thread
+            return None
+        loading.wait()
+        executable = self._done.pop(stored)
+        if executable is not None:
+            disk_store.count_hit()
+        return executable
+
+    def _save_record(self) -> None:
+        with self._lock:
+            self._waiting.clear()  # the thread stops after the executable it is loading
+        used = [[stored, devices] for stored, devices in list(_used.items())[:PRELOAD_LIMIT]]
+        if used and used != self._recorded:
+            with disk_store.counted_as("preload_record"):
+                disk_store.write("preload", _entry_point(), pickle.dumps(used))
+
+
+def _entry_point() -> str:
+    """The record's key: the script (or module, or -c code) this process runs, in this working folder."""
+    script = sys.argv[0] if sys.argv and sys.argv[0] else "-"
+    if script == "-c" and "-c" in sys.orig_argv[:-1]:
+        script = sys.orig_argv[sys.orig_argv.index("-c") + 1]
+    elif os.path.exists(script):
+        script = os.path.abspath(script)
+    return hashlib.sha256(f"{os.getcwd()}\0{script}".encode()).hexdigest()
+
+
+_preloads = _Preloads()
+
+
+def start_preload() -> None:
+    """Begin loading, in the background, the stored executables the last process of this entry point used."""
+    _preloads.start()
 
 
 class ProgramCache:
