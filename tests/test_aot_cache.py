@@ -111,3 +111,52 @@ def test_a_loaded_graph_without_its_stored_program_traces_it_from_the_described_
     warm = run_step(tmp_path, 7, STEP)
     assert warm["aot_cache_hits"] == cold["aot_cache_writes"]
     assert warm["graph_compiles"] == cold["graph_compiles"]
+
+
+PRECOMPILED = textwrap.dedent(
+    """
+    import json, os, sys
+    os.environ["TORCH_CACHING_PRECOMPILE"] = "1"
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(os.environ["TORCH_PJRT_CACHE_DIR"], "inductor")
+    import torch, torch_pjrt
+    import torch._dynamo.convert_frame as convert_frame
+    traced = []
+    compile_frame = convert_frame._compile
+    convert_frame._compile = lambda *args, **kwargs: traced.append(1) or compile_frame(*args, **kwargs)
+    artifacts = os.path.join(os.environ["TORCH_PJRT_CACHE_DIR"], "artifacts.bin")
+    if os.path.exists(artifacts):
+        with open(artifacts, "rb") as file:
+            torch.compiler.load_cache_artifacts(file.read())
+    torch.manual_seed(int(sys.argv[1]))
+    model = torch.nn.Sequential(torch.nn.Linear(6, 9), torch.nn.GELU(), torch.nn.Linear(9, 4))
+    x, y = torch.randn(5, 6), torch.randn(5, 4)
+
+    def loss_of(model, x, y):
+        return torch.nn.functional.smooth_l1_loss(model(x), y)
+
+    expected = loss_of(model, x, y)
+    expected.backward()
+    expected_grads = [parameter.grad.clone() for parameter in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    model.to("pjrt")
+    loss = torch.compile(loss_of, backend="pjrt")(model, x.to("pjrt"), y.to("pjrt"))
+    loss.backward()
+    torch.testing.assert_close(loss.cpu(), expected, rtol=1e-5, atol=1e-6)
+    for parameter, grad in zip(model.parameters(), expected_grads):
+        torch.testing.assert_close(parameter.grad.cpu(), grad, rtol=1e-5, atol=1e-6)
+    if not os.path.exists(artifacts):
+        with open(artifacts, "wb") as file:
+            file.write(torch.compiler.save_cache_artifacts()[0])
+    print(json.dumps({"dynamo_frames": len(traced)}))
+    """
+)
+
+
+def test_dynamos_caching_precompile_loads_pjrt_graphs_and_skips_tracing(tmp_path: Path) -> None:
+    """With TORCH_CACHING_PRECOMPILE=1 a process saves Dynamo's package of a pjrt compile (its graphs as
+    AOTAutograd's cache stores ours) with torch.compiler.save_cache_artifacts; the next loads it and runs
+    the forward and backward without Dynamo tracing a frame, with CPU's values and grads."""
+    cold = run_step(tmp_path, 11, PRECOMPILED)
+    assert cold["dynamo_frames"] > 0 and (tmp_path / "artifacts.bin").exists()
+    warm = run_step(tmp_path, 12, PRECOMPILED)  # other random values through the same graphs
+    assert warm["dynamo_frames"] == 0

@@ -44,17 +44,20 @@ class StoredGraph(_torch_private.output_code_base()):
     def __getstate__(self) -> dict[str, Any]:
         metrics.bump("aot_cache_writes")
         return {"graph": _torch_private.pickle_graph(self.gm, keep=lambda key: key == "stack_trace"),
-                "values": [_described(node.meta.get("val")) for node in self.gm.graph.nodes]}
+                "values": [_described(node.meta.get("val")) for node in self.gm.graph.nodes],
+                "options": {"recompile_budget": self.compiled.recompile_budget}}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        if not _making:
-            raise RuntimeError("a stored pjrt graph was loaded outside torch.compile(backend='pjrt'); clear the "
-                               "aotautograd folder of TORCH_PJRT_CACHE_DIR if this repeats.")
         self.gm = _torch_private.unpickle_graph(state["graph"])
         with _torch_private.fake_mode():
             for node, value in zip(self.gm.graph.nodes, state["values"]):
                 node.meta["val"] = _rebuilt(value)
-        self.compiled = _making[-1](self.gm)
+        if _making:
+            self.compiled = _making[-1](self.gm)
+        else:  # loaded with a Dynamo package (caching precompile, torch.compiler.load_cache_artifacts): no backend call
+            from torch_pjrt.compile.backend import CompiledGraph
+
+            self.compiled = CompiledGraph(self.gm, **state["options"])
         self._boxed_call = True
         metrics.bump("aot_cache_hits")
 
