@@ -72,6 +72,7 @@ struct Runtime {
   PyObject* note_padded = nullptr;  // dynamic.note_padded(device_storage): a new padded result's lengths are live
   PyObject* checks_issued = nullptr;  // dispatch.native_checks_issued(code, checks): a checked program ran
   PyObject* fusion = nullptr;  // eager.fusion: MAX_NODES and DEBUG_RECOMPILE, read at every recorded call
+  PyObject* fusion_globals = nullptr;  // eager.fusion's __dict__ (read directly: no module attribute lookup)
   PyObject* graphs = nullptr;  // fusion.graphs(): the PendingGraph of each device, by index
   PyObject* deferred_type = nullptr;  // fusion.Deferred: one result of a recorded op
   PyObject* check_caller = nullptr;  // checks.caller(): the user line a recorded checked op reports
@@ -723,6 +724,18 @@ bool describe(const OpState& op, c10::ArrayRef<c10::IValue> arguments, Signature
   return true;
 }
 
+// eager.fusion's global `name` as it is now (a test may have patched it), borrowed.
+PyObject* fusion_setting(PyObject* name) {
+  PyObject* found = PyDict_GetItemWithError(runtime().fusion_globals, name);
+  if (found == nullptr) {
+    if (!PyErr_Occurred()) {
+      PyErr_SetObject(PyExc_AttributeError, name);
+    }
+    throw py::error_already_set();
+  }
+  return found;
+}
+
 // Where a call may go: Python only, the native strict hit, or native recording into the fused graph.
 enum class Path { Python, Strict, Fused };
 
@@ -738,7 +751,7 @@ Path fast_path() {
     return Path::Strict;
   }
   // TORCH_PJRT_DEBUG_RECOMPILE records each op's user line, which Python finds
-  return PyObject_IsTrue(attribute_of(rt.fusion, rt.s_debug_recompile).ptr()) ? Path::Python : Path::Fused;
+  return PyObject_IsTrue(fusion_setting(rt.s_debug_recompile)) ? Path::Python : Path::Fused;
 }
 
 // A DeviceStorage made as Python's __init__ would, without running Python code: its type's own
@@ -985,6 +998,7 @@ py::object record_call(const Entry& entry, Signature& sig) {
   py::object device_graph = graph_of(sig.device);
   PyObject* graph = device_graph.ptr();
   py::object results;
+  bool full = false;  // the size cap reached: flushed once the lock is let go, as PendingGraph.record does
   {
     GraphLock lock(graph);
     if (!lock.held) {
@@ -1054,9 +1068,13 @@ py::object record_call(const Entry& entry, Signature& sig) {
       }
       PyTuple_SET_ITEM(results.ptr(), static_cast<Py_ssize_t>(i), deferred.release().ptr());
     }
+    const Py_ssize_t max_nodes = PyLong_AsSsize_t(fusion_setting(rt.s_max_nodes));
+    if (max_nodes == -1 && PyErr_Occurred()) {
+      throw py::error_already_set();
+    }
+    full = PyList_GET_SIZE(nodes.ptr()) >= max_nodes;
   }
-  const Py_ssize_t recorded_nodes = PyList_GET_SIZE(attribute_of(graph, rt.s_nodes).ptr());
-  if (recorded_nodes >= PyLong_AsSsize_t(attribute_of(rt.fusion, rt.s_max_nodes).ptr())) {
+  if (full) {
     call_python(attribute_of(graph, rt.s_flush).ptr(), {rt.s_size_cap});
   }
   return results;
@@ -1366,6 +1384,7 @@ void configure(py::object miss, py::object storage_type, py::object array_type,
   rt.note_padded = note_padded.inc_ref().ptr();
   rt.checks_issued = checks_issued.inc_ref().ptr();
   rt.fusion = fusion.inc_ref().ptr();
+  rt.fusion_globals = py::object(fusion.attr("__dict__")).release().ptr();
   rt.graphs = fusion.attr("graphs")().release().ptr();
   rt.deferred_type = deferred_type.inc_ref().ptr();
   rt.check_caller = check_caller.inc_ref().ptr();
