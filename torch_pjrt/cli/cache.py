@@ -1,10 +1,11 @@
 """`torch-pjrt cache`: the persistent compile cache folder, shown, pruned and cleared.
 
 The folder holds XLA's executables (`xla/`, jax's persistent cache), our traced torch.compile
-graphs (`graphs/`), their executables (`executables/`) and AOTAutograd's entries for them
-(`aotautograd/<digest of torch_pjrt's code>/`); ranks of one job and later processes share it
-(TORCH_PJRT_CACHE_DIR). AOTAutograd's folders of other code versions can never hit again: prune
-removes them first.
+graphs (`graphs/`), the executables of those graphs, fused programs and strict ops (`executables/`),
+strict ops' device-side checks (`op_checks/`), per script the executables its last process used
+(`preload/`) and AOTAutograd's entries for compiled graphs (`aotautograd/<digest of torch_pjrt's
+code>/`); ranks of one job and later processes share it (TORCH_PJRT_CACHE_DIR). AOTAutograd's folders
+of other code versions can never hit again: prune removes them first.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from pathlib import Path
 from typing import Any
 
 KINDS = {"xla": "XLA executables", "graphs": "traced torch.compile graphs",
-         "executables": "compiled graphs' executables, loaded without tracing",
+         "executables": "compiled graphs', fused programs' and strict ops' executables, loaded without tracing",
+         "op_checks": "strict ops' device-side checks, read with their executables",
+         "preload": "per script: the executables its last process used, which the next one preloads",
          "aotautograd": "AOTAutograd's entries for compiled graphs, per version of torch_pjrt"}
 
 
