@@ -237,6 +237,28 @@ def dynamo_optimizer_capturable_on(device_type: str) -> None:
     optimizer.OptimizerVariable._set_capturable = set_capturable
 
 
+def flex_attention_accepts(device_type: str) -> None:
+    """Let eager FlexAttention take inputs on `device_type`, whose device check is a fixed set of types.
+
+    torch.nn.attention.flex_attention refuses any device outside CUDA, CPU, XPU, HPU and MPS, though its
+    eager path runs the higher-order op's dense implementation (plain torch ops) that any backend runs.
+    Inputs on `device_type` now pass the check (with backward: the CPU refusal does not concern them);
+    other devices get PyTorch's check as before."""
+    from torch.nn.attention import flex_attention
+
+    original = flex_attention._validate_device
+    if device_type in getattr(original, "accepted_device_types", ()):
+        return
+
+    @functools.wraps(original)
+    def validate_device(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        if query.device.type != device_type:
+            original(query, key, value)
+
+    validate_device.accepted_device_types = (*getattr(original, "accepted_device_types", ()), device_type)
+    flex_attention._validate_device = validate_device
+
+
 # c10::ScalarType numbering, for schema defaults that arrive as plain numbers.
 _SCALAR_TYPES = {
     0: torch.uint8, 1: torch.int8, 2: torch.int16, 3: torch.int32, 4: torch.int64, 5: torch.float16,
