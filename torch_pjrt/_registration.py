@@ -101,6 +101,7 @@ def initialize() -> None:
             if "torch._dynamo" in sys.modules:
                 _torch_private.dynamo_skip_our_packages()
             _state["libraries"].extend(kernels.register_all())
+            _torch_private.flex_attention_accepts(NAME)
             if envvars.flag("TORCH_PJRT_FLASH_ATTENTION"):
                 from torch_pjrt.kernels import attention
 
