@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -238,25 +239,24 @@ def dynamo_optimizer_capturable_on(device_type: str) -> None:
 
 
 def flex_attention_accepts(device_type: str) -> None:
-    """Let eager FlexAttention take inputs on `device_type`, whose device check is a fixed set of types.
+    """Add `device_type` to the devices eager FlexAttention takes (its check is a fixed set of types).
 
-    torch.nn.attention.flex_attention refuses any device outside CUDA, CPU, XPU, HPU and MPS, though its
-    eager path runs the higher-order op's dense implementation (plain torch ops) that any backend runs.
-    Inputs on `device_type` now pass the check (with backward: the CPU refusal does not concern them);
-    other devices get PyTorch's check as before."""
+    torch.nn.attention.flex_attention._validate_device refuses any device outside the set literal
+    {"cuda", "cpu", "xpu", "hpu", "mps"}, though its eager path runs the higher-order op's dense
+    implementation (plain torch ops) that any backend runs. The check is rebuilt from its own code with
+    `device_type` in that set, so every other device meets PyTorch's check unchanged and the check stays in
+    PyTorch's file, which Dynamo traces inside compiled graphs (a wrapper of ours would be a frame it skips,
+    dynamo_skip_our_packages). A torch whose check holds no such set is left alone."""
     from torch.nn.attention import flex_attention
 
-    original = flex_attention._validate_device
-    if device_type in getattr(original, "accepted_device_types", ()):
+    check = flex_attention._validate_device
+    code = check.__code__
+    constants = tuple(constant | {device_type} if isinstance(constant, frozenset) and "cuda" in constant
+                      else constant for constant in code.co_consts)
+    if constants == code.co_consts or any(device_type in c for c in code.co_consts if isinstance(c, frozenset)):
         return
-
-    @functools.wraps(original)
-    def validate_device(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
-        if query.device.type != device_type:
-            original(query, key, value)
-
-    validate_device.accepted_device_types = (*getattr(original, "accepted_device_types", ()), device_type)
-    flex_attention._validate_device = validate_device
+    flex_attention._validate_device = types.FunctionType(code.replace(co_consts=constants), check.__globals__,
+                                                         check.__name__, check.__defaults__, check.__closure__)
 
 
 # c10::ScalarType numbering, for schema defaults that arrive as plain numbers.
