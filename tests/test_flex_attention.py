@@ -156,3 +156,33 @@ def test_other_devices_keep_pytorchs_check() -> None:
     query, key, value = [t.requires_grad_() for t in random_inputs()]
     with pytest.raises(NotImplementedError, match="backward on CPU"):
         flex_attention(query, key, value)
+
+
+def test_compiled_model_with_flex_attention_matches_cpu() -> None:
+    """Inside a compiled graph (backend pjrt, one graph) the device check is traced, not a frame Dynamo skips."""
+    from torch_pjrt import _torch_private
+
+    torch.empty(1, device="pjrt")
+    _torch_private.dynamo_skip_our_packages()  # torch_pjrt's frames are skipped, as after any pjrt compile
+    projection, inputs, grad = torch.nn.Linear(DIM, DIM), random_inputs(), torch.randn(BATCH, HEADS, LENGTH, DIM)
+
+    def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: torch.nn.Module,
+               block_mask: Any) -> torch.Tensor:
+        return flex_attention(layer(query), key, value, score_mod=relative_bias, block_mask=block_mask)
+
+    cpu_inputs = [t.clone().requires_grad_() for t in inputs]
+    with sdpa_kernel(SDPBackend.MATH):
+        expected = torch.nn.functional.scaled_dot_product_attention(
+            projection(cpu_inputs[0]), *cpu_inputs[1:], attn_mask=float_mask(sliding_window, relative_bias))
+    (expected * grad).sum().backward()
+
+    device_projection, device_inputs = torch.nn.Linear(DIM, DIM).to("pjrt"), on_pjrt(inputs)
+    device_projection.load_state_dict(projection.state_dict())
+    block_mask = create_block_mask(sliding_window, None, None, LENGTH, LENGTH, device="pjrt")
+    torch._dynamo.reset()
+    out = torch.compile(attend, backend="pjrt", fullgraph=True)(*device_inputs, device_projection, block_mask)
+    (out * grad.to("pjrt")).sum().backward()
+    torch.testing.assert_close(out.detach().cpu(), expected.detach(), rtol=1e-5, atol=1e-5)
+    for actual, expected_input in zip(device_inputs, cpu_inputs):
+        torch.testing.assert_close(actual.grad.cpu(), expected_input.grad, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(device_projection.weight.grad.cpu(), projection.weight.grad, rtol=1e-4, atol=1e-4)

@@ -617,11 +617,11 @@ def test_compiled_flex_attention_with_score_mod_and_block_mask(monkeypatch: pyte
                                                                 dtype: torch.dtype) -> None:
     """flex_attention inside torch.compile is a higher-order op with its score and mask functions as
     subgraphs; forward and backward must equal PyTorch's eager dense kernels on CPU. PyTorch's eager entry
-    refuses devices it does not list, so the test drops that check (docs/torchtitan.md). In bfloat16 the
-    dense kernels' constants (-inf) are bfloat16 tensors."""
+    refuses a CPU backward, so the CPU reference alone runs without that check, once the device has started
+    (a device start inside the patch would wrap the patch, and undoing it would drop pjrt's hook). In
+    bfloat16 the dense kernels' constants (-inf) are bfloat16 tensors."""
     from torch.nn.attention import flex_attention as flex
 
-    monkeypatch.setattr(flex, "_validate_device", lambda query, key, value: None)
     bias = torch.randn(4)
 
     def causal(batch: Any, head: Any, q_index: Any, kv_index: Any) -> Any:
@@ -634,9 +634,11 @@ def test_compiled_flex_attention_with_score_mod_and_block_mask(monkeypatch: pyte
         return flex.flex_attention(q, k, v, score_mod=score, block_mask=mask)
 
     inputs = [torch.randn(2, 4, 32, 16, dtype=dtype, requires_grad=True) for _ in range(3)]
-    expected = attend(*inputs, bias, flex.create_block_mask(causal, 2, None, 32, 32, device="cpu"))
-    expected.backward(torch.ones_like(expected))
     on_device = [t.detach().to("pjrt").requires_grad_() for t in inputs]
+    with monkeypatch.context() as cpu_backward:
+        cpu_backward.setattr(flex, "_validate_device", lambda query, key, value: None)
+        expected = attend(*inputs, bias, flex.create_block_mask(causal, 2, None, 32, 32, device="cpu"))
+    expected.backward(torch.ones_like(expected))
     mask = flex.create_block_mask(causal, 2, None, 32, 32, device="pjrt")
     torch._dynamo.reset()
     actual = torch.compile(attend, backend="pjrt", fullgraph=True)(*on_device, bias.to("pjrt"), mask)
