@@ -259,6 +259,27 @@ def flex_attention_accepts(device_type: str) -> None:
                                                          check.__name__, check.__defaults__, check.__closure__)
 
 
+@contextlib.contextmanager
+def flex_attention_backward_on_cpu() -> Iterator[None]:
+    """FlexAttention with gradients on CPU tensors, for CPU references of models that use it.
+
+    PyTorch refuses it in the device check only (`does not support backward on CPU`): its eager dense path
+    differentiates on any device. The check is restored at the end unless something replaced it meanwhile."""
+    from torch.nn.attention import flex_attention
+
+    check = flex_attention._validate_device
+
+    def check_without_gradients(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        check(query.detach(), key.detach(), value.detach())
+
+    flex_attention._validate_device = check_without_gradients
+    try:
+        yield
+    finally:
+        if flex_attention._validate_device is check_without_gradients:
+            flex_attention._validate_device = check
+
+
 # c10::ScalarType numbering, for schema defaults that arrive as plain numbers.
 _SCALAR_TYPES = {
     0: torch.uint8, 1: torch.int8, 2: torch.int16, 3: torch.int32, 4: torch.int64, 5: torch.float16,
