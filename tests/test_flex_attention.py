@@ -186,3 +186,24 @@ def test_compiled_model_with_flex_attention_matches_cpu() -> None:
     for actual, expected_input in zip(device_inputs, cpu_inputs):
         torch.testing.assert_close(actual.grad.cpu(), expected_input.grad, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(device_projection.weight.grad.cpu(), projection.weight.grad, rtol=1e-4, atol=1e-4)
+
+
+def test_cpu_references_get_flex_attentions_gradients() -> None:
+    """The zoo's CPU reference of a model with FlexAttention differentiates it (PyTorch's check alone refuses)."""
+    from torch_pjrt import _torch_private
+
+    torch.empty(1, device="pjrt")
+    inputs, grad = random_inputs(), torch.randn(BATCH, HEADS, LENGTH, DIM)
+    flex_inputs, sdpa_inputs = ([t.clone().requires_grad_() for t in inputs] for _ in range(2))
+    with _torch_private.flex_attention_backward_on_cpu():
+        block_mask = create_block_mask(sliding_window, None, None, LENGTH, LENGTH, device="cpu")
+        (flex_attention(*flex_inputs, score_mod=relative_bias, block_mask=block_mask) * grad).sum().backward()
+    with sdpa_kernel(SDPBackend.MATH):
+        expected = torch.nn.functional.scaled_dot_product_attention(
+            *sdpa_inputs, attn_mask=float_mask(sliding_window, relative_bias))
+    (expected * grad).sum().backward()
+    for actual, expected_input in zip(flex_inputs, sdpa_inputs):
+        torch.testing.assert_close(actual.grad, expected_input.grad, rtol=1e-4, atol=1e-5)
+    with pytest.raises(NotImplementedError, match="backward on CPU"):  # PyTorch's check is back
+        flex_attention(*flex_inputs)
+    flex_attention(*on_pjrt(inputs))  # pjrt still accepted

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from torch_pjrt import _torch_private
 from torch_pjrt.cli import zoo_catalog, zoo_diffusers
 from torch_pjrt.cli.run import MISSING_LOWERING
 from torch_pjrt.cli.zoo_catalog import Case, Skip, first_line
@@ -116,21 +117,23 @@ class PjrtFailure(Exception):
 
 
 def _train_step(model: torch.nn.Module, inputs: Any, device: str, run: Callable[[Any], Any]) -> Step:
-    """Forward, backward, one SGD step and a second forward; tensors come back to CPU."""
+    """Forward, backward, one SGD step and a second forward; tensors come back to CPU. On CPU FlexAttention
+    differentiates too (PyTorch's device check alone refuses it there)."""
     phase = "forward"
     try:
-        output = run(inputs)
-        outputs = {name: t.detach().cpu() for name, t in _tensors(output)}
-        phase = "backward"
-        loss = _loss(output)
-        loss.backward()
-        gradients = {name: p.grad.detach().cpu() for name, p in model.named_parameters() if p.grad is not None}
-        phase = "optimizer step"
-        torch.optim.SGD(model.parameters(), lr=LEARNING_RATE).step()
-        phase = "second forward"
-        with torch.no_grad():
-            next_loss = _loss(run(inputs)).detach().cpu()
-        return Step(outputs, loss.detach().cpu(), gradients, next_loss)
+        with _torch_private.flex_attention_backward_on_cpu() if device != "pjrt" else contextlib.nullcontext():
+            output = run(inputs)
+            outputs = {name: t.detach().cpu() for name, t in _tensors(output)}
+            phase = "backward"
+            loss = _loss(output)
+            loss.backward()
+            gradients = {name: p.grad.detach().cpu() for name, p in model.named_parameters() if p.grad is not None}
+            phase = "optimizer step"
+            torch.optim.SGD(model.parameters(), lr=LEARNING_RATE).step()
+            phase = "second forward"
+            with torch.no_grad():
+                next_loss = _loss(run(inputs)).detach().cpu()
+            return Step(outputs, loss.detach().cpu(), gradients, next_loss)
     except Skip:
         raise
     except Exception as error:
