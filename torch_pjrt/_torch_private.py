@@ -253,7 +253,7 @@ def flex_attention_accepts(device_type: str) -> None:
     code = check.__code__
     constants = tuple(constant | {device_type} if isinstance(constant, frozenset) and "cuda" in constant
                       else constant for constant in code.co_consts)
-    if constants == code.co_consts or any(device_type in c for c in code.co_consts if isinstance(c, frozenset)):
+    if constants == code.co_consts:  # no such set, or the type is in it already
         return
     flex_attention._validate_device = types.FunctionType(code.replace(co_consts=constants), check.__globals__,
                                                          check.__name__, check.__defaults__, check.__closure__)

@@ -71,8 +71,8 @@ struct Runtime {
   PyObject* padded_type = nullptr;  // storage.Padded: a storage's array held at bucket sizes
   PyObject* note_padded = nullptr;  // dynamic.note_padded(device_storage): a new padded result's lengths are live
   PyObject* checks_issued = nullptr;  // dispatch.native_checks_issued(code, checks): a checked program ran
-  PyObject* fusion = nullptr;  // eager.fusion: MAX_NODES and DEBUG_RECOMPILE, read at every recorded call
-  PyObject* fusion_globals = nullptr;  // eager.fusion's __dict__ (read directly: no module attribute lookup)
+  PyObject* fusion = nullptr;  // eager.fusion: its graph(index), a device's PendingGraph made on first use
+  PyObject* fusion_globals = nullptr;  // eager.fusion's __dict__: MAX_NODES and DEBUG_RECOMPILE, read at every recorded call
   PyObject* graphs = nullptr;  // fusion.graphs(): the PendingGraph of each device, by index
   PyObject* deferred_type = nullptr;  // fusion.Deferred: one result of a recorded op
   PyObject* check_caller = nullptr;  // checks.caller(): the user line a recorded checked op reports

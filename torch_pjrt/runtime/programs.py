@@ -112,7 +112,8 @@ def stored_executable(fn: Callable, example: tuple, key: str, name: str, counter
                  os.environ.get("XLA_FLAGS", ""), donate):
         digest.update(str(part).encode())
     stored = digest.hexdigest()
-    _used.setdefault(stored, devices)
+    if len(_used) < PRELOAD_LIMIT:
+        _used.setdefault(stored, devices)
     executable = _preloads.claim(stored)
     if executable is None:
         executable = _loaded(stored, devices)
@@ -149,9 +150,9 @@ def _loaded(stored: str, devices: list[int]) -> Any:
                                                      execution_devices=[by_id[i] for i in devices] or None)
 
 
-# The stored executables this process asked for (key -> device ids), in order: the next process of the same
-# entry point preloads the first PRELOAD_LIMIT of them (what its first steps need; a long test session or
-# server meets many more, which would only hold memory and a core before they are asked for).
+# The first PRELOAD_LIMIT stored executables this process asked for (key -> device ids), in order: the next
+# process of the same entry point preloads them (what its first steps need; a long test session or server
+# meets many more, which would only hold memory and a core before they are asked for).
 _used: dict[str, list[int]] = {}
 PRELOAD_LIMIT = 64
 
@@ -216,7 +217,7 @@ class _Preloads:
     def _save_record(self) -> None:
         with self._lock:
             self._waiting.clear()  # the thread stops after the executable it is loading
-        used = [[stored, devices] for stored, devices in list(_used.items())[:PRELOAD_LIMIT]]
+        used = [[stored, devices] for stored, devices in _used.items()]
         if used and used != self._recorded:
             with disk_store.counted_as("preload_record"):
                 disk_store.write("preload", _entry_point(), pickle.dumps(used))
