@@ -158,9 +158,13 @@ def test_other_devices_keep_pytorchs_check() -> None:
         flex_attention(query, key, value)
 
 
-def test_compiled_model_with_flex_attention_matches_cpu() -> None:
-    """Inside a compiled graph (backend pjrt, one graph) the device check is traced, not a frame Dynamo skips."""
+@pytest.mark.parametrize("case", ["sliding_window_with_bias", "relative_bias"])
+def test_compiled_model_with_flex_attention_matches_cpu(case: str) -> None:
+    """Inside a compiled graph (backend pjrt, one graph) the device check is traced, not a frame Dynamo skips;
+    with no block mask, flex_attention's default mask function (made on the model's device) lowers too."""
     from torch_pjrt import _torch_private
+
+    mask_mod, score_mod = CASES[case]
 
     torch.empty(1, device="pjrt")
     _torch_private.dynamo_skip_our_packages()  # torch_pjrt's frames are skipped, as after any pjrt compile
@@ -168,17 +172,17 @@ def test_compiled_model_with_flex_attention_matches_cpu() -> None:
 
     def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: torch.nn.Module,
                block_mask: Any) -> torch.Tensor:
-        return flex_attention(layer(query), key, value, score_mod=relative_bias, block_mask=block_mask)
+        return flex_attention(layer(query), key, value, score_mod=score_mod, block_mask=block_mask)
 
     cpu_inputs = [t.clone().requires_grad_() for t in inputs]
     with sdpa_kernel(SDPBackend.MATH):
         expected = torch.nn.functional.scaled_dot_product_attention(
-            projection(cpu_inputs[0]), *cpu_inputs[1:], attn_mask=float_mask(sliding_window, relative_bias))
+            projection(cpu_inputs[0]), *cpu_inputs[1:], attn_mask=float_mask(mask_mod, score_mod))
     (expected * grad).sum().backward()
 
     device_projection, device_inputs = torch.nn.Linear(DIM, DIM).to("pjrt"), on_pjrt(inputs)
     device_projection.load_state_dict(projection.state_dict())
-    block_mask = create_block_mask(sliding_window, None, None, LENGTH, LENGTH, device="pjrt")
+    block_mask = None if mask_mod is None else create_block_mask(mask_mod, None, None, LENGTH, LENGTH, device="pjrt")
     torch._dynamo.reset()
     out = torch.compile(attend, backend="pjrt", fullgraph=True)(*device_inputs, device_projection, block_mask)
     (out * grad.to("pjrt")).sum().backward()

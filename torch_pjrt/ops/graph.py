@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -172,7 +174,9 @@ def lower_callable(fn: Callable, args: tuple, kwargs: dict, rng: KeySource | Non
     on meta tensors, or on zero-filled CPU tensors with trace_device="cpu" where it makes tensor
     constants (`torch.tensor(-inf, device=x.device)`), whose values a meta trace would lose."""
     leaves, spec = pytree.tree_flatten((args, kwargs))
-    leaves = [torch.device(trace_device) if isinstance(leaf, torch.device) else leaf for leaf in leaves]
+    leaves = [torch.device(trace_device) if isinstance(leaf, torch.device)
+              else _subgraph_on(leaf, trace_device) if isinstance(leaf, torch.fx.GraphModule) else leaf
+              for leaf in leaves]
     positions = [i for i, leaf in enumerate(leaves) if is_array(leaf)]
     metas = [meta_like(leaves[i]) for i in positions]
     if trace_device != "meta":
@@ -192,6 +196,25 @@ def lower_callable(fn: Callable, args: tuple, kwargs: dict, rng: KeySource | Non
         gm = trace_to_graph(traced, metas)
         _traced[key] = gm
     return run_graph(gm, [leaves[i] for i in positions], rng)
+
+
+_subgraphs_on: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _subgraph_on(module: torch.fx.GraphModule, device: str) -> torch.fx.GraphModule:
+    """A subgraph argument (a score or mask function) whose device constants name the trace device: Dynamo
+    records the model's device in it (flex_attention's default mask is `new_ones(..., device=pjrt)`), which
+    would meet the trace's own tensors on another device. Kept per subgraph, so its traces stay cached."""
+    moved = _subgraphs_on.get(module, {}).get(device)
+    if moved is not None:
+        return moved
+    graph = copy.deepcopy(module.graph)
+    for node in graph.nodes:
+        node.args, node.kwargs = pytree.tree_map_only(torch.device, lambda _: torch.device(device),
+                                                      (node.args, node.kwargs))
+    moved = torch.fx.GraphModule(module, graph)
+    _subgraphs_on.setdefault(module, {})[device] = moved
+    return moved
 
 
 def _hashable(value: Any) -> Any:
