@@ -5,12 +5,12 @@ Select it with `--module pjrt_config --config llama3_debugmodel` and this folder
 The config is TorchTitan's own `llama3_debugmodel`. The one shim: TorchTitan's language models
 attend with FlexAttention (its `sdpa` backend is refused: "sdpa is no longer supported for language
 models"), and PyTorch's eager FlexAttention refuses every device but CUDA, CPU, XPU, HPU and MPS
-("FlexAttention is only supported on CUDA, CPU, HPU, or MPS devices. Found input tensors on pjrt
-device.") and any backward on CPU ("FlexAttention does not support backward on CPU"). Its eager
-implementation is plain ATen ops (a dense masked softmax, forward and backward), which pjrt runs, so
-importing this module drops that device check. TorchTitan also wraps flex_attention in its own
-`torch.compile` (Inductor's FlexAttention kernels); on pjrt that graph holds the flex_attention
-higher-order op, which the pjrt compile backend cannot lower yet, so the shim calls it eagerly.
+(the pjrt device adds itself to that set at its start) and any backward on CPU ("FlexAttention does not
+support backward on CPU"), which the CPU reference runs need. Its eager implementation is plain ATen ops
+(a dense masked softmax, forward and backward), which any device runs, so importing this module drops
+that device check. TorchTitan also wraps flex_attention in its own `torch.compile` with Inductor's
+FlexAttention kernels, which run on no pjrt device, so the shim calls flex_attention itself (eagerly, or
+inside the block's graph when the block is compiled with the pjrt backend, below).
 
 TorchTitan 0.3.0 is built against a newer PyTorch than this project's 2.13.0: it shortens the process
 groups' timeouts after the first step with `torch.distributed.set_timeout`, which 2.13.0 names
