@@ -2,10 +2,11 @@
 
 The folder holds XLA's executables (`xla/`, jax's persistent cache), our traced torch.compile
 graphs (`graphs/`), the executables of those graphs, fused programs and strict ops (`executables/`),
-strict ops' device-side checks (`op_checks/`), per script the executables its last process used
-(`preload/`) and AOTAutograd's entries for compiled graphs (`aotautograd/<digest of torch_pjrt's
-code>/`); ranks of one job and later processes share it (TORCH_PJRT_CACHE_DIR). AOTAutograd's folders
-of other code versions can never hit again: prune removes them first.
+strict ops' device-side checks (`op_checks/`), padded ops' forms (`forms/`), per script the
+executables its last process used (`preload/`) and AOTAutograd's entries for compiled graphs
+(`aotautograd/<digest of torch_pjrt's code>/`); ranks of one job and later processes share it
+(TORCH_PJRT_CACHE_DIR). AOTAutograd's folders of other code versions can never hit again: prune
+removes them first.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 KINDS = {"xla": "XLA executables", "graphs": "traced torch.compile graphs",
          "executables": "compiled graphs', fused programs' and strict ops' executables, loaded without tracing",
          "op_checks": "strict ops' device-side checks, read with their executables",
+         "forms": "padded (dynamic) ops' forms: how their results' sizes follow the dynamic lengths",
          "preload": "per script: the executables its last process used, which the next one preloads",
          "aotautograd": "AOTAutograd's entries for compiled graphs, per version of torch_pjrt"}
 

@@ -35,6 +35,9 @@ COUNTER_NAMES = (
     # strict eager's ops loaded from, and stored into, the cache folder (their executables and checks)
     "op_store_hits",
     "op_store_writes",
+    # padded ops' forms (how results' sizes follow the symbols) read from, and stored into, the cache folder
+    "form_store_hits",
+    "form_store_writes",
     # compiled graphs AOTAutograd's cache stored into, and loaded from, the cache folder (compile/warm_start.py)
     "aot_cache_writes",
     "aot_cache_hits",
