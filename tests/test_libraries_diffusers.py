@@ -174,6 +174,40 @@ def test_the_zoo_feeds_models_as_their_pipelines_do() -> None:
     assert cos.shape[0] == sin.shape[0] == inputs["hidden_states"].shape[2] + inputs["global_hidden_states"].shape[1]
 
 
+def test_the_zoo_runs_an_adapter_inside_the_model_its_pipeline_fuses_it_into() -> None:
+    """ControlNet-XS's adapter runs as a UNetControlNetXSModel holding the adapter's weights, AnimateDiff's motion
+    adapter as a UNetMotionModel holding its motion modules, Z-Image's ControlNet with its transformer's embedders;
+    each is fed as the fused model's pipeline feeds it, and its output depends on the adapter's weights."""
+    import diffusers.models as models
+
+    from torch_pjrt.cli import zoo, zoo_catalog
+
+    def built(name: str) -> tuple[torch.nn.Module, dict]:
+        return zoo.build_case(zoo_catalog.Case(name, "adapter", "diffusion", model_class=name, library="diffusers"))
+
+    def output(model: torch.nn.Module, inputs: dict) -> torch.Tensor:
+        with torch.no_grad():
+            return torch.cat([tensor.flatten() for _, tensor in zoo._tensors(model(**inputs))
+                              if tensor.is_floating_point()])
+
+    xs, xs_inputs = built("ControlNetXSAdapter")
+    assert isinstance(xs, models.UNetControlNetXSModel)
+    assert xs_inputs["controlnet_cond"].shape[1] == xs.config.ctrl_conditioning_channels
+    motion, motion_inputs = built("MotionAdapter")
+    assert isinstance(motion, models.UNetMotionModel) and len(motion.down_blocks[0].motion_modules) == 1
+    assert motion_inputs["encoder_hidden_states"].shape[0] == 2 * motion_inputs["sample"].shape[2]  # once per frame
+    controlnet, controlnet_inputs = built("ZImageControlNetModel")
+    assert controlnet.t_embedder is not None and len(controlnet_inputs["control_context"]) == 2
+    for model, inputs, adapter_part in ((xs, xs_inputs, "ctrl_"), (motion, motion_inputs, "motion_modules"),
+                                        (controlnet, controlnet_inputs, "control_layers")):
+        before = output(model, inputs)
+        with torch.no_grad():
+            for name, parameter in model.named_parameters():
+                if adapter_part in name:
+                    parameter.mul_(1.5)
+        assert not torch.allclose(output(model, inputs), before), type(model).__name__
+
+
 def test_a_fixed_zoo_slice_matches_cpu() -> None:
     from torch_pjrt.cli import zoo
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import inspect
 import re
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -45,6 +45,10 @@ TEXT_WIDTHS = ("joint_attention_dim", "caption_channels", "cross_attention_dim",
 POOLED_WIDTHS = ("pooled_projection_dim", "projection_dim", "pooled_dim", "clip_txt_pooled_dim", "text_embed_dim",
                  "cond_embed_dim")
 CHANNEL_NAMES = ("audio_channels", "in_channels", "latent_channels", "num_channels", "in_dim", "c_in", "out_channels")
+# RFD4-Proteina's residue tables, left to its checkpoint: the atom37 slots each of its 147 residue types fills (the
+# 4 backbone atoms and up to 33 side-chain ones, by type) and the residue types each of its 7 token types may decode to.
+RFD4_ATOM_SLOTS = [[slot < 4 + residue % 34 for slot in range(37)] for residue in range(147)]
+RFD4_ALLOWED_RESIDUES = [[True] * 147 for _ in range(7)]
 # Constructor arguments of classes whose defaults leave a size to a checkpoint's config (None) or that no longer
 # build once shrunk (norm groups wider than the shrunk channels, heads wider than the width): small values.
 CONSTRUCTOR_OVERRIDES: dict[str, dict[str, Any]] = {
@@ -87,6 +91,8 @@ CONSTRUCTOR_OVERRIDES: dict[str, dict[str, Any]] = {
                              "num_proj_channel": CHANNELS},
     "CosmosControlNetModel": {"model_channels": 2 * 128},  # heads x head size, at 2 heads
     "SD3ControlNetModel": {"caption_projection_dim": 128},  # heads x head size, at 2 heads (108M at 18 heads)
+    "SanaWMLTX2RefinerTransformer3DModel": {"cross_attention_dim": 2 * 128, "audio_cross_attention_dim": 2 * 64},
+    "SanaWMTransformer3DModel": {"hidden_size": 2 * 112},  # heads x its linear attention's head size, at 2 heads
     "SanaVideoTransformer3DModel": {"cross_attention_dim": 2 * 112},  # cross heads x head size, at 2 heads
     "StableAudio3DiTModel": {"embed_dim": 2 * 64},  # 146M at 1536
     "AceStepTransformer1DModel": {"hidden_size": 256, "intermediate_size": 512},  # 149M at 2048
@@ -107,8 +113,19 @@ CONSTRUCTOR_OVERRIDES: dict[str, dict[str, Any]] = {
     "ZImageTransformer2DModel": {"dim": 256},  # 2 heads of the rotary axes' 128
     "WanVACETransformer3DModel": {"vace_layers": [0, 1]},  # every block of the shrunk model takes a VACE hint
     "UNetSpatioTemporalConditionModel": {"num_attention_heads": (2, 2, 2, 2)},  # 5 heads of 32 channels: 30
+    # Two of its four blocks (over 300 s on pjrt fused with four), at the widths of its UNet's; one motion module per
+    # resnet of its UNet.
+    "ControlNetXSAdapter": {"down_block_types": ("CrossAttnDownBlock2D", "DownBlock2D"), "block_out_channels": (4, 8),
+                            "base_block_out_channels": (CHANNELS, 2 * CHANNELS)},
+    "MotionAdapter": {"motion_layers_per_block": 1},
+    # Z-Image's union ControlNet: a control block at each of the shrunk transformer's 2 layers, VAE latents in, its
+    # transformer's width (2 heads of the rotary axes' 128).
+    "ZImageControlNetModel": {"control_layers_places": (0, 1), "control_in_dim": 16, "dim": 256},
+    "RFD4ProteinaAutoencoder": {"nlayers": LAYERS, "nheads": HEADS, "token_dim": 2 * 64, "atom37_mask": RFD4_ATOM_SLOTS,
+                                "allowed_residue_types": RFD4_ALLOWED_RESIDUES},
     "LTX2VideoDiffusionDecoderModel": {"decoder_stage_channels": (128, 64, 32, 32, 16),
-                                       "decoder_stage_depths": (1, 1, 1, 1, 1)},
+                                       "decoder_stage_depths": (1, 1, 1, 1, 1),
+                                       "decoder_head_dim": 16},  # a divisor of every stage's width
 }
 # Optional forward arguments a class cannot run without (None where its pipeline always passes them).
 NEEDED_OPTIONAL: dict[str, tuple[str, ...]] = {
@@ -430,6 +447,27 @@ def _cosmos(config: dict[str, Any], control: bool = False) -> dict[str, Any]:
     return inputs | {"hidden_states": torch.randn(video)}
 
 
+def _sana_wm(config: dict[str, Any]) -> dict[str, Any]:
+    """SANA-WM's pipeline: a latent video, a timestep per latent frame, the prompt's states (one set) with their padding
+    mask, the image size, and the camera's raymap and Plucker chunks from its own camera preparation, here for a camera
+    moving straight ahead over the 1 + 8k frames an LTX-2 VAE (8x in time, 32x in space) encodes to the latent."""
+    import numpy as np
+    from diffusers.pipelines.sana_wm.cam_utils import prepare_camera
+
+    frames = 1 + 8 * (FRAMES[1] - 1)
+    poses = np.tile(np.eye(4, dtype=np.float32), (frames, 1, 1))
+    poses[:, 2, 3] = np.linspace(0.0, 1.0, frames)
+    intrinsics = np.tile(np.array([SIDE * 16.0] * 4, dtype=np.float32), (frames, 1))  # focal lengths and centre
+    camera = prepare_camera(poses, intrinsics, target_size=(SIDE * 32, SIDE * 32), vae_stride=(8, 32, 32))
+    return {"hidden_states": torch.randn(BATCH, config["in_channels"], FRAMES[1], SIDE, SIDE),
+            "timestep": torch.rand(BATCH, 1, FRAMES[1]) * 900 + 50,
+            "encoder_hidden_states": torch.randn(BATCH, 1, TEXT_TOKENS, config["caption_channels"]),
+            "mask": torch.ones(BATCH, TEXT_TOKENS, dtype=torch.long),
+            "data_info": {"img_hw": torch.tensor([[SIDE * 32.0, SIDE * 32.0]])},
+            "camera_conditions": camera["raymap"].expand(BATCH, -1, -1).contiguous(),
+            "chunk_plucker": camera["chunk_plucker"].expand(BATCH, -1, -1, -1, -1).contiguous()}
+
+
 def _stable_audio(config: dict[str, Any]) -> dict[str, Any]:
     """Stable Audio's pipeline: a latent waveform, the prompt's and the duration's states, the duration states as
     the global token it prepends, and the real 1-D rotary table over the waveform and that token."""
@@ -544,10 +582,49 @@ CLASS_INPUTS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
         "img_shapes": [[(1, SIDE // 2, SIDE // 2)]] * BATCH,
         "img_mask": torch.cat([torch.zeros(TEXT_TOKENS, dtype=torch.bool),
                                torch.ones((SIDE // 4) ** 2, dtype=torch.bool)]).expand(BATCH, -1).contiguous()},
+    "SanaWMTransformer3DModel": lambda config: _sana_wm(config),
+    # A latent video and the prompt's states once per frame (AnimateDiff's pipeline repeats them).
+    "UNetMotionModel": lambda config: {
+        "sample": torch.randn(BATCH, config["in_channels"], FRAMES[1], SIDE, SIDE),
+        "encoder_hidden_states": _text(config, BATCH * FRAMES[1])},
+    # Per-token latents and backbone CA positions (nm) of a protein chain its pipeline decodes, with token types and
+    # the two conditioning flags its decoder reads (no in-context tokens; every token carries a local latent).
+    "RFD4ProteinaAutoencoder": lambda config: {
+        "z_latent": torch.randn(BATCH, TEXT_TOKENS, config["latent_dim"]),
+        "ca_coors_nm": torch.randn(BATCH, TEXT_TOKENS, 3),
+        "padding_mask": torch.ones(BATCH, TEXT_TOKENS, dtype=torch.bool),
+        "token_type": torch.randint(0, config["num_token_types"], (BATCH, TEXT_TOKENS)),
+        "conditioning": {"is_in_context_conditioning": torch.zeros(BATCH, TEXT_TOKENS, dtype=torch.bool),
+                         "supports_local_latent": torch.ones(BATCH, TEXT_TOKENS, dtype=torch.bool)}},
     # The control video (VACE's masked frames and mask, packed into its input channels) beside the latent video.
     "WanVACETransformer3DModel": lambda config: {
         "hidden_states": torch.randn(BATCH, config["in_channels"], FRAMES[1], SIDE, SIDE),
         "control_hidden_states": torch.randn(BATCH, config["vace_in_channels"], FRAMES[1], SIDE, SIDE)},
+}
+
+
+# Inputs a pipeline asks the model itself for (a rotary table its own position embedding builds).
+MODEL_INPUTS: dict[str, Callable[[nn.Module], dict[str, Any]]] = {
+    # SANA-WM's refiner, one block of its sliding window as its refiner pipeline runs it: the block's latent tokens,
+    # the prompt's states and mask, one timestep per token (sigma times the model's scale) and the rotary table of
+    # the block's absolute frame positions.
+    "SanaWMLTX2RefinerTransformer3DModel": lambda model: {
+        "hidden_states": torch.randn(BATCH, FRAMES[1] * (SIDE // 2) ** 2, model.config.in_channels),
+        "encoder_hidden_states": torch.randn(BATCH, TEXT_TOKENS, model.config.caption_channels),
+        "encoder_attention_mask": torch.ones(BATCH, TEXT_TOKENS, dtype=torch.long),
+        "timestep": torch.rand(BATCH, 1).expand(BATCH, FRAMES[1] * (SIDE // 2) ** 2).contiguous()
+        * model.config.timestep_scale_multiplier,
+        "video_rotary_emb": model.build_rotary_emb_for_absolute_positions(
+            batch_size=BATCH, frame_positions=list(range(FRAMES[1])), height=SIDE // 2, width=SIDE // 2,
+            device=torch.device("cpu"), fps=24.0)},
+    # Z-Image's ControlNet, fused with its transformer: per sample (as lists) one latent image (channels, 1 frame,
+    # height, width) of the width the transformer's 2x2 patch embedder takes, the prompt's states of its caption
+    # embedder's width and the VAE-encoded control image; the timestep as the schedule's fraction (the model scales it).
+    "ZImageControlNetModel": lambda model: {
+        "x": list(torch.randn(BATCH, model.all_x_embedder["2-1"].in_features // 4, 1, SIDE, SIDE).unbind(0)),
+        "t": _timestep() / 1000,
+        "cap_feats": list(torch.randn(BATCH, TEXT_TOKENS, model.cap_embedder[-1].in_features).unbind(0)),
+        "control_context": list(torch.randn(BATCH, model.config.control_in_dim, 1, SIDE, SIDE).unbind(0))},
 }
 
 
@@ -615,9 +692,9 @@ def synthesize_inputs(model: nn.Module, class_name: str) -> dict[str, Any]:
     if "class_labels" in parameters and (config.get("num_embeds_ada_norm") or config.get("num_class_embeds")):
         wanted.append("class_labels")
     errors: list[str] = []
-    rule = CLASS_INPUTS.get(class_name)
+    rule, model_rule = CLASS_INPUTS.get(class_name), MODEL_INPUTS.get(class_name)
     for shapes in _layouts(config, class_name, _takes_fractions(model)):
-        given = rule(config) if rule else {}
+        given = (rule(config) if rule else {}) | (model_rule(model) if model_rule else {})
         try:
             inputs = {name: _argument(name, shapes) for name in wanted if name not in given} | given
         except KeyError as missing:
@@ -647,6 +724,8 @@ def build_diffusers(case: Case) -> tuple[nn.Module, dict[str, Any]]:
     model_class: Callable[..., nn.Module] = getattr(models, case.model_class)
     if case.model_class in COMBINED:
         return _build_combined(model_class, COMBINED[case.model_class])
+    if case.model_class in FUSED_ADAPTERS:
+        return _build_fused(model_class)
     reasons: list[Skip] = []
     for heads in (True, False):  # head counts kept where a width is tied to heads x head size
         try:
@@ -707,6 +786,55 @@ def _build_combined(model_class: Callable[..., nn.Module], part: str) -> tuple[n
     except Exception as error:
         raise Skip(f"its forward fails on CPU with two {part}s: {first_line(error)}") from None
     return model, inputs
+
+
+UP_BLOCKS = {"CrossAttnDownBlock2D": "CrossAttnUpBlock2D", "DownBlock2D": "UpBlock2D"}  # a UNet's mirror blocks
+
+
+class Fusion(NamedTuple):
+    """How a pipeline runs an adapter that does not run alone: inside a model of class `host` built with the
+    arguments the adapter fixes, joined by `fuse(diffusers.models, host, adapter)`; the result is fed as class
+    `fed_as` is."""
+
+    host: str
+    host_arguments: Callable[[dict[str, Any]], dict[str, Any]]
+    fuse: Callable[[Any, nn.Module, nn.Module], nn.Module]
+    fed_as: str
+
+
+FUSED_ADAPTERS: dict[str, Fusion] = {
+    # ControlNet-XS: its blocks hold two resnets each, like SD's UNet; widths, text width and attention layout its own.
+    "ControlNetXSAdapter": Fusion("UNet2DConditionModel", lambda adapter: {
+        "block_out_channels": adapter["base_block_out_channels"], "cross_attention_dim": adapter["cross_attention_dim"],
+        "down_block_types": adapter["down_block_types"],
+        "up_block_types": tuple(UP_BLOCKS[block] for block in reversed(adapter["down_block_types"])),
+        "use_linear_projection": adapter["use_linear_projection"],
+        "upcast_attention": adapter["upcast_attention"], "layers_per_block": 2},
+        lambda models, unet, adapter: models.UNetControlNetXSModel.from_unet(unet, adapter), "UNetControlNetXSModel"),
+    # AnimateDiff's motion modules: one per resnet of the UNet (as many layers per block) at the UNet's widths.
+    "MotionAdapter": Fusion("UNet2DConditionModel", lambda adapter: {
+        "block_out_channels": adapter["block_out_channels"], "layers_per_block": adapter["motion_layers_per_block"]},
+        lambda models, unet, adapter: models.UNetMotionModel.from_unet2d(unet, adapter), "UNetMotionModel"),
+    # Z-Image's ControlNet borrows the transformer's embedders and refiners (its width and heads) and runs itself.
+    "ZImageControlNetModel": Fusion("ZImageTransformer2DModel", lambda adapter: {
+        "dim": adapter["dim"], "n_heads": adapter["n_heads"], "n_kv_heads": adapter["n_kv_heads"]},
+        lambda models, transformer, controlnet: models.ZImageControlNetModel.from_transformer(controlnet, transformer),
+        "ZImageControlNetModel"),
+}
+
+
+def _build_fused(adapter_class: Callable[..., nn.Module]) -> tuple[nn.Module, dict[str, Any]]:
+    """The adapter built small, fused into its small host model the way its pipeline loads it."""
+    import diffusers.models as models
+
+    fusion = FUSED_ADAPTERS[adapter_class.__name__]
+    adapter = adapter_class(**small_arguments(adapter_class))
+    host_class = getattr(models, fusion.host)
+    host = host_class(**small_arguments(host_class) | fusion.host_arguments(dict(adapter.config)))
+    model = fusion.fuse(models, host, adapter)
+    randomize_constant_matrices(model, 0.02)  # zero-initialised output projections would hide the adapter
+    model = model.float().eval()
+    return model, synthesize_inputs(model, fusion.fed_as)
 
 
 def _build_small(model_class: Callable[..., nn.Module], name: str, heads: bool) -> tuple[nn.Module, dict[str, Any]]:
