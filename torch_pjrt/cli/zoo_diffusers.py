@@ -124,8 +124,7 @@ CONSTRUCTOR_OVERRIDES: dict[str, dict[str, Any]] = {
     "RFD4ProteinaAutoencoder": {"nlayers": LAYERS, "nheads": HEADS, "token_dim": 2 * 64, "atom37_mask": RFD4_ATOM_SLOTS,
                                 "allowed_residue_types": RFD4_ALLOWED_RESIDUES},
     "LTX2VideoDiffusionDecoderModel": {"decoder_stage_channels": (128, 64, 32, 32, 16),
-                                       "decoder_stage_depths": (1, 1, 1, 1, 1),
-                                       "decoder_head_dim": 16},  # a divisor of every stage's width
+                                       "decoder_stage_depths": (1, 1, 1, 1, 1)},
 }
 # Optional forward arguments a class cannot run without (None where its pipeline always passes them).
 NEEDED_OPTIONAL: dict[str, tuple[str, ...]] = {
