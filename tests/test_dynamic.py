@@ -4,6 +4,9 @@ a new size inside a seen bucket compiles nothing."""
 from __future__ import annotations
 
 import math
+import os
+import shutil
+import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -397,3 +400,51 @@ def test_a_compiled_graph_takes_and_returns_padded_tensors_without_per_length_pr
         torch.testing.assert_close(got.cpu(), fn(x))
         new_programs.append(torch_pjrt.metrics.counters()["compiles"] - before)
     assert sum(new_programs[1:]) == 0, new_programs
+
+
+STORED_FORMS = """
+import sys, torch, torch_pjrt
+sys.path.insert(0, {tests!r})
+from test_dynamic import _ops, marked
+mode, seed = sys.argv[1], int(sys.argv[2])
+if mode == "fused":
+    torch.pjrt.set_eager_mode(torch_pjrt.EagerMode.DEFER_AND_FUSE)
+torch.manual_seed(seed)
+w, table = torch.randn(16, 16), torch.randn(50, 16)
+for length in (37, 45):
+    x, ids = torch.randn(2, length, 16), torch.randint(0, 50, (2, length))
+    d = marked(x)
+    d.add_(1)
+    d[:, -2:] = 7.0
+    x.add_(1)
+    x[:, -2:] = 7.0
+    for got, want in zip(_ops(d, w.to("pjrt"), marked(ids), table.to("pjrt")), _ops(x, w, ids, table)):
+        assert got.shape == want.shape and got.stride() == want.stride()
+        torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4)
+counts = torch_pjrt.metrics.counters()
+print(counts["form_store_hits"], counts["form_store_writes"], counts["compiles"] + counts["fused_compiles"])
+"""
+
+
+def _stored_forms_run(folder: Path, mode: str, seed: int) -> list[int]:
+    script = STORED_FORMS.format(tests=str(Path(__file__).resolve().parent))
+    result = subprocess.run([sys.executable, "-c", script, mode, str(seed)], capture_output=True, text=True,
+                            timeout=600, env={**os.environ, "TORCH_PJRT_CACHE_DIR": str(folder)})
+    assert result.returncode == 0, result.stderr[-3000:]
+    return [int(float(n)) for n in result.stdout.split()[-3:]]
+
+
+def test_padded_forms_stored_in_the_cache_folder_serve_later_processes(tmp_path: Path) -> None:
+    """A padded op's form (its results' sizes as functions of the lengths) is stored: a later process reads it
+    instead of running the meta kernels on symbolic sizes; where the op must be traced anyway (its executable
+    gone, or fused into a new program) the graph is made then from the same call pattern, results still CPU's."""
+    hits, writes, _ = _stored_forms_run(tmp_path, "strict", 1)
+    assert hits == 0 and writes > 0
+    stored = len(list((tmp_path / "forms").iterdir()))
+    assert stored == writes
+    hits, writes, compiles = _stored_forms_run(tmp_path, "strict", 2)
+    assert hits == stored and writes == 0 and compiles == 0
+    for kind in ("xla", "executables", "op_checks", "preload"):
+        shutil.rmtree(tmp_path / kind, ignore_errors=True)
+    hits, writes, compiles = _stored_forms_run(tmp_path, "fused", 3)
+    assert hits > 0 and writes == 0 and compiles > 0

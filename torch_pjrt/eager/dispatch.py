@@ -505,9 +505,12 @@ def _build(plan: OpPlan, scan: Scan, values: list[Any], described: list[Any], fo
     if form is None:
         meta_result, metas = _run_meta(plan, values, described)
         functional_metas = _new_output_specs(plan, meta_result, metas)
+        n_functional = len(functional_metas)
+        sizes_after = {index: [None if m is None else tuple(m.shape) for m in (
+            metas[index] if plan.kinds[index] is Arg.TENSOR_LIST else [metas[index]])] for index in plan.mutated}
     else:
-        functional_metas, metas = form.metas, form.arg_metas
-    n_fresh = len(functional_metas) - len(plan.mutated)
+        functional_metas, n_functional, sizes_after = None, len(form.shape.nesting), dict(form.shape.mutated_sizes)
+    n_fresh = n_functional - len(plan.mutated)
     fresh_specs: list[Any] = []
     for meta in functional_metas[:n_fresh] if form is None else ():
         if isinstance(meta, (list, tuple)):
@@ -522,24 +525,25 @@ def _build(plan: OpPlan, scan: Scan, values: list[Any], described: list[Any], fo
     resized: list[tuple[tuple[int, int], tuple[int, ...], tuple[int, ...]]] = []
     for index in plan.mutated:
         entries = described[index] if plan.kinds[index] is Arg.TENSOR_LIST else (described[index],)
-        meta_after = metas[index] if plan.kinds[index] is Arg.TENSOR_LIST else [metas[index]]
         views: list[tuple[int, Any, Any] | None] = []
-        for position, (desc, meta) in enumerate(zip(entries, meta_after)):
+        for position, (desc, after) in enumerate(zip(entries, sizes_after[index])):
             if desc is None:
                 views.append(None)
                 continue
             if isinstance(desc, dynamic.PaddedLeaf):
                 views.append((desc.slot, desc, "padded"))
                 continue
+            if -1 in after:  # (a form's sizes: -1 is a dynamic one)
+                raise padding.CannotPad("it resizes an argument to a dynamic size")
             slot, view = desc.slot, desc.view
             if plan.kwarg_only[index]:
-                _check_out_overlap(plan, described, slot, view, tuple(meta.shape))
-            elif tuple(meta.shape) != view.sizes and plan.lowering.fn.__module__.endswith(".pointwise"):
+                _check_out_overlap(plan, described, slot, view, after)
+            elif after != view.sizes and plan.lowering.fn.__module__.endswith(".pointwise"):
                 # an in-place pointwise op never resizes self (PyTorch's refs for some, lt_ and fmod_, do)
                 raise RuntimeError(f"output with shape {list(view.sizes)} doesn't match the broadcast shape "
-                                   f"{list(meta.shape)}")
-            if tuple(meta.shape) != view.sizes:
-                sizes = tuple(meta.shape)
+                                   f"{list(after)}")
+            if after != view.sizes:
+                sizes = after
                 strides = storage.contiguous_strides(sizes)
                 resized.append(((index, position), sizes, strides))
                 view = View(view.dtype, sizes, strides, 0)
@@ -635,10 +639,13 @@ def _build(plan: OpPlan, scan: Scan, values: list[Any], described: list[Any], fo
             if written is not None:  # self's whole view is never read: XLA drops that read
                 flats[slot] = written.reshape(flats[slot].shape)
                 return tuple(flats[s] for s in mutated_slots)
+        results_meta = functional_metas
         if form is not None:
+            op_graph = form.graph()
+            results_meta = op_graph.metas
             sizes = padding.Sizes(dict(zip(form.symbols, buckets)), dict(zip(form.symbols, true)))
-            fed = [dynamic.pick(path, positional, keywords) for path in form.feeds]
-            result = graph.evaluate(form.module, fed, graph.KeySource(key) if random else None,
+            fed = [dynamic.pick(path, positional, keywords) for path in op_graph.feeds]
+            result = graph.evaluate(op_graph.module, fed, graph.KeySource(key) if random else None,
                                     interpret=padding.PaddedInterpreter(sizes))[0]
         else:
             extra: dict[str, Any] = {}
@@ -649,8 +656,8 @@ def _build(plan: OpPlan, scan: Scan, values: list[Any], described: list[Any], fo
             result = lowering.fn(*positional, **keywords, **extra)
             if result is NotImplemented:
                 raise registry.MissingLowering(plan.op)
-        outputs = [result] if len(functional_metas) == 1 else list(result)
-        outputs = [graph.conform(o, m) for o, m in zip(outputs, functional_metas)]
+        outputs = [result] if len(results_meta) == 1 else list(result)
+        outputs = [graph.conform(o, m) for o, m in zip(outputs, results_meta)]
 
         flat_outputs = []
         if form is not None:
@@ -1100,16 +1107,10 @@ def _padded_entry(plan: OpPlan, scan: Scan, values: list[Any], described: list[A
     key = (cache_key(scan, described), scan.symbols.signature())
     form = _forms.get(key)
     if form is None:
-        try:
-            form = _symbolic_form(plan, scan, values, described)
-        except padding.CannotPad as reason:
-            form = reason
-        except Exception as error:  # a meta kernel that cannot take symbolic sizes
-            form = padding.CannotPad(f"{type(error).__name__}: {error}".splitlines()[0])
-        _forms[key] = form
+        form = _forms[key] = _padded_form(key, plan, scan, values, described)
     if isinstance(form, padding.CannotPad):
         raise form
-    padded, specs = form.call_layout(scan.symbols.values, len(form.metas) - len(plan.mutated))
+    padded, specs = form.call_layout(scan.symbols.values, len(form.shape.nesting) - len(plan.mutated))
     entry = form.entries.get(padded)
     if entry is None:
         entry = _build(plan, scan, values, described, form, padded)
@@ -1128,9 +1129,64 @@ def _padded_entry(plan: OpPlan, scan: Scan, values: list[Any], described: list[A
     return entry, inputs, specs
 
 
-def _symbolic_form(plan: OpPlan, scan: Scan, values: list[Any], described: list[Any]) -> dynamic.Form:
+def _padded_form(key: tuple, plan: OpPlan, scan: Scan, values: list[Any],
+                 described: list[Any]) -> dynamic.Form | padding.CannotPad:
+    """The op's padded form for an argument pattern, or why it has none: its shape read from the cache folder
+    where an earlier process stored it (the meta kernels then run only if the op is traced), else made
+    by the meta kernels now (and stored)."""
+    uppers = list(scan.symbols.uppers)
+    # (the stand-ins keep no tensor of this call alive in a form whose graph is made later)
+    make = functools.partial(_symbolic_form, plan, list(scan.symbols.values), bool(scan.dynamic),
+                             _meta_stand_ins(values), described)
+    structure = _structure(key, plan) if disk_store.enabled() else None
+    stored_key = None if structure is None else _stored_form_key(structure)
+    if stored_key is not None:
+        with disk_store.counted_as("form_store"):
+            payload = disk_store.read("forms", stored_key)
+        if payload is not None:
+            found = pickle.loads(payload)
+            return padding.CannotPad(found) if isinstance(found, str) else dynamic.Form(found, uppers, make)
+    try:
+        shape, op_graph = make()
+    except padding.CannotPad as reason:
+        result, stored = reason, str(reason)
+    except Exception as error:  # a meta kernel that cannot take symbolic sizes
+        result = padding.CannotPad(f"{type(error).__name__}: {error}".splitlines()[0])
+        stored = str(result)
+    else:
+        result, stored = dynamic.Form(shape, uppers, op_graph), shape
+    if stored_key is not None:
+        with disk_store.counted_as("form_store"):
+            disk_store.write("forms", stored_key, pickle.dumps(stored))
+    return result
+
+
+def _stored_form_key(structure: str) -> str:
+    """A padded form as later processes find it: its argument pattern, our code and what else it depends on."""
+    digest = disk_store.entry_digest()
+    digest.update(f"form\0{structure}".encode())
+    return digest.hexdigest()
+
+
+def _meta_stand_ins(values: list[Any]) -> list[Any]:
+    """A call's arguments with every tensor a meta stand-in: the meta run reads tensors only through
+    their descriptions."""
+    stand_in = torch.empty(0, device="meta")
+
+    def replaced(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return stand_in
+        if isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value):
+            return type(value)(stand_in if isinstance(v, torch.Tensor) else v for v in value)
+        return value
+
+    return [replaced(v) for v in values]
+
+
+def _symbolic_form(plan: OpPlan, symbol_values: list[int], has_dynamic: bool, values: list[Any],
+                   described: list[Any]) -> tuple[dynamic.FormShape, dynamic.FormGraph]:
     """Run the op's meta kernel on fake tensors whose dynamic dims are symbols."""
-    env, mode, symbols, sizes = _torch_private.symbolic_fake_mode(scan.symbols.values)
+    env, mode, symbols, sizes = _torch_private.symbolic_fake_mode(symbol_values)
     with mode:
         result, metas = _run_meta(plan, values, described, sizes)
     functional = _new_output_specs(plan, result, metas)
@@ -1141,10 +1197,10 @@ def _symbolic_form(plan: OpPlan, scan: Scan, values: list[Any], described: list[
     keywords = {plan.names[i]: i for i, kw in enumerate(plan.kwarg_only)
                 if kw and metas[i] is not _NO_DEFAULT and plan.names[i] not in dropped}
     decomposition = None
-    if not scan.dynamic and not plan.mutated:
+    if not has_dynamic and not plan.mutated:
         decomposition = registry.decomposition(plan.op)
-    return dynamic.form(target, metas, functional, n_fresh, env.guards, symbols, scan.symbols.uppers,
-                        positional, keywords, mode, decomposition)
+    return dynamic.form(target, metas, functional, n_fresh, env.guards, symbols, plan.mutated, positional, keywords,
+                        mode, decomposition)
 
 
 def _factory_elsewhere(plan: OpPlan, args: tuple, kwargs: dict, device: torch.device) -> Any:

@@ -31,7 +31,7 @@ import functools
 import math
 import warnings
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -600,29 +600,53 @@ def _layout(meta: torch.Tensor) -> OutputLayout:
 _CALL_LAYOUTS = 256  # per form: the true sizes remembered (a server sees every length up to its bound)
 
 
-class Form:
-    """An op's padded form, shared by every call with the same argument pattern: the op as a graph
-    over fake tensors of symbolic sizes (one node, or its decomposition) with where each graph input
-    sits in the call's arguments, how its results are laid out, and the programs built for each
-    combination of result buckets."""
+class FormShape(NamedTuple):
+    """What an op's padded form says about its results, all a call needs unless the op is traced: plain
+    values and sympy expressions, so the cache folder keeps it and a later process skips the meta kernels."""
 
-    def __init__(self, module: torch.fx.GraphModule, feeds: list[tuple], symbols: Sequence[Any],
-                 uppers: Sequence[int], metas: list[Any], arg_metas: list[Any], n_fresh: int) -> None:
-        self.module = module
-        self.feeds = feeds
-        self.symbols = tuple(symbols)
-        self.metas = metas
-        self.arg_metas = arg_metas
-        fresh = [m for meta in metas[:n_fresh] for m in (meta if isinstance(meta, (list, tuple)) else [meta])]
-        self.layouts = [None if m is None else _layout(m) for m in fresh]
-        self.dtypes = [None if m is None else m.dtype for m in fresh]
-        self.flat_layouts = [layout for layout in self.layouts if layout is not None]
+    symbols: tuple[Any, ...]
+    layouts: tuple[OutputLayout | None, ...]  # per fresh tensor result (None: a None result)
+    dtypes: tuple[torch.dtype | None, ...]
+    nesting: tuple[int | None, ...]  # per functional result: its list's length, None for a single value
+    # per mutated argument's index: its tensors' sizes after the op (None: no tensor; -1: a dynamic size)
+    mutated_sizes: tuple[tuple[int, tuple[tuple[int, ...] | None, ...]], ...]
+
+
+class FormGraph(NamedTuple):
+    """The op as a graph over fake tensors of symbolic sizes (one node, or its decomposition), where each
+    graph input sits in the call's arguments, and its functional results' fake values: what tracing needs."""
+
+    module: torch.fx.GraphModule
+    feeds: list[tuple]
+    metas: list[Any]
+
+
+class Form:
+    """An op's padded form, shared by every call with the same argument pattern: its shape (how its results
+    are laid out), its graph (made when first traced, where the shape came from the cache folder), and the
+    programs built for each combination of result buckets."""
+
+    def __init__(self, shape: FormShape, uppers: Sequence[Bound],
+                 graph: FormGraph | Callable[[], tuple[FormShape, FormGraph]]) -> None:
+        self.shape = shape
+        self.symbols = shape.symbols
+        self._graph = graph
+        self.flat_layouts = [layout for layout in shape.layouts if layout is not None]
         position = {symbol: i for i, symbol in enumerate(self.symbols)}
         factors = [f for layout in self.flat_layouts for dim in layout.dims for f in dim if not isinstance(f, int)]
         self._evaluators = [_evaluator(f, position) for f in factors]
         self.factor_bounds = tuple(bound_of(f, self.symbols, uppers) for f in factors)
         self.entries: dict[tuple[int, ...], Any] = {}
         self._calls: dict[tuple[int, ...], tuple[tuple[int, ...], list[Any]]] = {}
+
+    def graph(self) -> FormGraph:
+        """The form's graph, made now by the meta kernels when its shape was read from the cache folder."""
+        if not isinstance(self._graph, FormGraph):
+            shape, self._graph = self._graph()
+            if shape != self.shape:
+                raise RuntimeError("torch_pjrt: an op's padded form stored in the cache folder differs from the one "
+                                   "PyTorch's meta kernels give now; clear the folder (torch-pjrt cache clear).")
+        return self._graph
 
     def call_layout(self, values: Sequence[int], n_results: int) -> tuple[tuple[int, ...], list[Any]]:
         """A call's result buckets and its first `n_results` results' specs (nested like the op's
@@ -632,8 +656,8 @@ class Form:
         if found is None:
             true, padded = self.factor_sizes(values)
             flat = iter(self.specs(true, padded))
-            specs = [[next(flat) for _ in meta] if isinstance(meta, (list, tuple)) else next(flat)
-                     for meta in self.metas[:n_results]]
+            specs = [next(flat) if count is None else [next(flat) for _ in range(count)]
+                     for count in self.shape.nesting[:n_results]]
             if len(self._calls) >= _CALL_LAYOUTS:
                 self._calls.clear()
             found = self._calls[key] = (padded, specs)
@@ -650,7 +674,7 @@ class Form:
         true_it, padded_it = iter(true), iter(padded)
         bounds_it = iter(self.factor_bounds)
         found = []
-        for layout, dtype in zip(self.layouts, self.dtypes):
+        for layout, dtype in zip(self.shape.layouts, self.shape.dtypes):
             if layout is None:
                 found.append(None)
                 continue
@@ -676,13 +700,29 @@ class Form:
         return found
 
 
+def _form_shape(symbols: Sequence[Any], metas: list[Any], arg_metas: Sequence[Any], n_fresh: int,
+                mutated: Sequence[int]) -> FormShape:
+    fresh = [m for meta in metas[:n_fresh] for m in (meta if isinstance(meta, (list, tuple)) else [meta])]
+
+    def sizes(meta: Any) -> tuple[int, ...] | None:
+        if not isinstance(meta, torch.Tensor):
+            return None
+        return tuple(-1 if isinstance(s, torch.SymInt) else int(s) for s in meta.shape)
+
+    mutated_sizes = tuple((index, tuple(sizes(m) for m in (arg_metas[index] if isinstance(arg_metas[index], list)
+                                                            else [arg_metas[index]]))) for index in mutated)
+    return FormShape(tuple(symbols), tuple(None if m is None else _layout(m) for m in fresh),
+                     tuple(None if m is None else m.dtype for m in fresh),
+                     tuple(len(m) if isinstance(m, (list, tuple)) else None for m in metas), mutated_sizes)
+
+
 def form(target: Any, fakes: Sequence[Any], metas: list[Any], n_fresh: int, guards: Sequence[Any],
-         symbols: Sequence[Any], uppers: Sequence[int], positional: Sequence[int], keywords: dict[str, int],
-         mode: Any, decomposition: Any = None) -> Form:
+         symbols: Sequence[Any], mutated: Sequence[int], positional: Sequence[int], keywords: dict[str, int],
+         mode: Any, decomposition: Any = None) -> tuple[FormShape, FormGraph]:
     """The padded form of one op call from its fake run: `fakes` are the arguments in schema order
-    (fake tensors, SymInts, plain values), `positional`/`keywords` say how they are passed. An op
-    with no padding rule runs as its PyTorch decomposition (traced on the same fake tensors) when
-    it has one."""
+    (fake tensors, SymInts, plain values, after the op: the `mutated` ones hold its writes),
+    `positional`/`keywords` say how they are passed. An op with no padding rule runs as its PyTorch
+    decomposition (traced on the same fake tensors) when it has one."""
     if guards:
         raise CannotPad(f"its sizes must equal fixed ones ({guards[0].expr})")
     if target is None:
@@ -699,7 +739,7 @@ def form(target: Any, fakes: Sequence[Any], metas: list[Any], n_fresh: int, guar
         if decomposition is None:
             raise
         module, feeds = _decomposed(decomposition, args, kwargs, mode)
-    return Form(module, feeds, symbols, uppers, metas, list(fakes), n_fresh)
+    return _form_shape(symbols, metas, fakes, n_fresh, mutated), FormGraph(module, feeds, metas)
 
 
 def _paths(args: Sequence[Any], kwargs: dict[str, Any], wanted: Any) -> list[tuple]:
