@@ -11,7 +11,9 @@ leaves vLLM's CPU platform); after one warm-up batch (the compiles), the best of
 and the time to first token: the same N requests with prompts not seen before and one new token each
 (the batch's prefill and first sampling). "compiled" rows pass enforce_eager=False: vLLM's compile path, the
 model's graph (attention inside it) one program a step, compiled by the pjrt backend per (token, context)
-bucket; the rest of the step (sampling) runs in the eager mode named.
+bucket; the rest of the step (sampling) runs in the eager mode named. Both platforms turn vLLM's async
+scheduling off; "compiled-async" keeps it (TORCH_PJRT_VLLM_ASYNC_SCHEDULING=1: the engine schedules step
+N+1 while the device runs step N).
 The rows run interleaved, `--rounds` times (a fresh process each), and each row keeps its best round, so a
 busy spell on a shared machine hits every row alike. Output tokens must equal across rows and rounds. Needs
 the vLLM environment: `make test-serving` builds it.
@@ -154,7 +156,8 @@ def _tiny_llama(folder: str) -> None:
 
 
 def _run(folder: str, args: argparse.Namespace, platform: str, mode: str) -> dict:
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", TORCH_PJRT_VLLM_SAMPLING=args.sampling)
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", TORCH_PJRT_VLLM_SAMPLING=args.sampling,
+               TORCH_PJRT_VLLM_ASYNC_SCHEDULING=str(int("async" in mode.split("-"))))
     if platform == "cpu":
         env["VLLM_PLUGINS"] = ""
     with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as script:
@@ -202,7 +205,7 @@ def main() -> None:
                         help="where the pjrt rows run vLLM's sampler (TORCH_PJRT_VLLM_SAMPLING)")
     parser.add_argument("--rows", default="cpu,strict,fused,compiled,compiled-fused",
                         help="the rows to run, comma-separated, of: cpu (vLLM's CPU platform, always run: the "
-                             "reference), strict, fused, compiled, compiled-fused")
+                             "reference), strict, fused, compiled, compiled-fused, compiled-async")
     args = parser.parse_args()
     names = {
         ("cpu", "strict"): "vLLM CPU platform",
@@ -210,6 +213,7 @@ def main() -> None:
         ("pjrt", "fused"): "pjrt plugin, DEFER_AND_FUSE",
         ("pjrt", "compiled"): "pjrt plugin, compiled (strict eager around it)",
         ("pjrt", "compiled-fused"): "pjrt plugin, compiled (DEFER_AND_FUSE around it)",
+        ("pjrt", "compiled-async"): "pjrt plugin, compiled, vLLM's async scheduling",
     }
     asked = set(args.rows.split(",")) | {"cpu"}
     names = {key: name for key, name in names.items() if (key[0] if key[0] == "cpu" else key[1]) in asked}

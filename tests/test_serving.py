@@ -222,6 +222,7 @@ def test_greedy_steps_take_the_argmax_in_one_program_and_bring_back_only_token_i
     one program after the forward's and only the token ids come back; with logprobs asked, the sampled rows'
     logits come back instead (vLLM's sampler needs them), the same tokens either way."""
     runner = _worker(llm).model_runner
+    assert not runner.use_async_scheduling  # vLLM's default, turned off by the platform
     sample_in_program = runner._sample_in_program
     kinds: list[str] = []
 
@@ -756,15 +757,21 @@ again = serve([[t + 1 for t in p] for p in others])  # the same lengths, new tok
 print("RESULT " + json.dumps({"strict": strict, "fused": fused, "pieces": compilation_counter.num_piecewise_graphs_seen,
                               "dynamo": compilation_counter.num_graphs_seen, "traced_at_start": traced_at_start,
                               "new_graphs": torch_pjrt.metrics.counters()["graph_compiles"] - graphs,
-                              "graphs": graphs, "first_request": first_request}))
+                              "graphs": graphs, "first_request": first_request,
+                              "async": llm.llm_engine.vllm_config.scheduler_config.async_scheduling}))
 """
 
 
-def test_vllms_compile_path_gives_hugging_faces_tokens_with_programs_per_bucket(tiny_llama: Path) -> None:
+@pytest.mark.parametrize("async_scheduling", ["0", "1"])
+def test_vllms_compile_path_gives_hugging_faces_tokens_with_programs_per_bucket(
+    tiny_llama: Path, async_scheduling: str
+) -> None:
     """enforce_eager=False: vLLM's one Dynamo trace, at start-up (the worker's warm-up), attention inside it,
     one graph compiled by the pjrt backend (strict and fused eager around it); a first short greedy request and
-    prompts of new lengths in seen buckets compile nothing."""
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    prompts of new lengths in seen buckets compile nothing. The same with vLLM's async scheduling kept
+    (TORCH_PJRT_VLLM_ASYNC_SCHEDULING=1), where each step's ids of continuing requests are the previous
+    step's tokens on the device."""
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", TORCH_PJRT_VLLM_ASYNC_SCHEDULING=async_scheduling)
     others = [[(7 * i + j) % 250 + 3 for j in range(n)] for i, n in enumerate((6, 12, 19, 33))]
     done = subprocess.run([sys.executable, "-c", COMPILED_IN_A_NEW_PROCESS, str(tiny_llama),
                            json.dumps(_prompts()), json.dumps(others)],
@@ -780,6 +787,7 @@ def test_vllms_compile_path_gives_hugging_faces_tokens_with_programs_per_bucket(
     # a greedy first request in the warm-up batch's buckets compiles neither the step's nor the sampling program
     assert result["first_request"] == {"graph_compiles": 0, "fused_compiles": 0}
     assert result["graphs"] > 0 and result["new_graphs"] == 0
+    assert result["async"] == (async_scheduling == "1")
 
 
 JOINING_IN_A_NEW_PROCESS = """
@@ -788,7 +796,7 @@ from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, enforce_eager=False, dtype="float32", max_model_len=128,
           max_num_seqs=4, kv_cache_memory_bytes=1 << 24)
-params = SamplingParams(temperature=0, max_tokens=8, min_tokens=8, detokenize=False)
+params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, detokenize=False)
 prompts, engine, done = json.loads(sys.argv[2]), llm.llm_engine, {}
 waiting = list(range(len(prompts)))
 while waiting or engine.has_unfinished_requests():
@@ -800,16 +808,21 @@ print("RESULT " + json.dumps([done[index] for index in range(len(prompts))]))
 """
 
 
-def test_requests_joining_one_a_step_on_the_compile_path_give_hugging_faces_tokens(tiny_llama: Path) -> None:
+@pytest.mark.parametrize("async_scheduling", ["0", "1"])
+def test_requests_joining_one_a_step_on_the_compile_path_give_hugging_faces_tokens(
+    tiny_llama: Path, async_scheduling: str
+) -> None:
     """One request joins each step, as on a server: the graph is traced at the first step, a 5-token prompt
     alone (a block table one page wide, were it not padded to two), and later steps mix wider tables,
-    prefills and decodes."""
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    prefills and decodes; greedy with no logits processor acting, so each step's argmax is taken in its
+    program. With vLLM's async scheduling kept, the continuing requests' ids come from the previous step's
+    tokens on the device while the batch grows and shrinks."""
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", TORCH_PJRT_VLLM_ASYNC_SCHEDULING=async_scheduling)
     done = subprocess.run([sys.executable, "-c", JOINING_IN_A_NEW_PROCESS, str(tiny_llama), json.dumps(_prompts())],
                           env=env, capture_output=True, text=True, timeout=600)
     results = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     assert done.returncode == 0 and results, done.stderr[-3000:]
-    assert json.loads(results[-1][len("RESULT "):]) == _hugging_face_greedy(tiny_llama, NEW_TOKENS)
+    assert json.loads(results[-1][len("RESULT "):]) == _torch_greedy_without_stop(tiny_llama, NEW_TOKENS)
 
 
 BATCH_SIZES_IN_A_NEW_PROCESS = """

@@ -81,6 +81,9 @@ class PjrtAttentionMetadata:
     """(padded_token_count(requests),) each request's last token row, the last repeated as padding: the rows
     vLLM samples from when it verifies no drafts (the runner checks them against its own, sampled_rows_host)."""
     sampled_rows_host: np.ndarray | None = None
+    token_sources: torch.Tensor | None = None
+    """(tokens,) under vLLM's async scheduling, for each token row whose id is the previous step's sampled
+    token, still on the device, that token's row there; -1 for rows whose id was shipped (None: every row's)."""
     visible: dict[int | None, torch.Tensor] = field(default_factory=dict)
     """Sliding window (None: none) -> `visible_of` it, computed once per step in eager mode."""
     kernel_inputs: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -139,6 +142,9 @@ class PjrtAttentionMetadataBuilder(AttentionMetadataBuilder[PjrtAttentionMetadat
         self.block_size = kv_cache_spec.block_size
         self.token_ids: torch.Tensor | None = None
         """The runner's host buffer of the step's token ids (PjrtModelRunner sets it), shipped with the rest."""
+        self.carried_tokens: tuple[np.ndarray, np.ndarray] | None = None
+        """(token rows, their rows in the previous step's sampled tokens) for this step's build, under vLLM's
+        async scheduling: the ids of those rows are still on the device (PjrtModelRunner sets it each step)."""
 
     def build(
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
@@ -175,10 +181,15 @@ class PjrtAttentionMetadataBuilder(AttentionMetadataBuilder[PjrtAttentionMetadat
         last_rows = query_start[1: meta.num_reqs + 1] - 1
         row_padding = padded_token_count(meta.num_reqs) - meta.num_reqs
         sampled_rows = np.concatenate([last_rows, last_rows[-1:].repeat(row_padding)])
+        parts = [token_ids, slots, token_positions, tables.ravel(), sampled_rows]
+        carried, self.carried_tokens = self.carried_tokens, None
+        if carried is not None:
+            sources = np.full(padded, -1, np.int64)
+            sources[carried[0]] = carried[1]
+            parts.append(sources)
         # one transfer; each part a contiguous view of it
-        shipped = torch.from_numpy(np.concatenate([token_ids, slots, token_positions, tables.ravel(), sampled_rows]))
-        ids_on_device, slots_on_device, positions_on_device, tables_on_device, rows_on_device = shipped.to(
-            _pjrt_device()).split([padded, padded, padded, tables.size, sampled_rows.size])
+        ids_on_device, slots_on_device, positions_on_device, tables_on_device, rows_on_device, *sources_on_device = (
+            torch.from_numpy(np.concatenate(parts)).to(_pjrt_device()).split([part.size for part in parts]))
         tables_on_device = tables_on_device.view(padded, pages)
         # the compile path traces the graph once: the token count and the table's width are its symbols
         for tensor in (ids_on_device, slots_on_device, positions_on_device, tables_on_device):
@@ -188,7 +199,8 @@ class PjrtAttentionMetadataBuilder(AttentionMetadataBuilder[PjrtAttentionMetadat
                                      slots=slots_on_device, positions=positions_on_device,
                                      block_tables=tables_on_device, block_size=self.block_size,
                                      kernel=paged.switch.enabled(), sampled_rows=rows_on_device,
-                                     sampled_rows_host=sampled_rows)
+                                     sampled_rows_host=sampled_rows,
+                                     token_sources=sources_on_device[0] if sources_on_device else None)
 
 
 class PjrtAttentionImpl(AttentionImpl[PjrtAttentionMetadata]):

@@ -15,6 +15,7 @@ import torch
 from vllm.logger import init_logger
 from vllm.platforms.interface import Platform, PlatformEnum
 
+from torch_pjrt import envvars
 from torch_pjrt.serving import vllm as plugin
 
 logger = init_logger(__name__)
@@ -121,7 +122,14 @@ class PjrtPlatform(Platform):
         cache_config = vllm_config.cache_config
         if not cache_config.user_specified_block_size:
             cache_config.block_size = DEFAULT_BLOCK_SIZE
-        vllm_config.scheduler_config.async_scheduling = False
+        scheduler_config = vllm_config.scheduler_config
+        asked = envvars.flag("TORCH_PJRT_VLLM_ASYNC_SCHEDULING")
+        if asked and vllm_config.speculative_config is not None:
+            logger.warning("TORCH_PJRT_VLLM_ASYNC_SCHEDULING=1 is not honoured with speculative decoding: the pjrt "
+                           "runner carries no draft tokens on the device.")
+        # vLLM turns it on unless something rules it out; the pjrt runner supports it without drafts
+        scheduler_config.async_scheduling = bool(scheduler_config.async_scheduling and asked
+                                                 and vllm_config.speculative_config is None)
         parallel_config = vllm_config.parallel_config
         if parallel_config.worker_cls == "auto":
             parallel_config.worker_cls = WORKER_CLASS

@@ -10,6 +10,9 @@ penalties or acting logits processors) that program takes it too and only the to
 otherwise vLLM's sampler runs where TORCH_PJRT_VLLM_SAMPLING says: on the device (its per-request tensors
 copied there once per change of the batch) or on the host, as on vLLM's CPU platform, with the sampled
 rows' logits brought back.
+With TORCH_PJRT_VLLM_ASYNC_SCHEDULING=1 vLLM's async scheduling is kept: a step returns before its tokens
+reach the host (TokensCopiedLater), and the next step takes the ids of the requests it continues from the
+previous step's tokens on the device (the attention metadata names their rows).
 """
 
 from __future__ import annotations
@@ -35,10 +38,12 @@ from vllm.utils.mem_constants import GiB_bytes
 from vllm.utils.mem_utils import format_gib
 from vllm.utils.torch_utils import set_random_seed
 from vllm.v1.kv_cache_interface import KVCacheConfig, UniformTypeKVCacheSpecs
-from vllm.v1.outputs import SamplerOutput
+from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput, SamplerOutput
 from vllm.v1.sample.logits_processor import build_logitsprocs
 from vllm.v1.sample.logits_processor.builtin import LogitBiasLogitsProcessor, MinTokensLogitsProcessor
 from vllm.v1.sample.metadata import SamplingMetadata
+from vllm.v1.sample.rejection_sampler import RejectionSampler
+from vllm.v1.worker import gpu_model_runner
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_model_runner import _set_global_compilation_settings as set_global_compilation_settings
 from vllm.v1.worker.cpu_worker import CPUWorker
@@ -80,6 +85,10 @@ class PjrtModelRunner(CPUModelRunner):
         self._step_sampled_in_program: SampledInProgram | None = None
         self._step_has_grammar = False
         self._compute_logits: Any = None
+        # the last greedy program's tokens on the device, padded to its bucket (async scheduling reads them)
+        self._padded_device_tokens: tuple[torch.Tensor, torch.Tensor] | None = None
+        # under async scheduling, the previous step's sampled tokens on the device this step's ids take rows of
+        self._carried_from: torch.Tensor | None = None
         if self.samples_on_device:
             # vLLM's logits processors keep their per-request tensors on the device they are built for
             custom = tuple(vllm_config.model_config.logits_processors or ())
@@ -124,7 +133,10 @@ class PjrtModelRunner(CPUModelRunner):
         greedy tokens the step's program chose when _model_forward found vLLM's sampler would only take argmax."""
         sampled, self._step_sampled_in_program = self._step_sampled_in_program, None
         if sampled is not None and sampled.tokens is not None:
-            return SamplerOutput(sampled_token_ids=sampled.tokens.unsqueeze(-1), logprobs_tensors=None)
+            tokens = sampled.tokens.unsqueeze(-1)
+            if sampled.padded_tokens is not None:
+                self._padded_device_tokens = (sampled.padded_tokens, tokens)
+            return SamplerOutput(sampled_token_ids=tokens, logprobs_tensors=None)
         if not self.samples_on_device:
             return super()._sample(logits, spec_decode_metadata)
         host = self.input_batch.sampling_metadata
@@ -186,6 +198,9 @@ class PjrtModelRunner(CPUModelRunner):
             return
         model = self.model
         self.model = InputsOnDevice(model, self._warm_up_inputs, self._sample_warm_up_rows)
+        if self.use_async_scheduling:  # the carried tokens' program too, in the smallest buckets
+            self._carry_tokens((np.zeros(0, np.int64), np.zeros(0, np.int64)))
+            self._carried_from = torch.zeros(padded_token_count(1), dtype=torch.int32, device=self.model_device)
         try:
             with set_global_compilation_settings(self.vllm_config):
                 self._dummy_run(min(WARM_UP_TOKENS, self.max_num_tokens), force_attention=True)
@@ -221,7 +236,7 @@ class PjrtModelRunner(CPUModelRunner):
         meta = _step_attention_metadata()
         if meta is not None and input_ids is not None and meta.num_actual_tokens == padded_token_count(
                 input_ids.shape[0]):
-            return meta.token_ids, meta.positions
+            return self._with_carried_tokens(meta.token_ids), meta.positions
         return self._inputs_on_device(input_ids, positions)
 
     def _model_forward(
@@ -233,6 +248,7 @@ class PjrtModelRunner(CPUModelRunner):
         **model_kwargs: Any,
     ) -> Any:
         input_ids, positions = self._inputs_on_device(input_ids, positions)
+        input_ids = self._with_carried_tokens(input_ids)
         hidden_states = super()._model_forward(
             input_ids, positions, intermediate_tensors, self._on_device_padded(inputs_embeds), **model_kwargs
         )
@@ -244,6 +260,64 @@ class PjrtModelRunner(CPUModelRunner):
         # vLLM gathers the sampled rows of what this returns before compute_logits: a zero-width host stand-in
         # makes that gather free (compute_logits_where_sampled then returns the logits computed here)
         return torch.empty((hidden_states.shape[0], 0))
+
+    def _prepare_input_ids(self, scheduler_output: Any, num_reqs: int, total_num_scheduled_tokens: int,
+                           cu_num_tokens: np.ndarray) -> None:
+        """vLLM's input ids; under async scheduling, when the previous step's sampled tokens are still on the
+        device, the rows of the requests continuing from it are named to the attention builders (see
+        _with_carried_tokens) instead of vLLM's scatter, which writes the runner's host buffer."""
+        previous = self.input_batch.prev_sampled_token_ids
+        if previous is None or previous.device.type == "cpu":
+            super()._prepare_input_ids(scheduler_output, num_reqs, total_num_scheduled_tokens, cu_num_tokens)
+            if self.use_async_scheduling:  # every step ships the same parts: one program per bucket
+                self._carry_tokens((np.zeros(0, np.int64), np.zeros(0, np.int64)))
+            return
+        if scheduler_output.scheduled_spec_decode_tokens:
+            raise NotImplementedError("async scheduling with draft tokens is not supported on pjrt; pass "
+                                      "async_scheduling=False")
+        earlier = self.prev_positions.np[:num_reqs]
+        continuing = np.flatnonzero(earlier >= 0)
+        self._carry_tokens((cu_num_tokens[continuing] - 1, earlier[continuing]))
+        padded, issued = self._padded_device_tokens or (None, None)
+        self._carried_from = padded if issued is previous else previous[:, 0]
+
+    def _carry_tokens(self, carried: tuple[np.ndarray, np.ndarray]) -> None:
+        """Names this step's (token rows, their rows in the previous step's tokens) to the attention builders."""
+        for group in self._attn_group_iterator():
+            for builder in group.metadata_builders:
+                if isinstance(builder, PjrtAttentionMetadataBuilder):
+                    builder.carried_tokens = carried
+
+    def _with_carried_tokens(self, input_ids: torch.Tensor | None) -> torch.Tensor | None:
+        """The step's token ids with the rows the previous step sampled taken from its tokens on the device,
+        in one program (async scheduling: the host has not seen those tokens yet)."""
+        previous, self._carried_from = self._carried_from, None
+        metadata = _step_attention_metadata()
+        if previous is None or input_ids is None or metadata is None or metadata.token_sources is None:
+            return input_ids
+        sources = metadata.token_sources[: input_ids.shape[0]]
+        with torch.pjrt.set_eager_mode(EagerMode.DEFER_AND_FUSE):
+            carried = torch.where(sources >= 0, previous.to(input_ids.dtype)[sources.clamp(min=0)], input_ids)
+            if input_ids is not metadata.token_ids:
+                return carried
+            # in place: the graph is called with the shipped views, as the warm-up traced it
+            input_ids.copy_(carried)
+        return input_ids
+
+    def _get_or_create_async_output_copy_stream(self) -> None:
+        """No copy stream on pjrt: TokensCopiedLater copies when the engine asks for the step's output."""
+        return None
+
+    def sample_tokens(self, grammar_output: Any) -> Any:
+        """vLLM's sampling step; under async scheduling its output is a TokensCopiedLater."""
+        if not self.use_async_scheduling:
+            return super().sample_tokens(grammar_output)
+        cuda_output = gpu_model_runner.AsyncGPUModelRunnerOutput
+        gpu_model_runner.AsyncGPUModelRunnerOutput = TokensCopiedLater
+        try:
+            return super().sample_tokens(grammar_output)
+        finally:
+            gpu_model_runner.AsyncGPUModelRunnerOutput = cuda_output
 
     def initialize_metadata_builders(self, kv_cache_config: KVCacheConfig, kernel_block_sizes: list[int]) -> None:
         """The pjrt attention builders ship the step's token ids with their indices (one transfer a step)."""
@@ -274,9 +348,13 @@ class PjrtModelRunner(CPUModelRunner):
         with torch.pjrt.set_eager_mode(EagerMode.DEFER_AND_FUSE):
             logits = self._compute_logits(hidden_states[metadata.sampled_rows])
             if greedy:
-                return SampledInProgram(logits=None, tokens=logits.argmax(-1).to(torch.int32).cpu()[:rows])
-            if not self.samples_on_device:
+                tokens = logits.argmax(-1).to(torch.int32)
+                if not self.use_async_scheduling:
+                    return SampledInProgram(logits=None, tokens=tokens.cpu()[:rows])
+            elif not self.samples_on_device:
                 logits = logits.cpu()
+        if greedy:  # dispatched as the mode's context closed; the host copies them when the engine asks
+            return SampledInProgram(logits=None, tokens=tokens[:rows], padded_tokens=tokens)
         return SampledInProgram(logits=logits[:rows], tokens=None)
 
     def _sample_warm_up_rows(self, hidden_states: Any) -> None:
@@ -365,6 +443,52 @@ class SampledInProgram:
 
     logits: torch.Tensor | None
     tokens: torch.Tensor | None
+    padded_tokens: torch.Tensor | None = None
+    """Under async scheduling, the greedy tokens on the device with the bucket's padding rows (`tokens` is a
+    view of their first rows): the next step takes its carried ids from these, one program per bucket."""
+
+
+class TokensCopiedLater(AsyncModelRunnerOutput):
+    """A step's output handed back before its sampled tokens reach the host (vLLM's async scheduling): the
+    engine schedules the next step while the device runs this one. It stands in for vLLM's CUDA-stream
+    version (same arguments); the tokens are copied when the engine, or a logits processor reading earlier
+    output ids (through `async_copy_ready_event`), first asks for them."""
+
+    def __init__(self, model_runner_output: ModelRunnerOutput, sampled_token_ids: torch.Tensor,
+                 logprobs_tensors: Any, invalid_req_indices: list[int], async_output_copy_stream: Any = None,
+                 vocab_size: int = 0, check_ep_fault: bool = False, num_nans: torch.Tensor | None = None) -> None:
+        if check_ep_fault:
+            raise NotImplementedError("expert-parallel fault checks are not supported on pjrt")
+        self._output, self._invalid_req_indices, self._vocab_size = model_runner_output, invalid_req_indices, vocab_size
+        self._sampled_token_ids: torch.Tensor | None = sampled_token_ids
+        self._logprobs_tensors, self._num_nans = logprobs_tensors, num_nans
+        self.sampled_token_ids_cpu = torch.empty(sampled_token_ids.shape, dtype=sampled_token_ids.dtype)
+        self.async_copy_ready_event = self
+
+    def synchronize(self) -> None:
+        """Waits for the step's programs and copies its tokens into `sampled_token_ids_cpu` (once)."""
+        if self._sampled_token_ids is not None:
+            with torch.inference_mode():  # the host tensor was made in the step's inference mode
+                self.sampled_token_ids_cpu.copy_(self._sampled_token_ids)
+            self._sampled_token_ids = None
+
+    def get_output(self) -> ModelRunnerOutput:
+        self.synchronize()
+        tokens = self.sampled_token_ids_cpu
+        logprobs = self._logprobs_tensors.to_cpu_nonblocking() if self._logprobs_tensors is not None else None
+        if tokens.shape[-1] == 1:
+            valid = tokens.tolist()
+            for index in self._invalid_req_indices:
+                valid[index].clear()
+            logprobs_lists = logprobs.tolists() if logprobs is not None else None
+        else:
+            valid, logprobs_lists = RejectionSampler.parse_output(
+                tokens, self._vocab_size, self._invalid_req_indices, logprobs_tensors=logprobs)
+        output = self._output
+        output.sampled_token_ids, output.logprobs = valid, logprobs_lists
+        if self._num_nans is not None:
+            output.num_nans_in_logits = gpu_model_runner.nans_to_dict(self._num_nans.tolist(), output.req_id_to_index)
+        return output
 
 
 def _holds_no_request(processor: Any) -> bool:
