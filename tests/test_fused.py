@@ -108,6 +108,27 @@ def test_a_replayed_graph_is_told_apart_from_one_wired_otherwise(fused: None) ->
     assert compiles[2] == compiles[1] == compiles[0], compiles
 
 
+def test_a_replayed_graph_is_told_apart_by_which_result_an_op_reads(fused: None) -> None:
+    """An op recorded where the last flush had the same op reads another result of a multi-output op, or the
+    same input passed a different number of times: each graph gives CPU's results and compiles once."""
+    torch.manual_seed(6)
+    x, w = torch.randn(6, 9), torch.randn(6, 1)
+
+    def forward(a: torch.Tensor, b: torch.Tensor, variant: int) -> torch.Tensor:
+        low, high = torch.aminmax(a, dim=1, keepdim=True)
+        picked = (low, high, low)[variant]
+        operand = b if variant < 2 else picked
+        return (picked * operand).sum(dim=1) + 0.25 * variant
+
+    compiles = []
+    for _ in range(3):
+        for variant in (0, 1, 1, 2, 0, 2):
+            got = forward(x.to("pjrt"), w.to("pjrt"), variant).cpu()
+            torch.testing.assert_close(got, forward(x, w, variant))
+        compiles.append(torch_pjrt.metrics.counters()["compiles"])
+    assert compiles[2] == compiles[1] == compiles[0], compiles
+
+
 def test_a_number_repeated_in_one_program_is_not_made_a_device_array(monkeypatch: pytest.MonkeyPatch,
                                                                       fused: None) -> None:
     """A traced number becomes a device array when it comes back in a later call, not when one program takes

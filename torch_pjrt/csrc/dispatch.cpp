@@ -104,6 +104,7 @@ struct Runtime {
   PyObject* s_input_slots = nullptr;
   PyObject* s_outputs = nullptr;
   PyObject* s_check_lines = nullptr;
+  PyObject* s_replay = nullptr;
   PyObject* s_graph = nullptr;
   PyObject* s_max_nodes = nullptr;
   PyObject* s_debug_recompile = nullptr;
@@ -905,15 +906,24 @@ py::object run_program(const Entry& entry, Signature& sig) {
 
 // A value's wiring ref in the pending graph, as fusion.PendingGraph._ref makes it: an earlier op's
 // result ("n", node, index), a traced Python number ("s", position, type), or an array input ("c",
-// position), each array once however often it is passed.
-py::object graph_ref(PyObject* value, PyObject* inputs, PyObject* input_slots) {
+// position), each array once however often it is passed. Held as its parts until it is compared with
+// the last flushed graph's ref at the same place (`same_ref`), and made a tuple only where it differs.
+struct GraphRef {
+  PyObject* kind = nullptr;  // rt.s_ref_node, s_ref_scalar or s_ref_input (borrowed)
+  Py_ssize_t first = 0;  // the node, or the input's position
+  Py_ssize_t second = 0;  // a node's result index
+  PyObject* type = nullptr;  // a number's type (borrowed)
+};
+
+// The ref of `value`, appending it to the graph's inputs (a number always, an array once).
+GraphRef input_ref(PyObject* value, PyObject* inputs, PyObject* input_slots) {
   auto& rt = runtime();
+  const Py_ssize_t position = PyList_GET_SIZE(inputs);
   if (PyBool_Check(value) || PyLong_Check(value) || PyFloat_Check(value) || PyComplex_Check(value)) {
-    const Py_ssize_t position = PyList_GET_SIZE(inputs);
     if (PyList_Append(inputs, value) != 0) {
       throw py::error_already_set();
     }
-    return py::make_tuple(py::handle(rt.s_ref_scalar), position, py::handle(reinterpret_cast<PyObject*>(Py_TYPE(value))));
+    return GraphRef{rt.s_ref_scalar, position, 0, reinterpret_cast<PyObject*>(Py_TYPE(value))};
   }
   py::object id = py::reinterpret_steal<py::object>(PyLong_FromVoidPtr(value));
   PyObject* slot = PyDict_GetItemWithError(input_slots, id.ptr());
@@ -921,13 +931,82 @@ py::object graph_ref(PyObject* value, PyObject* inputs, PyObject* input_slots) {
     if (PyErr_Occurred()) {
       throw py::error_already_set();
     }
-    py::object position = py::reinterpret_steal<py::object>(PyLong_FromSsize_t(PyList_GET_SIZE(inputs)));
-    if (PyDict_SetItem(input_slots, id.ptr(), position.ptr()) != 0 || PyList_Append(inputs, value) != 0) {
+    py::object created = py::reinterpret_steal<py::object>(PyLong_FromSsize_t(position));
+    if (PyDict_SetItem(input_slots, id.ptr(), created.ptr()) != 0 || PyList_Append(inputs, value) != 0) {
       throw py::error_already_set();
     }
-    return py::make_tuple(py::handle(rt.s_ref_input), position);
+    return GraphRef{rt.s_ref_input, position, 0, nullptr};
   }
-  return py::make_tuple(py::handle(rt.s_ref_input), py::handle(slot));
+  return GraphRef{rt.s_ref_input, PyLong_AsSsize_t(slot), 0, nullptr};
+}
+
+// The ref as the tuple PendingGraph._ref makes.
+py::object ref_tuple(const GraphRef& ref) {
+  auto& rt = runtime();
+  if (ref.kind == rt.s_ref_node) {
+    return py::make_tuple(py::handle(ref.kind), ref.first, ref.second);
+  }
+  if (ref.kind == rt.s_ref_scalar) {
+    return py::make_tuple(py::handle(ref.kind), ref.first, py::handle(ref.type));
+  }
+  return py::make_tuple(py::handle(ref.kind), ref.first);
+}
+
+// Whether `recorded` (a ref tuple of an earlier graph) equals the tuple `ref` would make.
+bool same_ref(PyObject* recorded, const GraphRef& ref) {
+  auto& rt = runtime();
+  const Py_ssize_t size = ref.kind == rt.s_ref_input ? 2 : 3;
+  if (!PyTuple_CheckExact(recorded) || PyTuple_GET_SIZE(recorded) != size) {
+    return false;
+  }
+  PyObject* kind = PyTuple_GET_ITEM(recorded, 0);
+  PyObject* first = PyTuple_GET_ITEM(recorded, 1);
+  if (!PyUnicode_CheckExact(kind) || PyUnicode_Compare(kind, ref.kind) != 0 || !PyLong_CheckExact(first) ||
+      PyLong_AsSsize_t(first) != ref.first) {
+    PyErr_Clear();  // (an int too large for Py_ssize_t is not ours)
+    return false;
+  }
+  if (ref.kind == rt.s_ref_input) {
+    return true;
+  }
+  PyObject* second = PyTuple_GET_ITEM(recorded, 2);
+  if (ref.kind == rt.s_ref_scalar) {
+    return second == ref.type;
+  }
+  if (!PyLong_CheckExact(second) || PyLong_AsSsize_t(second) != ref.second) {
+    PyErr_Clear();
+    return false;
+  }
+  return true;
+}
+
+// The last flush's node at `position` (fusion.Replay.nodes[position]) where it is this op wired as `refs`,
+// else nullptr: a decode or training loop records the same graph again and again, and appending that
+// node object again spares making its tuples and lets the flush compare the graphs by identity.
+PyObject* replayed_node(PyObject* graph, Py_ssize_t position, PyObject* recorded, const std::vector<GraphRef>& refs) {
+  auto& rt = runtime();
+  py::object replay = attribute_of(graph, rt.s_replay);
+  if (replay.is_none()) {
+    return nullptr;
+  }
+  py::object nodes = attribute_of(replay.ptr(), rt.s_nodes);
+  if (!PyList_CheckExact(nodes.ptr()) || position >= PyList_GET_SIZE(nodes.ptr())) {
+    return nullptr;
+  }
+  PyObject* node = PyList_GET_ITEM(nodes.ptr(), position);
+  if (!PyTuple_CheckExact(node) || PyTuple_GET_SIZE(node) != 2 || PyTuple_GET_ITEM(node, 0) != recorded) {
+    return nullptr;
+  }
+  PyObject* wiring = PyTuple_GET_ITEM(node, 1);
+  if (!PyTuple_CheckExact(wiring) || PyTuple_GET_SIZE(wiring) != static_cast<Py_ssize_t>(refs.size())) {
+    return nullptr;
+  }
+  for (size_t i = 0; i < refs.size(); ++i) {
+    if (!same_ref(PyTuple_GET_ITEM(wiring, static_cast<Py_ssize_t>(i)), refs[i])) {
+      return nullptr;
+    }
+  }
+  return node;  // (borrowed: the replay's list holds it while the graph's lock is held)
 }
 
 // One result of a recorded op, made as fusion.Deferred's __init__ would, without running Python code.
@@ -1006,10 +1085,10 @@ py::object record_call(const Entry& entry, Signature& sig) {
     }
     // the inputs in dispatch._inputs' order, fused results of this graph as refs to their node
     std::vector<py::object> values;
-    std::vector<py::object> node_refs;
+    std::vector<GraphRef> refs;  // (a kind of nullptr until the value's input ref is made)
     for (const int slot : entry.passed) {
       py::object value = sig.slots[slot].array;
-      py::object ref;
+      GraphRef ref;
       if (Py_TYPE(value.ptr()) == reinterpret_cast<PyTypeObject*>(rt.deferred_type)) {
         if (!slot_or_none(value.ptr(), rt.at_failure).is_none()) {
           return results;
@@ -1020,34 +1099,41 @@ py::object record_call(const Entry& entry, Signature& sig) {
         } else if (slot_value(value.ptr(), rt.at_graph) != graph) {
           return results;
         } else {
-          ref = py::make_tuple(py::handle(rt.s_ref_node), slot_or_none(value.ptr(), rt.at_node),
-                               slot_or_none(value.ptr(), rt.at_index));
+          ref = GraphRef{rt.s_ref_node, PyLong_AsSsize_t(slot_value(value.ptr(), rt.at_node)),
+                         PyLong_AsSsize_t(slot_value(value.ptr(), rt.at_index)), nullptr};
         }
       }
+      refs.push_back(ref);
       values.push_back(std::move(value));
-      node_refs.push_back(std::move(ref));
     }
     if (entry.random) {
       values.push_back(random_key(sig.device));
-      node_refs.emplace_back();
     }
     for (const auto& value : sig.traced) {
       values.push_back(value);
-      node_refs.emplace_back();
     }
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(entry.lengths); ++i) {
       values.push_back(py::reinterpret_borrow<py::object>(PyTuple_GET_ITEM(entry.lengths, i)));
-      node_refs.emplace_back();
     }
+    refs.resize(values.size());
     py::object inputs = attribute_of(graph, rt.s_inputs);
     py::object input_slots = attribute_of(graph, rt.s_input_slots);
-    py::tuple refs(values.size());
     for (size_t i = 0; i < values.size(); ++i) {
-      refs[i] = node_refs[i] ? node_refs[i] : graph_ref(values[i].ptr(), inputs.ptr(), input_slots.ptr());
+      if (refs[i].kind == nullptr) {
+        refs[i] = input_ref(values[i].ptr(), inputs.ptr(), input_slots.ptr());
+      }
     }
     py::object nodes = attribute_of(graph, rt.s_nodes);
-    py::object node = py::reinterpret_steal<py::object>(PyLong_FromSsize_t(PyList_GET_SIZE(nodes.ptr())));
-    py::tuple recorded = py::make_tuple(py::handle(entry.recorded), refs);
+    const Py_ssize_t position = PyList_GET_SIZE(nodes.ptr());
+    py::object node = py::reinterpret_steal<py::object>(PyLong_FromSsize_t(position));
+    py::object recorded = py::reinterpret_borrow<py::object>(replayed_node(graph, position, entry.recorded, refs));
+    if (!recorded) {
+      py::tuple wiring(refs.size());
+      for (size_t i = 0; i < refs.size(); ++i) {
+        wiring[i] = ref_tuple(refs[i]);
+      }
+      recorded = py::make_tuple(py::handle(entry.recorded), wiring);
+    }
     if (PyList_Append(nodes.ptr(), recorded.ptr()) != 0) {
       throw py::error_already_set();
     }
@@ -1414,6 +1500,7 @@ void configure(py::object miss, py::object storage_type, py::object array_type,
   rt.s_input_slots = interned("input_slots");
   rt.s_outputs = interned("outputs");
   rt.s_check_lines = interned("check_lines");
+  rt.s_replay = interned("replay");
   rt.s_graph = interned("graph");
   rt.s_max_nodes = interned("MAX_NODES");
   rt.s_debug_recompile = interned("DEBUG_RECOMPILE");

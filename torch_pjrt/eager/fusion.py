@@ -193,7 +193,8 @@ class Replay:
     def matches(self, nodes: list[tuple[Any, tuple[Any, ...]]], wanted: tuple[tuple[int, int], ...],
                 donated: tuple[int, ...], mesh: Any) -> bool:
         """Whether a graph is this one: the same entries (compared by identity first: the same entry object
-        is the same op) wired the same way."""
+        is the same op) wired the same way. The native dispatch appends this graph's own node where it
+        records the same node at the same place, so a replayed graph compares node by node by identity."""
         return (mesh is None and self.mesh is None and wanted == self.wanted and donated == self.donated
                 and nodes == self.nodes)
 
