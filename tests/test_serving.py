@@ -744,6 +744,10 @@ greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, detokenize
 llm.generate([TokensPrompt(prompt_token_ids=prompts[0])], greedy, use_tqdm=False)  # the warm-up's buckets
 after = torch_pjrt.metrics.counters()
 first_request = {name: after[name] - before[name] for name in ("graph_compiles", "fused_compiles")}
+sampled = SamplingParams(temperature=0.8, seed=0, max_tokens=4, detokenize=False)  # its logits come back
+llm.generate([TokensPrompt(prompt_token_ids=prompts[0][::-1])], sampled, use_tqdm=False)
+counted = torch_pjrt.metrics.counters()
+first_sampled = {name: counted[name] - after[name] for name in ("graph_compiles", "fused_compiles")}
 params = SamplingParams(temperature=0, max_tokens=8, min_tokens=8, detokenize=False)
 def serve(batch):
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], params, use_tqdm=False)
@@ -757,7 +761,7 @@ again = serve([[t + 1 for t in p] for p in others])  # the same lengths, new tok
 print("RESULT " + json.dumps({"strict": strict, "fused": fused, "pieces": compilation_counter.num_piecewise_graphs_seen,
                               "dynamo": compilation_counter.num_graphs_seen, "traced_at_start": traced_at_start,
                               "new_graphs": torch_pjrt.metrics.counters()["graph_compiles"] - graphs,
-                              "graphs": graphs, "first_request": first_request,
+                              "graphs": graphs, "first_request": first_request, "first_sampled": first_sampled,
                               "async": llm.llm_engine.vllm_config.scheduler_config.async_scheduling}))
 """
 
@@ -767,10 +771,10 @@ def test_vllms_compile_path_gives_hugging_faces_tokens_with_programs_per_bucket(
     tiny_llama: Path, async_scheduling: str
 ) -> None:
     """enforce_eager=False: vLLM's one Dynamo trace, at start-up (the worker's warm-up), attention inside it,
-    one graph compiled by the pjrt backend (strict and fused eager around it); a first short greedy request and
-    prompts of new lengths in seen buckets compile nothing. The same with vLLM's async scheduling kept
-    (TORCH_PJRT_VLLM_ASYNC_SCHEDULING=1), where each step's ids of continuing requests are the previous
-    step's tokens on the device."""
+    one graph compiled by the pjrt backend (strict and fused eager around it); a first short greedy request, a
+    first sampled one and prompts of new lengths in seen buckets compile nothing. The same with vLLM's async
+    scheduling kept (TORCH_PJRT_VLLM_ASYNC_SCHEDULING=1), where each step's ids of continuing requests are the
+    previous step's tokens on the device."""
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", TORCH_PJRT_VLLM_ASYNC_SCHEDULING=async_scheduling)
     others = [[(7 * i + j) % 250 + 3 for j in range(n)] for i, n in enumerate((6, 12, 19, 33))]
     done = subprocess.run([sys.executable, "-c", COMPILED_IN_A_NEW_PROCESS, str(tiny_llama),
@@ -786,6 +790,8 @@ def test_vllms_compile_path_gives_hugging_faces_tokens_with_programs_per_bucket(
     assert result["traced_at_start"] == 1  # traced before the first request
     # a greedy first request in the warm-up batch's buckets compiles neither the step's nor the sampling program
     assert result["first_request"] == {"graph_compiles": 0, "fused_compiles": 0}
+    # nor a first sampled one (its sampled rows' logits brought back for vLLM's sampler)
+    assert result["first_sampled"] == {"graph_compiles": 0, "fused_compiles": 0}
     assert result["graphs"] > 0 and result["new_graphs"] == 0
     assert result["async"] == (async_scheduling == "1")
 

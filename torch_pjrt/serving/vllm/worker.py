@@ -191,9 +191,9 @@ class PjrtModelRunner(CPUModelRunner):
         traces its profiling run, which has none, and the attention traced then would be skipped for good
         (vLLM keeps no guards). The batch's token and context lengths are the graph's symbols. vLLM's dummy
         run hands the model the runner's host token ids and positions: they go to the device first, as a
-        step's do, or Dynamo would trace host inputs against device weights. The greedy program after the
-        forward (the sampled rows' lm head and argmax) runs on the batch's hidden states too, so a first
-        request in that bucket compiles nothing."""
+        step's do, or Dynamo would trace host inputs against device weights. The programs after the forward
+        (the sampled rows' lm head and argmax, or their logits brought back) run on the batch's hidden states
+        too, so a first request in that bucket, greedy or sampled, compiles nothing."""
         if self.compilation_config.mode == CompilationMode.NONE:
             return
         model = self.model
@@ -358,10 +358,13 @@ class PjrtModelRunner(CPUModelRunner):
         return SampledInProgram(logits=logits[:rows], tokens=None)
 
     def _sample_warm_up_rows(self, hidden_states: Any) -> None:
-        """The warm-up batch's greedy program, as a step of that batch runs it (see warming_up_model)."""
+        """The warm-up batch's programs after the forward, as a step of that batch runs them (see
+        warming_up_model): the greedy one, and the one that brings the sampled rows' logits back for vLLM's
+        sampler (any request with a temperature, logprobs or penalties)."""
         metadata = _step_attention_metadata()
         if isinstance(hidden_states, torch.Tensor) and metadata is not None and metadata.sampled_rows is not None:
-            self._sampled_rows_program(hidden_states, metadata, metadata.sampled_rows.shape[0], greedy=True)
+            for greedy in (True, False):
+                self._sampled_rows_program(hidden_states, metadata, metadata.sampled_rows.shape[0], greedy=greedy)
 
     def _only_argmax_samples(self) -> bool:
         """Whether vLLM's sampler, given this batch's metadata, would return its logits' argmax and nothing
