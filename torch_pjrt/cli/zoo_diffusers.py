@@ -91,6 +91,9 @@ CONSTRUCTOR_OVERRIDES: dict[str, dict[str, Any]] = {
                              "num_proj_channel": CHANNELS},
     "CosmosControlNetModel": {"model_channels": 2 * 128},  # heads x head size, at 2 heads
     "SD3ControlNetModel": {"caption_projection_dim": 128},  # heads x head size, at 2 heads (108M at 18 heads)
+    "LTX2VideoTransformer3DModel": {"cross_attention_dim": 2 * 128, "audio_cross_attention_dim": 2 * 64},
+    # The released FramePack checkpoints' image projection and history embedder, which its forward always calls.
+    "HunyuanVideoFramepackTransformer3DModel": {"has_image_proj": True, "has_clean_x_embedder": True},
     "SanaWMLTX2RefinerTransformer3DModel": {"cross_attention_dim": 2 * 128, "audio_cross_attention_dim": 2 * 64},
     "SanaWMTransformer3DModel": {"hidden_size": 2 * 112},  # heads x its linear attention's head size, at 2 heads
     "SanaVideoTransformer3DModel": {"cross_attention_dim": 2 * 112},  # cross heads x head size, at 2 heads
@@ -446,6 +449,45 @@ def _cosmos(config: dict[str, Any], control: bool = False) -> dict[str, Any]:
     return inputs | {"hidden_states": torch.randn(video)}
 
 
+def _ltx2(config: dict[str, Any]) -> dict[str, Any]:
+    """LTX-2's pipeline: packed video latent tokens of a 2-frame side/2 grid with that grid's size, packed audio latent
+    frames with their count, the text connector's states of the caption width for each modality with their mask, and
+    the scheduler's step already scaled to 1000 as both timestep and sigma (its pipeline passes the same)."""
+    side, audio_frames = SIDE // 2, TEXT_TOKENS
+    step = _timestep()
+    return {"hidden_states": torch.randn(BATCH, FRAMES[1] * side * side, config["in_channels"]),
+            "audio_hidden_states": torch.randn(BATCH, audio_frames, config["audio_in_channels"]),
+            "encoder_hidden_states": torch.randn(BATCH, TEXT_TOKENS, config["caption_channels"]),
+            "audio_encoder_hidden_states": torch.randn(BATCH, TEXT_TOKENS, config["caption_channels"]),
+            "encoder_attention_mask": torch.ones(BATCH, TEXT_TOKENS, dtype=torch.long),
+            "audio_encoder_attention_mask": torch.ones(BATCH, TEXT_TOKENS, dtype=torch.long),
+            "timestep": step, "sigma": step.clone(), "num_frames": FRAMES[1], "height": side, "width": side,
+            "fps": 24.0, "audio_num_frames": audio_frames}
+
+
+def _framepack(config: dict[str, Any]) -> dict[str, Any]:
+    """FramePack's pipeline, vanilla sampling: the window's latent video after the first image's latent and a history
+    of 16, 2 and 1 frames (embedded at 4x, 2x and 1x), each with its frame indices in that order; the clean latents
+    are the first image's and the 1x history frame; a SigLIP image embedding, the prompt's states, pooled CLIP states
+    and the distilled guidance (scale x 1000)."""
+    history_sizes, window, side = (16, 2, 1), FRAMES[1], SIDE // 2
+    prefix, history_4x, history_2x, history_1x, latents = torch.arange(1 + sum(history_sizes) + window).split(
+        [1, *history_sizes, window])
+
+    def video(frames: int) -> torch.Tensor:
+        return torch.randn(BATCH, config["in_channels"], frames, side, side)
+
+    return {"hidden_states": video(window), "indices_latents": latents, "timestep": _timestep(),
+            "encoder_hidden_states": torch.randn(BATCH, TEXT_TOKENS, config["text_embed_dim"]),
+            "encoder_attention_mask": torch.ones(BATCH, TEXT_TOKENS, dtype=torch.long),
+            "pooled_projections": torch.randn(BATCH, config["pooled_projection_dim"]),
+            "image_embeds": torch.randn(BATCH, TEXT_TOKENS, config["image_proj_dim"]),
+            "guidance": torch.full((BATCH,), 6000.0),
+            "latents_clean": video(2), "indices_latents_clean": torch.cat([prefix, history_1x]),
+            "latents_history_2x": video(history_sizes[1]), "indices_latents_history_2x": history_2x,
+            "latents_history_4x": video(history_sizes[0]), "indices_latents_history_4x": history_4x}
+
+
 def _sana_wm(config: dict[str, Any]) -> dict[str, Any]:
     """SANA-WM's pipeline: a latent video, a timestep per latent frame, the prompt's states (one set) with their padding
     mask, the image size, and the camera's raymap and Plucker chunks from its own camera preparation, here for a camera
@@ -582,6 +624,8 @@ CLASS_INPUTS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
         "img_mask": torch.cat([torch.zeros(TEXT_TOKENS, dtype=torch.bool),
                                torch.ones((SIDE // 4) ** 2, dtype=torch.bool)]).expand(BATCH, -1).contiguous()},
     "SanaWMTransformer3DModel": lambda config: _sana_wm(config),
+    "LTX2VideoTransformer3DModel": lambda config: _ltx2(config),
+    "HunyuanVideoFramepackTransformer3DModel": lambda config: _framepack(config),
     # A latent video and the prompt's states once per frame (AnimateDiff's pipeline repeats them).
     "UNetMotionModel": lambda config: {
         "sample": torch.randn(BATCH, config["in_channels"], FRAMES[1], SIDE, SIDE),
@@ -831,6 +875,8 @@ def _build_fused(adapter_class: Callable[..., nn.Module]) -> tuple[nn.Module, di
     host_class = getattr(models, fusion.host)
     host = host_class(**small_arguments(host_class) | fusion.host_arguments(dict(adapter.config)))
     model = fusion.fuse(models, host, adapter)
+    if not hasattr(model, "gradient_checkpointing"):  # ZImageControlNetModel's __init__ leaves it unset (diffusers
+        model.gradient_checkpointing = False  # 0.42.1), so its forward fails with gradients on, as in training
     randomize_constant_matrices(model, 0.02)  # zero-initialised output projections would hide the adapter
     model = model.float().eval()
     return model, synthesize_inputs(model, fusion.fed_as)
