@@ -488,6 +488,14 @@ def _framepack(config: dict[str, Any]) -> dict[str, Any]:
             "latents_history_4x": video(history_sizes[0]), "indices_latents_history_4x": history_4x}
 
 
+def _anyflow(config: dict[str, Any]) -> dict[str, Any]:
+    """AnyFlow's pipeline: per-frame latents (batch, frames, channels, height, width), and one flow-map step per frame
+    from timestep t to the next sigma's r < t, both in train-timestep units."""
+    t = _timestep()[:, None].expand(BATCH, FRAMES[1])
+    return {"hidden_states": torch.randn(BATCH, FRAMES[1], config["in_channels"], SIDE, SIDE),
+            "timestep": t.contiguous(), "r_timestep": (t * torch.rand(BATCH, 1)).contiguous()}
+
+
 def _sana_wm(config: dict[str, Any]) -> dict[str, Any]:
     """SANA-WM's pipeline: a latent video, a timestep per latent frame, the prompt's states (one set) with their padding
     mask, the image size, and the camera's raymap and Plucker chunks from its own camera preparation, here for a camera
@@ -625,6 +633,9 @@ CLASS_INPUTS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
                                torch.ones((SIDE // 4) ** 2, dtype=torch.bool)]).expand(BATCH, -1).contiguous()},
     "SanaWMTransformer3DModel": lambda config: _sana_wm(config),
     "LTX2VideoTransformer3DModel": lambda config: _ltx2(config),
+    "AnyFlowTransformer3DModel": lambda config: _anyflow(config),
+    # Its causal rollout (no KV cache: the training path), one frame per chunk.
+    "AnyFlowFARTransformer3DModel": lambda config: _anyflow(config) | {"chunk_partition": [1] * FRAMES[1]},
     "HunyuanVideoFramepackTransformer3DModel": lambda config: _framepack(config),
     # A latent video and the prompt's states once per frame (AnimateDiff's pipeline repeats them).
     "UNetMotionModel": lambda config: {
