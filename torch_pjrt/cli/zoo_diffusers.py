@@ -91,6 +91,9 @@ CONSTRUCTOR_OVERRIDES: dict[str, dict[str, Any]] = {
                              "num_proj_channel": CHANNELS},
     "CosmosControlNetModel": {"model_channels": 2 * 128},  # heads x head size, at 2 heads
     "SD3ControlNetModel": {"caption_projection_dim": 128},  # heads x head size, at 2 heads (108M at 18 heads)
+    "AllegroTransformer3DModel": {"cross_attention_dim": 2 * 96},  # heads x head size, at 2 heads
+    # 2 heads of its rotary axes' 128; text injected into the second of its 2 layers (its checkpoint: 5 of 44).
+    "BriaFibo2Transformer2DModel": {"dim": 2 * 128, "injection_layer_ids": (1,)},
     "LTX2VideoTransformer3DModel": {"cross_attention_dim": 2 * 128, "audio_cross_attention_dim": 2 * 64},
     # The released FramePack checkpoints' image projection and history embedder, which its forward always calls.
     "HunyuanVideoFramepackTransformer3DModel": {"has_image_proj": True, "has_clean_x_embedder": True},
@@ -100,6 +103,7 @@ CONSTRUCTOR_OVERRIDES: dict[str, dict[str, Any]] = {
     "StableAudio3DiTModel": {"embed_dim": 2 * 64},  # 146M at 1536
     "AceStepTransformer1DModel": {"hidden_size": 256, "intermediate_size": 512},  # 149M at 2048
     "JoyImageEditTransformer3DModel": {"hidden_size": 2 * 128},  # 2 heads of its rotary axes' 128
+    "JoyImageEditPlusTransformer3DModel": {"hidden_size": 2 * 128},
     "Kandinsky6SRLatentUpscalerBank": {"stage_channels": (128, 64, 32), "num_pre_blocks": 1, "num_mid_blocks": 1,
                                        "num_post_blocks": 1, "num_x2_adapter_blocks": 1},  # 2078M at its widths
     "LongCatAudioDiTTransformer": {"dit_dim": 256},  # 151M at 1536
@@ -634,6 +638,18 @@ CLASS_INPUTS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "SanaWMTransformer3DModel": lambda config: _sana_wm(config),
     "LTX2VideoTransformer3DModel": lambda config: _ltx2(config),
     "AnyFlowTransformer3DModel": lambda config: _anyflow(config),
+    # The text encoder's features: the Perceiver's bundle then one per injection block; noise level in [0, 1].
+    "BriaFibo2Transformer2DModel": lambda config: {
+        "hidden_states": torch.randn(BATCH, config["in_channels"], SIDE, SIDE), "timestep": _timestep() / 1000,
+        "encoder_hidden_states": torch.randn(BATCH, 1 + len(config["injection_layer_ids"]), TEXT_TOKENS,
+                                             config["cap_feat_dim"])},
+    # Patchified latents of the target image then one reference image, each an 8x8 patch grid of one frame, their
+    # (t, h, w) per sample, and the prompt's states with their mask.
+    "JoyImageEditPlusTransformer3DModel": lambda config: {
+        "hidden_states": torch.randn(BATCH, 2 * 8 * 8, config["in_channels"], *config["patch_size"]),
+        "encoder_hidden_states": torch.randn(BATCH, TEXT_TOKENS, config["text_dim"]),
+        "encoder_hidden_states_mask": torch.ones(BATCH, TEXT_TOKENS, dtype=torch.long),
+        "shape_list": [[(1, 8, 8), (1, 8, 8)]] * BATCH},
     # Its causal rollout (no KV cache: the training path), one frame per chunk.
     "AnyFlowFARTransformer3DModel": lambda config: _anyflow(config) | {"chunk_partition": [1] * FRAMES[1]},
     "HunyuanVideoFramepackTransformer3DModel": lambda config: _framepack(config),
