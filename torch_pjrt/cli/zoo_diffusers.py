@@ -60,7 +60,10 @@ CONSTRUCTOR_OVERRIDES: dict[str, dict[str, Any]] = {
     "TransformerTemporalModel": {"in_channels": 32},
     "DreamLiteUNetModel": {"attention_head_dim": 16},
     "LuminaNextDiT2DModel": {"num_kv_heads": 2, "hidden_size": 256},  # 182M at 2304
-    "HiDreamImageTransformer2DModel": {"patch_size": 2},
+    # Left to its checkpoint: its T5 and Llama widths, one Llama layer's states per block of the shrunk 2 + 2, and
+    # rotary axes for its 3 id columns (head size 128).
+    "HiDreamImageTransformer2DModel": {"patch_size": 2, "caption_channels": (4096, 4096), "llama_layers": (0, 1, 2, 3),
+                                       "axes_dims_rope": (64, 32, 32)},
     "Kandinsky3UNet": {"groups": 8},
     "AutoencoderKLHunyuanImage": {"in_channels": 3, "out_channels": 3, "latent_channels": 16, "layers_per_block": 1,
                                   "block_out_channels": (32, 64, 64), "spatial_compression_ratio": 4,
@@ -638,6 +641,13 @@ CLASS_INPUTS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "SanaWMTransformer3DModel": lambda config: _sana_wm(config),
     "LTX2VideoTransformer3DModel": lambda config: _ltx2(config),
     "AnyFlowTransformer3DModel": lambda config: _anyflow(config),
+    # The T5 states, the chosen Llama layers' states stacked first, and the pooled CLIP states, as its pipeline (which
+    # leaves the image ids to the model).
+    "HiDreamImageTransformer2DModel": lambda config: {
+        "encoder_hidden_states_t5": torch.randn(BATCH, TEXT_TOKENS, config["caption_channels"][0]),
+        "encoder_hidden_states_llama3": torch.randn(len(config["llama_layers"]), BATCH, TEXT_TOKENS,
+                                                    config["caption_channels"][1]),
+        "pooled_embeds": torch.randn(BATCH, config["text_emb_dim"]), "timesteps": _timestep(), "img_ids": None},
     # The text encoder's features: the Perceiver's bundle then one per injection block; noise level in [0, 1].
     "BriaFibo2Transformer2DModel": lambda config: {
         "hidden_states": torch.randn(BATCH, config["in_channels"], SIDE, SIDE), "timestep": _timestep() / 1000,
