@@ -16,6 +16,8 @@
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/tensor_numpy.h>
 #include <torch/extension.h>
+// after Python.h (through torch's headers): the __slots__ members' layout
+#include <structmember.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -67,9 +69,41 @@ struct Output {
   py::object dtype_object;
   std::vector<int64_t> sizes;
   std::vector<int64_t> strides;
-  py::object numel;  // the storage's elements, as the Python int DeviceStorage holds
+  py::object numel;  // the storage's elements and bytes, as the Python ints DeviceStorage holds
+  py::object nbytes_object;
   int64_t nbytes = 0;
   py::object constant;
+};
+
+// Where storage.DeviceStorage's __slots__ members sit in its objects, so a call reads and writes them (and
+// fills an output's new one, as its __init__ would) without attribute lookups or Python code.
+struct StorageMembers {
+  Py_ssize_t array, dtype, numel, device, nbytes;
+
+  explicit StorageMembers(py::handle type)
+      : array(offset(type, "array")),
+        dtype(offset(type, "dtype")),
+        numel(offset(type, "numel")),
+        device(offset(type, "device")),
+        nbytes(offset(type, "nbytes")) {}
+
+  static Py_ssize_t offset(py::handle type, const char* name) {
+    py::object member = type.attr(name);
+    TORCH_CHECK(Py_TYPE(member.ptr()) == &PyMemberDescr_Type, "storage.DeviceStorage.", name,
+                " must be a __slots__ member for the native graph call");
+    return reinterpret_cast<PyMemberDescrObject*>(member.ptr())->d_member->offset;
+  }
+
+  // The member at `offset` of a DeviceStorage (borrowed; nullptr while unset).
+  static PyObject*& at(PyObject* storage, Py_ssize_t offset) {
+    return *reinterpret_cast<PyObject**>(reinterpret_cast<char*>(storage) + offset);
+  }
+
+  // Sets a member to `value` (a new reference is taken), as `storage.name = value` does.
+  static void set(PyObject* storage, Py_ssize_t offset, PyObject* value) {
+    Py_INCREF(value);
+    Py_XSETREF(at(storage, offset), value);
+  }
 };
 
 py::object attribute_name(const char* name) {
@@ -153,12 +187,11 @@ class GraphPlan {
         device_object_(std::move(device_object)),
         array_type_(std::move(array_type)),
         storage_type_(std::move(storage_type)),
+        members_(storage_type_),
         call_(std::move(call)),
         next_key_(std::move(next_key)),
         eager_part_(std::move(eager_part)),
         issue_checks_(std::move(issue_checks)),
-        s_array_(attribute_name("array")),
-        s_dtype_(attribute_name("dtype")),
         s_shape_(attribute_name("shape")),
         s_copy_(attribute_name("copy")),
         s_materialize_(attribute_name("materialize")) {
@@ -203,6 +236,7 @@ class GraphPlan {
         output.strides = ints_of(entry[3]);
         output.numel = entry[4];
         output.nbytes = entry[4].cast<int64_t>() * static_cast<int64_t>(c10::elementSize(output.dtype));
+        output.nbytes_object = py::int_(output.nbytes);
       } else if (output.kind == OutputKind::Constant) {
         output.constant = entry[1];
       } else {
@@ -248,9 +282,7 @@ class GraphPlan {
     py::object computed = eager_part_.is_none() ? py::tuple() : eager_part_(*args);
     py::sequence written = result[1];
     for (size_t i = 0; i < written_.size(); ++i) {
-      if (PyObject_SetAttr(storages[written_[i]], s_array_.ptr(), written[i].ptr()) != 0) {
-        throw py::error_already_set();
-      }
+      StorageMembers::set(storages[written_[i]], members_.array, written[i].ptr());
     }
     return outputs(result[0], computed);
   }
@@ -300,7 +332,7 @@ class GraphPlan {
         return false;
       }
       PyObject* storage = device_storage_of(tensor.storage().unsafeGetStorageImpl());
-      if (storage == nullptr) {
+      if (storage == nullptr || !PyObject_TypeCheck(storage, reinterpret_cast<PyTypeObject*>(storage_type_.ptr()))) {
         return false;  // made by PyTorch's allocator, not linked yet: Python links it
       }
       if (!input.first) {
@@ -313,14 +345,11 @@ class GraphPlan {
         return false;
       }
       const Slot& slot = slots_[input.slot];
-      py::object array = py::reinterpret_steal<py::object>(PyObject_GetAttr(storage, s_array_.ptr()));
-      py::object dtype = py::reinterpret_steal<py::object>(PyObject_GetAttr(storage, s_dtype_.ptr()));
-      if (!array || !dtype) {
-        throw py::error_already_set();
-      }
-      if (dtype.ptr() != slot.storage_dtype.ptr()) {
+      PyObject* held = StorageMembers::at(storage, members_.array);
+      if (held == nullptr || StorageMembers::at(storage, members_.dtype) != slot.storage_dtype.ptr()) {
         return false;
       }
+      py::object array = py::reinterpret_borrow<py::object>(held);
       if (Py_TYPE(array.ptr()) != reinterpret_cast<PyTypeObject*>(array_type_.ptr())) {
         // a pending fused result or an uninitialised storage: materialized, as the Python path does
         array = py::reinterpret_steal<py::object>(PyObject_CallMethodNoArgs(storage, s_materialize_.ptr()));
@@ -399,13 +428,28 @@ class GraphPlan {
       } else {
         py::object array = py::reinterpret_borrow<py::object>(*produced);
         ++produced;
-        py::object storage = storage_type_(array, output.dtype_object, output.numel, device_object_);
+        py::object storage = device_storage(array.ptr(), output);
         results[i] = py::reinterpret_steal<py::object>(THPVariable_Wrap(
             linked_tensor(device_, output.dtype, output.sizes, output.strides, output.nbytes, storage.ptr())));
       }
     }
     ++hits_;
     return results;
+  }
+
+  // An output's DeviceStorage, its members filled as its __init__ does.
+  py::object device_storage(PyObject* array, const Output& output) const {
+    auto* type = reinterpret_cast<PyTypeObject*>(storage_type_.ptr());
+    py::object storage = py::reinterpret_steal<py::object>(type->tp_alloc(type, 0));
+    if (!storage) {
+      throw py::error_already_set();
+    }
+    StorageMembers::set(storage.ptr(), members_.array, array);
+    StorageMembers::set(storage.ptr(), members_.dtype, output.dtype_object.ptr());
+    StorageMembers::set(storage.ptr(), members_.numel, output.numel.ptr());
+    StorageMembers::set(storage.ptr(), members_.device, device_object_.ptr());
+    StorageMembers::set(storage.ptr(), members_.nbytes, output.nbytes_object.ptr());
+    return storage;
   }
 
   std::vector<Input> inputs_;
@@ -417,12 +461,11 @@ class GraphPlan {
   py::object device_object_;
   py::object array_type_;
   py::object storage_type_;
+  StorageMembers members_;
   py::object call_;
   py::object next_key_;
   py::object eager_part_;
   py::object issue_checks_;
-  py::object s_array_;
-  py::object s_dtype_;
   py::object s_shape_;
   py::object s_copy_;
   py::object s_materialize_;
