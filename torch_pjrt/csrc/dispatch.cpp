@@ -35,7 +35,6 @@
 #include <torch/extension.h>
 #include <torch/library.h>
 #include <pthread.h>
-#include <structmember.h>
 
 #include <cstring>
 #include <memory>
@@ -79,11 +78,7 @@ struct Runtime {
   PyObject* live_lengths = nullptr;  // dynamic.live_lengths(): a dict keyed by the lengths marked lately
   PyObject* scalar_array = nullptr;  // client.scalar_array(number, device_index): its weakly typed device array
   // where DeviceStorage's slots are in its objects (read and written without attribute lookups)
-  Py_ssize_t at_array = 0;
-  Py_ssize_t at_dtype = 0;
-  Py_ssize_t at_numel = 0;
-  Py_ssize_t at_device = 0;
-  Py_ssize_t at_nbytes = 0;
+  DeviceStorageSlots storage_slots;
   // and where fusion.Deferred's are: every recorded result is made, and every fused input read, through them
   Py_ssize_t at_graph = 0;
   Py_ssize_t at_node = 0;
@@ -147,33 +142,10 @@ void bump(PyObject* counter, PyObject* name) {
   }
 }
 
-// Where the __slots__ member `name` of `type` sits in its objects.
-Py_ssize_t slot_offset(PyObject* type, const char* name) {
-  py::object member = py::reinterpret_steal<py::object>(PyObject_GetAttrString(type, name));
-  if (!member) {
-    throw py::error_already_set();
-  }
-  TORCH_CHECK(Py_TYPE(member.ptr()) == &PyMemberDescr_Type, "torch_pjrt native dispatch: ", name,
-              " is not a __slots__ member of its class");
-  return reinterpret_cast<PyMemberDescrObject*>(member.ptr())->d_member->offset;
-}
-
-// A slot's value (borrowed; nullptr while unset).
-PyObject* slot_value(PyObject* object, Py_ssize_t offset) {
-  return *reinterpret_cast<PyObject**>(reinterpret_cast<char*>(object) + offset);
-}
-
 // A slot's value as a new reference, None while unset (as reading an unset slot never happens in Python).
 py::object slot_or_none(PyObject* object, Py_ssize_t offset) {
-  PyObject* value = slot_value(object, offset);
+  PyObject* value = slot_at(object, offset);
   return py::reinterpret_borrow<py::object>(value == nullptr ? Py_None : value);
-}
-
-// Sets a slot to `value` (a new reference is taken), as `object.name = value` would.
-void set_slot(PyObject* object, Py_ssize_t offset, PyObject* value) {
-  auto** slot = reinterpret_cast<PyObject**>(reinterpret_cast<char*>(object) + offset);
-  Py_INCREF(value);
-  Py_XSETREF(*slot, value);
 }
 
 // `object.name`, raising Python's error when it has none.
@@ -486,9 +458,9 @@ bool add_tensor(const at::Tensor& tensor, Signature& sig, const OpState& op) {
       return false;
     }
     py::object device_storage = py::reinterpret_borrow<py::object>(found);
-    PyObject* array_slot = slot_value(found, rt.at_array);
-    PyObject* dtype = slot_value(found, rt.at_dtype);
-    PyObject* numel = slot_value(found, rt.at_numel);
+    PyObject* array_slot = slot_at(found, rt.storage_slots.array);
+    PyObject* dtype = slot_at(found, rt.storage_slots.dtype);
+    PyObject* numel = slot_at(found, rt.storage_slots.numel);
     if (array_slot == nullptr || dtype == nullptr || numel == nullptr || !THPDtype_Check(dtype)) {
       return false;
     }
@@ -755,23 +727,6 @@ Path fast_path() {
   return PyObject_IsTrue(fusion_setting(rt.s_debug_recompile)) ? Path::Python : Path::Fused;
 }
 
-// A DeviceStorage made as Python's __init__ would, without running Python code: its type's own
-// allocation, then its slots written.
-py::object new_device_storage(PyObject* array, const OutSpec& spec, c10::DeviceIndex device) {
-  auto& rt = runtime();
-  auto* type = reinterpret_cast<PyTypeObject*>(rt.storage_type);
-  py::object created = py::reinterpret_steal<py::object>(type->tp_alloc(type, 0));
-  if (!created) {
-    throw py::error_already_set();
-  }
-  set_slot(created.ptr(), rt.at_array, array);
-  set_slot(created.ptr(), rt.at_dtype, spec.dtype_object);
-  set_slot(created.ptr(), rt.at_numel, spec.numel_object);
-  set_slot(created.ptr(), rt.at_device, device_object(device));
-  set_slot(created.ptr(), rt.at_nbytes, spec.nbytes_object);
-  return created;
-}
-
 // Calls a Python function with borrowed arguments; its result.
 py::object call_python(PyObject* function, std::initializer_list<PyObject*> arguments) {
   py::tuple packed(arguments.size());
@@ -805,7 +760,8 @@ at::Tensor wrap_output(const OutSpec& spec, PyObject* array, c10::DeviceIndex de
   auto& rt = runtime();
   py::object holder = spec.layout == nullptr ? py::reinterpret_borrow<py::object>(array)
                                              : padded_holder(spec.layout, array);
-  py::object device_storage = new_device_storage(holder.ptr(), spec, device);
+  py::object device_storage = new_device_storage(rt.storage_type, rt.storage_slots, holder.ptr(), spec.dtype_object,
+                                                 spec.numel_object, device_object(device), spec.nbytes_object);
   at::Tensor tensor = linked_tensor(device, spec.dtype, spec.sizes, spec.strides, spec.nbytes, device_storage.ptr());
   if (spec.layout != nullptr) {
     call_python(rt.note_padded, {device_storage.ptr()});
@@ -1096,11 +1052,11 @@ py::object record_call(const Entry& entry, Signature& sig) {
         py::object resolved = slot_or_none(value.ptr(), rt.at_value);
         if (!resolved.is_none()) {
           value = std::move(resolved);  // its graph ran since the call was described
-        } else if (slot_value(value.ptr(), rt.at_graph) != graph) {
+        } else if (slot_at(value.ptr(), rt.at_graph) != graph) {
           return results;
         } else {
-          ref = GraphRef{rt.s_ref_node, PyLong_AsSsize_t(slot_value(value.ptr(), rt.at_node)),
-                         PyLong_AsSsize_t(slot_value(value.ptr(), rt.at_index)), nullptr};
+          ref = GraphRef{rt.s_ref_node, PyLong_AsSsize_t(slot_at(value.ptr(), rt.at_node)),
+                         PyLong_AsSsize_t(slot_at(value.ptr(), rt.at_index)), nullptr};
         }
       }
       refs.push_back(ref);
@@ -1186,7 +1142,7 @@ void finish_hit(const OpState& op, const Entry& entry, Signature& sig, PyObject*
     PyObject* array = PyTuple_GET_ITEM(outputs, entry.fresh + j);
     py::object holder = entry.mutated_padded[j] ? padded_holder(slot.layout.ptr(), array)
                                                 : py::reinterpret_borrow<py::object>(array);
-    set_slot(slot.device_storage.ptr(), rt.at_array, holder.ptr());
+    set_slot(slot.device_storage.ptr(), rt.storage_slots.array, holder.ptr());
   }
   std::vector<c10::IValue> results;
   results.reserve(entry.returns.size());
@@ -1476,11 +1432,7 @@ void configure(py::object miss, py::object storage_type, py::object array_type,
   rt.check_caller = check_caller.inc_ref().ptr();
   rt.live_lengths = live_lengths.inc_ref().ptr();
   rt.scalar_array = scalar_array.inc_ref().ptr();
-  rt.at_array = slot_offset(rt.storage_type, "array");
-  rt.at_dtype = slot_offset(rt.storage_type, "dtype");
-  rt.at_numel = slot_offset(rt.storage_type, "numel");
-  rt.at_device = slot_offset(rt.storage_type, "device");
-  rt.at_nbytes = slot_offset(rt.storage_type, "nbytes");
+  rt.storage_slots = DeviceStorageSlots(rt.storage_type);
   rt.at_graph = slot_offset(rt.deferred_type, "graph");
   rt.at_node = slot_offset(rt.deferred_type, "node");
   rt.at_index = slot_offset(rt.deferred_type, "index");

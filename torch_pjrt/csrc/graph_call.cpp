@@ -17,7 +17,6 @@
 #include <torch/csrc/utils/tensor_numpy.h>
 #include <torch/extension.h>
 // after Python.h (through torch's headers): the __slots__ members' layout
-#include <structmember.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -73,37 +72,6 @@ struct Output {
   py::object nbytes_object;
   int64_t nbytes = 0;
   py::object constant;
-};
-
-// Where storage.DeviceStorage's __slots__ members sit in its objects, so a call reads and writes them (and
-// fills an output's new one, as its __init__ would) without attribute lookups or Python code.
-struct StorageMembers {
-  Py_ssize_t array, dtype, numel, device, nbytes;
-
-  explicit StorageMembers(py::handle type)
-      : array(offset(type, "array")),
-        dtype(offset(type, "dtype")),
-        numel(offset(type, "numel")),
-        device(offset(type, "device")),
-        nbytes(offset(type, "nbytes")) {}
-
-  static Py_ssize_t offset(py::handle type, const char* name) {
-    py::object member = type.attr(name);
-    TORCH_CHECK(Py_TYPE(member.ptr()) == &PyMemberDescr_Type, "storage.DeviceStorage.", name,
-                " must be a __slots__ member for the native graph call");
-    return reinterpret_cast<PyMemberDescrObject*>(member.ptr())->d_member->offset;
-  }
-
-  // The member at `offset` of a DeviceStorage (borrowed; nullptr while unset).
-  static PyObject*& at(PyObject* storage, Py_ssize_t offset) {
-    return *reinterpret_cast<PyObject**>(reinterpret_cast<char*>(storage) + offset);
-  }
-
-  // Sets a member to `value` (a new reference is taken), as `storage.name = value` does.
-  static void set(PyObject* storage, Py_ssize_t offset, PyObject* value) {
-    Py_INCREF(value);
-    Py_XSETREF(at(storage, offset), value);
-  }
 };
 
 py::object attribute_name(const char* name) {
@@ -187,7 +155,7 @@ class GraphPlan {
         device_object_(std::move(device_object)),
         array_type_(std::move(array_type)),
         storage_type_(std::move(storage_type)),
-        members_(storage_type_),
+        storage_slots_(storage_type_.ptr()),
         call_(std::move(call)),
         next_key_(std::move(next_key)),
         eager_part_(std::move(eager_part)),
@@ -282,7 +250,7 @@ class GraphPlan {
     py::object computed = eager_part_.is_none() ? py::tuple() : eager_part_(*args);
     py::sequence written = result[1];
     for (size_t i = 0; i < written_.size(); ++i) {
-      StorageMembers::set(storages[written_[i]], members_.array, written[i].ptr());
+      set_slot(storages[written_[i]], storage_slots_.array, written[i].ptr());
     }
     return outputs(result[0], computed);
   }
@@ -345,8 +313,8 @@ class GraphPlan {
         return false;
       }
       const Slot& slot = slots_[input.slot];
-      PyObject* held = StorageMembers::at(storage, members_.array);
-      if (held == nullptr || StorageMembers::at(storage, members_.dtype) != slot.storage_dtype.ptr()) {
+      PyObject* held = slot_at(storage, storage_slots_.array);
+      if (held == nullptr || slot_at(storage, storage_slots_.dtype) != slot.storage_dtype.ptr()) {
         return false;
       }
       py::object array = py::reinterpret_borrow<py::object>(held);
@@ -439,17 +407,8 @@ class GraphPlan {
 
   // An output's DeviceStorage, its members filled as its __init__ does.
   py::object device_storage(PyObject* array, const Output& output) const {
-    auto* type = reinterpret_cast<PyTypeObject*>(storage_type_.ptr());
-    py::object storage = py::reinterpret_steal<py::object>(type->tp_alloc(type, 0));
-    if (!storage) {
-      throw py::error_already_set();
-    }
-    StorageMembers::set(storage.ptr(), members_.array, array);
-    StorageMembers::set(storage.ptr(), members_.dtype, output.dtype_object.ptr());
-    StorageMembers::set(storage.ptr(), members_.numel, output.numel.ptr());
-    StorageMembers::set(storage.ptr(), members_.device, device_object_.ptr());
-    StorageMembers::set(storage.ptr(), members_.nbytes, output.nbytes_object.ptr());
-    return storage;
+    return new_device_storage(storage_type_.ptr(), storage_slots_, array, output.dtype_object.ptr(), output.numel.ptr(),
+                              device_object_.ptr(), output.nbytes_object.ptr());
   }
 
   std::vector<Input> inputs_;
@@ -461,7 +420,7 @@ class GraphPlan {
   py::object device_object_;
   py::object array_type_;
   py::object storage_type_;
-  StorageMembers members_;
+  DeviceStorageSlots storage_slots_;
   py::object call_;
   py::object next_key_;
   py::object eager_part_;

@@ -1,6 +1,6 @@
 // What the parts of torch_pjrt._hooks share: pjrt tensors over fake addresses (hooks.cpp), the
-// storages' DataPtrs and their link to Python's DeviceStorage (storage_link.cpp) and the native
-// dispatch's module set-up (dispatch.cpp).
+// storages' DataPtrs, their link to Python's DeviceStorage and its members read and written in place
+// (storage_link.cpp) and the native dispatch's module set-up (dispatch.cpp).
 #pragma once
 
 #include <torch/extension.h>
@@ -48,6 +48,33 @@ at::Tensor linked_tensor(
     c10::IntArrayRef strides,
     int64_t nbytes,
     PyObject* device_storage);
+
+// Where the __slots__ member `name` of `type` sits in its objects: native code reads and writes it there,
+// with no attribute lookup (storage.DeviceStorage's members, fusion's DeferredArray's).
+Py_ssize_t slot_offset(PyObject* type, const char* name);
+
+// The slot at `offset` of `object` (borrowed; nullptr while unset).
+inline PyObject*& slot_at(PyObject* object, Py_ssize_t offset) {
+  return *reinterpret_cast<PyObject**>(reinterpret_cast<char*>(object) + offset);
+}
+
+// Sets a slot to `value` (a new reference is taken), as `object.name = value` does.
+inline void set_slot(PyObject* object, Py_ssize_t offset, PyObject* value) {
+  Py_INCREF(value);
+  Py_XSETREF(slot_at(object, offset), value);
+}
+
+// Where storage.DeviceStorage's members sit in its objects.
+struct DeviceStorageSlots {
+  Py_ssize_t array = 0, dtype = 0, numel = 0, device = 0, nbytes = 0;
+  DeviceStorageSlots() = default;
+  explicit DeviceStorageSlots(PyObject* type);
+};
+
+// A DeviceStorage of `type` made as its __init__ makes one, without running Python code: the type's own
+// allocation, then its members written (each a new reference taken): a program's result's storage.
+py::object new_device_storage(PyObject* type, const DeviceStorageSlots& slots, PyObject* array, PyObject* dtype,
+                              PyObject* numel, PyObject* device, PyObject* nbytes);
 
 // Adds torch.UntypedStorage's `_pjrt` descriptor and the memory figures to the module.
 void init_storage_link(py::module& m);

@@ -17,6 +17,7 @@
 #include <torch/extension.h>
 
 #include <torch/csrc/Exceptions.h>
+#include <structmember.h>
 
 #include <atomic>
 #include <cstdint>
@@ -189,6 +190,38 @@ at::Tensor linked_tensor(c10::DeviceIndex index, c10::ScalarType scalar_type, c1
   at::Tensor tensor = make_tensor(index, scalar_type, sizes, strides, new_address(nbytes), nbytes);
   link_device_storage(tensor.storage().unsafeGetStorageImpl(), device_storage);
   return tensor;
+}
+
+Py_ssize_t slot_offset(PyObject* type, const char* name) {
+  py::object member = py::reinterpret_steal<py::object>(PyObject_GetAttrString(type, name));
+  if (!member) {
+    throw py::error_already_set();
+  }
+  TORCH_CHECK(Py_TYPE(member.ptr()) == &PyMemberDescr_Type, "torch_pjrt native code: ", name,
+              " is not a __slots__ member of its class");
+  return reinterpret_cast<PyMemberDescrObject*>(member.ptr())->d_member->offset;
+}
+
+DeviceStorageSlots::DeviceStorageSlots(PyObject* type)
+    : array(slot_offset(type, "array")),
+      dtype(slot_offset(type, "dtype")),
+      numel(slot_offset(type, "numel")),
+      device(slot_offset(type, "device")),
+      nbytes(slot_offset(type, "nbytes")) {}
+
+py::object new_device_storage(PyObject* type, const DeviceStorageSlots& slots, PyObject* array, PyObject* dtype,
+                              PyObject* numel, PyObject* device, PyObject* nbytes) {
+  auto* storage_type = reinterpret_cast<PyTypeObject*>(type);
+  py::object created = py::reinterpret_steal<py::object>(storage_type->tp_alloc(storage_type, 0));
+  if (!created) {
+    throw py::error_already_set();
+  }
+  set_slot(created.ptr(), slots.array, array);
+  set_slot(created.ptr(), slots.dtype, dtype);
+  set_slot(created.ptr(), slots.numel, numel);
+  set_slot(created.ptr(), slots.device, device);
+  set_slot(created.ptr(), slots.nbytes, nbytes);
+  return created;
 }
 
 void init_storage_link(py::module& m) {
