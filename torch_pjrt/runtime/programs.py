@@ -152,9 +152,10 @@ def _loaded(stored: str, devices: list[int]) -> Any:
 
 # The first PRELOAD_LIMIT stored executables this process asked for (key -> device ids), in order: the next
 # process of the same entry point preloads them (what its first steps need; a long test session or server
-# meets many more, which would only hold memory and a core before they are asked for).
+# meets many more, which would only hold memory and a core before they are asked for). 256 covers a strict
+# generate() over 2 warm-up and 12 new prompt lengths (bench/prompt_lengths.py: 151 stored executables).
 _used: dict[str, list[int]] = {}
-PRELOAD_LIMIT = 64
+PRELOAD_LIMIT = 256
 
 
 class _Preloads:
