@@ -233,6 +233,15 @@ def test_a_warm_process_loads_the_stored_fused_programs_and_never_a_wrong_one(tm
     assert warm["fused_traces"] == 0 and warm["fused_compiles"] == cold["fused_compiles"]
 
 
+def test_the_first_fused_program_does_not_depend_on_when_python_collects_cycles(tmp_path: Path) -> None:
+    """A meta kernel's first call imports torch._dynamo, whose import leaves a cycle of frames holding the
+    recording's own frames and so its inputs: the first fused program's live outputs must not depend on
+    whether a collection ran before its flush (a process with the collector off stores the same programs)."""
+    cold = run_step(tmp_path, 5, "import gc; gc.disable()\n" + FUSED)
+    warm = run_step(tmp_path, 6, FUSED)
+    assert warm["keys"] == cold["keys"] and warm["fused_traces"] == 0
+
+
 CHECKED = textwrap.dedent(
     """
     import json, sys, torch, torch_pjrt
