@@ -615,6 +615,17 @@ def markdown(record: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def merge(saved: dict[str, Any], record: dict[str, Any]) -> dict[str, Any]:
+    """`saved` (an earlier run's record) with `record`'s rows (a later run of some of its models) in place of its
+    rows of the same key, new keys after; the header keeps the first run's command and says what replaced what."""
+    later = {row["key"]: row for row in record["rows"]}
+    rows = [later.pop(row["key"], row) for row in saved["rows"]] + list(later.values())
+    note = (f"on {record['date']}, the {len(record['rows'])} rows of `{record['command']}` "
+            f"({record['seconds'] / 60:.1f} min)")
+    replaced = f"{saved['replaced']}. Then, {note}" if saved.get("replaced") else note
+    return saved | {"rows": rows, "summary": summarize(rows), "replaced": replaced}
+
+
 def _progress_line(done: list[int], total: int) -> Callable[[dict[str, Any]], None]:
     def show(row: dict[str, Any]) -> None:
         done[0] += 1
@@ -679,6 +690,9 @@ def command(args: argparse.Namespace) -> int:
     record = {"command": _invocation(args), "library": args.library, "mode": args.mode,
               "date": datetime.date.today().isoformat(), "seconds": round(seconds, 1), "versions": versions(),
               "summary": summary, "rows": rows}
+    if args.merge:
+        with open(args.merge) as saved:
+            record = merge(json.load(saved), record)
     if args.json:
         with open(args.json, "w") as out:
             json.dump(record, out, indent=1)
@@ -712,6 +726,9 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--json", metavar="PATH", help="write the rows and summary as JSON")
     parser.add_argument("--report", metavar="PATH", help="write the markdown report (e.g. docs/model-coverage.md)")
     parser.add_argument("--from-json", metavar="PATH", help="run nothing: write --report from a saved --json")
+    parser.add_argument("--merge", metavar="PATH",
+                        help="a saved --json whose rows of the models run here this run's replace: --json and "
+                             "--report then write the merged record (a re-run of a few models of a full run)")
     parser.add_argument("--log", default=os.devnull, metavar="PATH", help="workers' stderr (default: discarded)")
     parser.set_defaults(func=command)
 
