@@ -31,11 +31,15 @@ zoo-timm: $(LIBS_STAMP)
 		--log build/zoo/timm-workers.log
 
 # Every model class diffusers exports under diffusers.models, shrunk, random weights, on pjrt against CPU:
-# docs/model-coverage-diffusers.md.
+# docs/model-coverage-diffusers.md, its rows in docs/model-coverage-diffusers.json. With
+# ZOO_DIFFUSERS_NAME='^(A|B)$' only those classes run and their rows replace theirs in that JSON (zoo --merge):
+# the report is regenerated from the merged rows and its header names the re-run.
 ZOO_DIFFUSERS_MINUTES ?= 60
+ZOO_DIFFUSERS_JSON := docs/model-coverage-diffusers.json
 .PHONY: zoo-diffusers
 zoo-diffusers: $(LIBS_STAMP)
 	mkdir -p build/zoo
 	-$(LIBS_VENV)/bin/python -m torch_pjrt zoo --library diffusers --jobs $(ZOO_JOBS) --timeout 300 \
+		$(if $(ZOO_DIFFUSERS_NAME),--name '$(ZOO_DIFFUSERS_NAME)' --merge $(ZOO_DIFFUSERS_JSON)) \
 		--budget-minutes $(ZOO_DIFFUSERS_MINUTES) --report docs/model-coverage-diffusers.md \
-		--json build/zoo/diffusers.json --log build/zoo/diffusers-workers.log
+		--json $(ZOO_DIFFUSERS_JSON) --log build/zoo/diffusers-workers.log
