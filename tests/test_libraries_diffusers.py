@@ -152,6 +152,22 @@ def test_the_zoo_tries_a_models_own_channels_and_lengths_and_class_rules() -> No
     assert inputs["encoder_hidden_states"].shape[0] == 2 * frames
 
 
+def test_a_model_that_samples_noise_draws_the_same_noise_at_every_call() -> None:
+    """VidTok samples its latent from the posterior in its forward (by default): fed without a generator, two calls
+    differ (as CPU and pjrt, each drawing its own noise, did); with the zoo's CPU generator, re-seeded at each
+    call, they are equal, so both devices decode the same latent."""
+    from torch_pjrt.cli import zoo, zoo_catalog
+
+    model, inputs = zoo.build_case(zoo_catalog.Case("AutoencoderVidTok", "autoencoder", "diffusion",
+                                                    model_class="AutoencoderVidTok", library="diffusers"))
+    assert isinstance(inputs["generator"], torch.Generator)
+    unseeded = {name: value for name, value in inputs.items() if name != "generator"}
+    with torch.no_grad():
+        first, second = (zoo._call(model, inputs).sample for _ in range(2))
+        assert torch.equal(first, second)
+        assert not torch.allclose(zoo._call(model, unseeded).sample, zoo._call(model, unseeded).sample)
+
+
 def test_the_zoo_feeds_models_as_their_pipelines_do() -> None:
     """Ideogram4 gets model time in [0, 1] (its sinusoid scales it by 1e4); a union multi-ControlNet gets, per model,
     a list of control images with their control types and scales; Stable Audio its duration as one global token,

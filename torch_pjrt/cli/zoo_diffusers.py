@@ -574,9 +574,11 @@ CLASS_INPUTS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "HunyuanDiT2DModel": lambda config: _hunyuan_dit(config),
     "HunyuanDiT2DControlNetModel": lambda config: _hunyuan_dit(config) | {
         "controlnet_cond": torch.randn(BATCH, config["in_channels"], SIDE, SIDE)},  # the control image's latents
-    # Its decoder samples its starting noise and each step's: a CPU generator (re-seeded at each call) gives
-    # both devices the same noise, which diffusers draws on the generator's device and moves.
+    # Forwards that sample noise (the consistency decoder its starting and step noise, VidTok its latent from the
+    # posterior, as its forward does by default): a CPU generator (re-seeded at each call) gives both devices the
+    # same noise, which diffusers draws on the generator's device and moves.
     "ConsistencyDecoderVAE": lambda config: {"generator": torch.Generator()},
+    "AutoencoderVidTok": lambda config: {"generator": torch.Generator()},
     # The note and continuous encoders' outputs with their masks, spectrogram frames and the noise time in [0, 1).
     "T5FilmDecoder": lambda config: {
         "encodings_and_masks": [(torch.randn(BATCH, TEXT_TOKENS, config["d_model"]),
