@@ -171,7 +171,8 @@ def test_a_model_that_samples_noise_draws_the_same_noise_at_every_call() -> None
 def test_the_zoo_feeds_models_as_their_pipelines_do() -> None:
     """Ideogram4 gets model time in [0, 1] (its sinusoid scales it by 1e4); a union multi-ControlNet gets, per model,
     a list of control images with their control types and scales; Stable Audio its duration as one global token,
-    with a rotary table spanning that token and the waveform."""
+    with a rotary table spanning that token and the waveform; OmniGen one sequence of prompt (an input image's
+    latent tokens in it), time token and output image, with its processor's mask and positions."""
     from torch_pjrt.cli import zoo, zoo_catalog
 
     def built(name: str) -> tuple[torch.nn.Module, dict]:
@@ -188,6 +189,13 @@ def test_the_zoo_feeds_models_as_their_pipelines_do() -> None:
     _, inputs = built("StableAudioDiTModel")
     cos, sin = inputs["rotary_embedding"]
     assert cos.shape[0] == sin.shape[0] == inputs["hidden_states"].shape[2] + inputs["global_hidden_states"].shape[1]
+    omnigen, inputs = built("OmniGenTransformer2DModel")  # prompt, time token, output image: one sequence
+    output_tokens = (inputs["hidden_states"].shape[-1] // omnigen.config.patch_size) ** 2
+    length = inputs["input_ids"].shape[1] + 1 + output_tokens
+    assert inputs["attention_mask"].shape == (2, length, length) and inputs["position_ids"].shape == (2, length)
+    assert inputs["attention_mask"][0, :-output_tokens, -output_tokens:].sum() == 0  # the prompt does not see it
+    start, end = inputs["input_image_sizes"][0][0]
+    assert (end - start) * omnigen.config.patch_size ** 2 == inputs["input_img_latents"][0][0, 0].numel()
 
 
 def test_the_zoo_runs_an_adapter_inside_the_model_its_pipeline_fuses_it_into() -> None:

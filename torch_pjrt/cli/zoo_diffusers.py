@@ -133,6 +133,11 @@ CONSTRUCTOR_OVERRIDES: dict[str, dict[str, Any]] = {
     "ZImageControlNetModel": {"control_layers_places": (0, 1), "control_in_dim": 16, "dim": 256},
     "RFD4ProteinaAutoencoder": {"nlayers": LAYERS, "nheads": HEADS, "token_dim": 2 * 64, "atom37_mask": RFD4_ATOM_SLOTS,
                                 "allowed_residue_types": RFD4_ALLOWED_RESIDUES},
+    # Phi-3's rotary scaling, left to its checkpoint: one short and one long factor per rotary frequency of its
+    # head size (2 heads of 64), its width and MLP at that size (3072 wide, its 32064-token embedding alone is 98M).
+    "OmniGenTransformer2DModel": {"hidden_size": 2 * 64, "intermediate_size": 256, "rope_scaling": {
+        "short_factor": [1.0 + index / 64 for index in range(32)],
+        "long_factor": [1.0 + index / 8 for index in range(32)]}},
     "LTX2VideoDiffusionDecoderModel": {"decoder_stage_channels": (128, 64, 32, 32, 16),
                                        "decoder_stage_depths": (1, 1, 1, 1, 1)},
 }
@@ -524,6 +529,26 @@ def _sana_wm(config: dict[str, Any]) -> dict[str, Any]:
             "chunk_plucker": camera["chunk_plucker"].expand(BATCH, -1, -1, -1, -1).contiguous()}
 
 
+def _omnigen(config: dict[str, Any]) -> dict[str, Any]:
+    """OmniGen's processor for an editing prompt: text ids with one input image's latent tokens in place of its
+    placeholder, positions over text, time token and output image, and its mask: causal over the prompt and time
+    token, bidirectional within the input image, the output image's tokens seeing everything."""
+    latent_side, patch = SIDE // 4, config["patch_size"]
+    image_tokens, output_tokens = (latent_side // patch) ** 2, (SIDE // patch) ** 2
+    prompt = TEXT_TOKENS + image_tokens
+    start = 2  # after "<img>"-like text tokens, as its processor places an image
+    length = prompt + 1 + output_tokens
+    mask = torch.cat([torch.cat([torch.ones(prompt + 1, prompt + 1).tril(), torch.zeros(prompt + 1, output_tokens)], 1),
+                      torch.ones(output_tokens, length)])
+    mask[start:start + image_tokens, start:start + image_tokens] = 1
+    return {"input_ids": torch.randint(0, config["vocab_size"], (BATCH, prompt)),
+            "input_img_latents": [torch.randn(1, config["in_channels"], latent_side, latent_side)
+                                  for _ in range(BATCH)],
+            "input_image_sizes": {sample: [[start, start + image_tokens]] for sample in range(BATCH)},
+            "attention_mask": mask.expand(BATCH, -1, -1).contiguous(),
+            "position_ids": torch.arange(length).expand(BATCH, -1).contiguous()}
+
+
 def _stable_audio(config: dict[str, Any]) -> dict[str, Any]:
     """Stable Audio's pipeline: a latent waveform, the prompt's and the duration's states, the duration states as
     the global token it prepends, and the real 1-D rotary table over the waveform and that token."""
@@ -587,6 +612,7 @@ CLASS_INPUTS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
         "decoder_input_tokens": torch.randn(BATCH, 16, config["input_dims"])},
     "LuminaNextDiT2DModel": lambda config: _lumina_next(config),
     "StableAudioDiTModel": lambda config: _stable_audio(config),
+    "OmniGenTransformer2DModel": lambda config: _omnigen(config),
     # A latent waveform, the prompt's states and the duration's global vector, of the widths it configures; its
     # timestep in [0, 1], as its forward documents.
     "StableAudio3DiTModel": lambda config: {"timestep": _timestep() / 1000,
