@@ -489,7 +489,7 @@ def _start_server(model: Path, log: Path, *extra: str, env: dict[str, str] | Non
         except OSError:
             time.sleep(2)
     _stop_server(server)
-    raise AssertionError(f"the server did not come up:\n{log.read_text()[-4000:]}")
+    raise AssertionError(f"the server did not come up (exit code {server.returncode}):\n{log.read_text()[-4000:]}")
 
 
 def _stop_server(server: Any) -> None:
@@ -945,9 +945,10 @@ def test_after_a_failed_model_step_vllms_default_engine_is_dead_at_once_not_hung
 
 
 def test_after_a_failed_model_step_the_server_answers_500_and_exits_cleanly(tiny_llama: Path, tmp_path: Path) -> None:
+    # eager, so the engine starts (no warm-up forward, as on vLLM's CPU platform) and the first step fails
     log = tmp_path / "server.log"
     folder = _unlowered_op_model(tiny_llama, tmp_path)
-    server, url = _start_server(folder, log, env=_plugin_env(in_process=False))
+    server, url = _start_server(folder, log, "--enforce-eager", env=_plugin_env(in_process=False))
     try:
         body = dict(model=str(folder), prompt=_prompts()[0], max_tokens=NEW_TOKENS, temperature=0)
         with pytest.raises(urllib.error.HTTPError) as answer:
@@ -958,6 +959,21 @@ def test_after_a_failed_model_step_the_server_answers_500_and_exits_cleanly(tiny
     finally:
         _stop_server(server)
     assert UNLOWERED_OP_ERROR in log.read_text()
+
+
+def test_a_server_on_the_compile_path_whose_model_cannot_run_a_step_fails_at_start_naming_the_op(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
+    # The compile path's warm-up runs a step of the model at start, as vLLM's CPU platform's (its profile run
+    # in determine_available_memory) and GPU platforms' do: the server exits there with torch-pjrt's error
+    # rather than coming up to fail every request.
+    log = tmp_path / "server.log"
+    folder = _unlowered_op_model(tiny_llama, tmp_path)
+    with pytest.raises(AssertionError, match=r"did not come up \(exit code [1-9]"):
+        _start_server(folder, log, env=_plugin_env(in_process=False))
+    text = log.read_text()
+    assert UNLOWERED_OP_ERROR in text and "TORCH_PJRT_CPU_FALLBACK=1" in text
+    assert "Engine core initialization failed" in text
 
 
 def test_the_cpu_fallback_the_error_names_serves_that_model(
