@@ -6,6 +6,8 @@ around the programs), then the programs that one step ran replayed back-to-back 
 optimizer code, our dispatch, recording and wrapping, and the waits between). The JAX row is one
 jitted program per step. The loop reads loss.item() every step, so a fused step takes at least its
 recording plus its program; strict eager overlaps its Python with the programs.
+Then the device time alone, compiled against JAX: each program of the compiled step and all of them replayed on
+their recorded inputs, alternating with the JAX step's one program replayed the same way (best round of each).
 With --graph-calls, only the compiled step, and each of its graph calls' CPU time on the thread that made it
 (forward and optimizer on the main thread, backward on autograd's), by graph.
 Run: .venv/bin/python bench/step_breakdown.py [--steps N] [--graph-calls]
@@ -14,6 +16,7 @@ Run: .venv/bin/python bench/step_breakdown.py [--steps N] [--graph-calls]
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import sys
@@ -60,18 +63,38 @@ def _recording_call(self: programs.Program, *args: Any) -> Any:
     return _call(self, *args)
 
 
-def replay_ms(step_calls: list[tuple[programs.Program, tuple]], repeats: int = 10) -> float:
-    """The programs of one step run back-to-back on their recorded inputs, waited for once (each repeat
-    on fresh copies made before its clock starts: programs donate the buffers they write)."""
+def replay_ms(step_calls: list[tuple[Callable[..., Any], tuple]], repeats: int = 10) -> float:
+    """The programs of one step (each a jitted callable) run back-to-back on their recorded inputs, waited for
+    once (each repeat on fresh copies made before its clock starts: programs donate the buffers they write)."""
     times = []
     for _ in range(repeats + 1):
-        runs = [(program.jitted, jax.tree.map(lambda a: a.copy() if isinstance(a, jax.Array) else a, args))
-                for program, args in step_calls]
+        runs = [(fn, jax.tree.map(lambda a: a.copy() if isinstance(a, jax.Array) else a, args))
+                for fn, args in step_calls]
         jax.block_until_ready(runs)
         start = time.perf_counter()
         jax.block_until_ready([fn(*args) for fn, args in runs])
         times.append(time.perf_counter() - start)
     return statistics.median(times[1:]) * 1e3
+
+
+def compute_split(compiled_calls: list[tuple[Callable[..., Any], tuple]], jax_call: tuple[Callable[..., Any], tuple],
+                  rounds: int = 5) -> None:
+    """Device time alone, compiled step against the JAX step's one program, replayed in alternation (rounds of
+    each, best round kept): each compiled program on its own, and the compiled step's programs back-to-back."""
+    best: dict[str, float] = {}
+    rows = {f"compiled program {i + 1} ({len(jax.tree.leaves(args))} args)": [(fn, args)]
+            for i, (fn, args) in enumerate(compiled_calls)}
+    rows["compiled, all programs"] = compiled_calls
+    rows["JAX jit, its one program"] = [jax_call]
+    for _ in range(rounds):
+        for label, step_calls in rows.items():
+            best[label] = min(best.get(label, math.inf), replay_ms(step_calls))
+    print(f"\ndevice time alone (programs replayed on their recorded inputs, no Python between them; best of "
+          f"{rounds} alternating rounds, load {open('/proc/loadavg').read().split()[0]}):")
+    for label, ms in best.items():
+        print(f"  {label:<40}{ms:>8.2f} ms")
+    ratio = best["compiled, all programs"] / best["JAX jit, its one program"]
+    print(f"  compiled programs / JAX's program: {ratio:.2f}x")
 
 
 def timed_steps(row: TorchRow | JaxRow, data: list) -> tuple[list[float], list[float]]:
@@ -170,9 +193,16 @@ def main() -> None:
         recording[0] = False
         set_native(True)
         step_ms = statistics.median(walls[3:]) * 1e3
-        rows.append((label, step_ms, statistics.median(cpus[3:]) * 1e3, len(calls), replay_ms(list(calls))))
-    jax_walls, jax_cpus = timed_steps(JaxRow(model, 2, 4), data)
+        step_calls = [(program.jitted, args) for program, args in calls]
+        rows.append((label, step_ms, statistics.median(cpus[3:]) * 1e3, len(calls), replay_ms(step_calls)))
+        if mode == "compile":
+            compiled_calls = step_calls
+    jax_row = JaxRow(model, 2, 4)
+    jax_walls, jax_cpus = timed_steps(jax_row, data)
     jax_ms = statistics.median(jax_walls[3:]) * 1e3
+    tokens, targets = (jax.numpy.asarray(t.numpy()) for t in data[-1])
+    jax_call = (jax_row.step, (jax_row.params, jax_row.state, jax.numpy.float32(jax_row.count), tokens, targets))
+    compute_split(compiled_calls, jax_call)
     print(f"GPT step (2 layers, width 128, seq 64, batch 8, AdamW), median of steps 4-{args.steps - 1}")
     print(f"{'':<24}{'step ms':>9}{'host cpu ms':>13}{'programs':>10}{'compute ms':>12}{'rest ms':>9}")
     for label, step_ms, cpu_ms, count, compute_ms in rows:
