@@ -8,9 +8,11 @@ jitted program per step. The loop reads loss.item() every step, so a fused step 
 recording plus its program; strict eager overlaps its Python with the programs.
 Then the device time alone, compiled against JAX: each program of the compiled step and all of them replayed on
 their recorded inputs, alternating with the JAX step's one program replayed the same way (best round of each).
+With --host, only the compiled step's main-thread CPU time split into the batch's transfers, our graph calls,
+the rest of the step call (Dynamo, AOTAutograd, autograd, the optimizer's wrappers) and loss.item().
 With --graph-calls, only the compiled step, and each of its graph calls' CPU time on the thread that made it
 (forward and optimizer on the main thread, backward on autograd's), by graph.
-Run: .venv/bin/python bench/step_breakdown.py [--steps N] [--graph-calls]
+Run: .venv/bin/python bench/step_breakdown.py [--steps N] [--graph-calls | --host]
 """
 
 from __future__ import annotations
@@ -107,6 +109,67 @@ def timed_steps(row: TorchRow | JaxRow, data: list) -> tuple[list[float], list[f
     return walls, cpus
 
 
+def host_split(model: torch.nn.Module, data: list) -> None:
+    """The compiled step's main-thread CPU time per step split by what the host does: the batch's two transfers,
+    our graph calls (forward, clipping, AdamW and the loss's detach; the backward's runs on autograd's thread),
+    everything else inside the compiled step call (Dynamo's frames and guards, AOTAutograd's wrappers, the autograd
+    engine, the optimizer's wrappers, zero_grad), and loss.item()."""
+    main_thread = threading.get_ident()
+    graph_cpu = [0.0]
+    call = backend.CompiledGraph.__call__
+
+    def timed(self: backend.CompiledGraph, *args: Any) -> Any:
+        if threading.get_ident() != main_thread:
+            return call(self, *args)
+        start = time.thread_time()
+        try:
+            return call(self, *args)
+        finally:
+            graph_cpu[0] += time.thread_time() - start
+
+    row = TorchRow(model, "pjrt", "compile", cpu_threads=1)
+    row.run(data[:3])
+    parts: dict[str, list[float]] = {"transfers": [], "graph calls": [], "Dynamo, AOTAutograd, autograd, optimizer": [],
+                                     "item": []}
+    backend.CompiledGraph.__call__ = timed
+    try:
+        for tokens, targets in data[3:]:
+            graph_cpu[0] = 0.0
+            start = time.thread_time()
+            tokens, targets = tokens.to("pjrt"), targets.to("pjrt")
+            sent = time.thread_time()
+            loss = row.step(tokens, targets)
+            stepped = time.thread_time()
+            loss.item()
+            parts["transfers"].append(sent - start)
+            parts["graph calls"].append(graph_cpu[0])
+            parts["Dynamo, AOTAutograd, autograd, optimizer"].append(stepped - sent - graph_cpu[0])
+            parts["item"].append(time.thread_time() - stepped)
+    finally:
+        backend.CompiledGraph.__call__ = call
+    jax_row = JaxRow(model, 2, 4)
+    jax_row.run(data[:3])
+    jax_parts: dict[str, list[float]] = {"transfers": [], "its one program call": [], "float(loss)": []}
+    for tokens, targets in data[3:]:
+        jax_row.count += 1
+        start = time.thread_time()
+        tokens, targets = jax.numpy.asarray(tokens.numpy()), jax.numpy.asarray(targets.numpy())
+        sent = time.thread_time()
+        jax_row.params, jax_row.state, loss = jax_row.step(jax_row.params, jax_row.state,
+                                                           jax.numpy.float32(jax_row.count), tokens, targets)
+        stepped = time.thread_time()
+        float(loss)
+        jax_parts["transfers"].append(sent - start)
+        jax_parts["its one program call"].append(stepped - sent)
+        jax_parts["float(loss)"].append(time.thread_time() - stepped)
+    load = open("/proc/loadavg").read().split()[0]
+    print(f"main-thread CPU ms per step (median of {len(data) - 3} steps, load {load})")
+    for title, found in (("pjrt torch.compile", parts), ("JAX jit (hand-written)", jax_parts)):
+        medians = {name: statistics.median(values) * 1e3 for name, values in found.items()}
+        print(f"{title}: " + ", ".join(f"{name} {ms:.3f}" for name, ms in medians.items())
+              + f"; total {sum(medians.values()):.3f}")
+
+
 def graph_calls(model: torch.nn.Module, data: list) -> None:
     """Each compiled graph's calls: inputs, calls per step and the median CPU time of one call (thread_time on the
     calling thread, so the backward's is autograd's), over the steps after the first three, split into the program
@@ -173,12 +236,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--graph-calls", action="store_true", help="only the compiled step's graph calls, timed")
+    parser.add_argument("--host", action="store_true", help="only the compiled step's main-thread CPU, split by part")
     args = parser.parse_args()
     torch.manual_seed(0)
     model = GPT(width=128, layers=2, heads=4, context=64)
     data = batches(corpus_bytes(), 8, 64, args.steps)
     if args.graph_calls:
         graph_calls(model, data)
+        return
+    if args.host:
+        host_split(model, data)
         return
     programs.Program.call = _recording_call
     rows = []
