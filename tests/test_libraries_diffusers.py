@@ -168,6 +168,28 @@ def test_a_model_that_samples_noise_draws_the_same_noise_at_every_call() -> None
         assert not torch.allclose(zoo._call(model, unseeded).sample, zoo._call(model, unseeded).sample)
 
 
+def test_video_vaes_get_the_smallest_video_their_compression_takes() -> None:
+    """LTX-2's VAE 1 + 8 frames at 64 pixels (32x spatial, 8x temporal compression; its own
+    spatial_compression_ratio says 64), MiniMax-H3's two of its encoder clips, HunyuanVideo 1.5's one video: each
+    built and run on CPU by the zoo (a smaller video fails there)."""
+    from torch_pjrt.cli import zoo, zoo_catalog, zoo_diffusers
+
+    def built(name: str) -> tuple[torch.nn.Module, dict]:
+        return zoo.build_case(zoo_catalog.Case(name, "autoencoder", "diffusion", model_class=name, library="diffusers"))
+
+    ltx2, inputs = built("AutoencoderKLLTX2Video")
+    assert inputs["sample"].shape == (2, 3, 9, 64, 64) and ltx2.spatial_compression_ratio == 64
+    with torch.no_grad(), pytest.raises(RuntimeError):
+        ltx2(torch.randn(2, 3, 9, 32, 32))
+    minimax, inputs = built("AutoencoderKLMiniMaxH3")
+    assert inputs["sample"].shape[2] == 2 * minimax.config.clip_length
+    with torch.no_grad(), pytest.raises(ValueError):
+        minimax(inputs["sample"][:, :, : minimax.config.clip_length])
+    _, inputs = built("AutoencoderKLHunyuanVideo15")
+    assert inputs["sample"].shape[0] == 1
+    assert zoo_diffusers._ltx2_compression(ltx2.config, "spatial") == 32
+
+
 def test_the_zoo_feeds_models_as_their_pipelines_do() -> None:
     """Ideogram4 gets model time in [0, 1] (its sinusoid scales it by 1e4); a union multi-ControlNet gets, per model,
     a list of control images with their control types and scales; Stable Audio its duration as one global token,

@@ -64,7 +64,11 @@ CONSTRUCTOR_OVERRIDES: dict[str, dict[str, Any]] = {
     # rotary axes for its 3 id columns (head size 128).
     "HiDreamImageTransformer2DModel": {"patch_size": 2, "caption_channels": (4096, 4096), "llama_layers": (0, 1, 2, 3),
                                        "axes_dims_rope": (64, 32, 32)},
-    "Kandinsky3UNet": {"groups": 8},
+    # Channels doubling at each level as its defaults do, heads of 16 (2 at the first level), 2 layers per block (with
+    # 1 its up blocks' conditional norms get the wrong width), text and time widths 256 (113M parameters at 4096).
+    "Kandinsky3UNet": {"groups": 8, "block_out_channels": (32, 64, 128, 256), "attention_head_dim": 16,
+                       "layers_per_block": 2, "cross_attention_dim": 256, "encoder_hid_dim": 256,
+                       "time_embedding_dim": 256},
     "AutoencoderKLHunyuanImage": {"in_channels": 3, "out_channels": 3, "latent_channels": 16, "layers_per_block": 1,
                                   "block_out_channels": (32, 64, 64), "spatial_compression_ratio": 4,
                                   "sample_size": SIDE},  # all left to the checkpoint; 2 downsamplings
@@ -133,6 +137,9 @@ CONSTRUCTOR_OVERRIDES: dict[str, dict[str, Any]] = {
     "ZImageControlNetModel": {"control_layers_places": (0, 1), "control_in_dim": 16, "dim": 256},
     "RFD4ProteinaAutoencoder": {"nlayers": LAYERS, "nheads": HEADS, "token_dim": 2 * 64, "atom37_mask": RFD4_ATOM_SLOTS,
                                 "allowed_residue_types": RFD4_ALLOWED_RESIDUES},
+    # Channels doubling at each stage as its defaults do (its down- and upsamplers split and fold channels by their
+    # factor).
+    "AutoencoderKLLTX2Video": {"block_out_channels": (32, 64, 128, 256), "decoder_block_out_channels": (32, 64, 128)},
     # Phi-3's rotary scaling, left to its checkpoint: one short and one long factor per rotary frequency of its
     # head size (2 heads of 64), its width and MLP at that size (3072 wide, its 32064-token embedding alone is 98M).
     "OmniGenTransformer2DModel": {"hidden_size": 2 * 64, "intermediate_size": 256, "rope_scaling": {
@@ -711,8 +718,28 @@ CLASS_INPUTS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
 }
 
 
+def _ltx2_compression(config: Any, axis: str) -> int:
+    """LTX-2's VAE's compression along `axis` ("spatial" or "temporal"): its patch times 2 per downsampler of that
+    kind (its spatial_compression_ratio attribute counts every stage as both)."""
+    patch = config.patch_size if axis == "spatial" else config.patch_size_t
+    return patch * 2 ** sum(kind in (axis, "spatiotemporal") for kind in config.downsample_type)
+
+
 # Inputs a pipeline asks the model itself for (a rotary table its own position embedding builds).
 MODEL_INPUTS: dict[str, Callable[[nn.Module], dict[str, Any]]] = {
+    # Video VAEs whose compression sets the smallest video they take. LTX-2's: 1 + 8k frames and a latent 2 wide
+    # (its 3x3 reflect padding needs 2), at 32x spatial compression 64 pixels.
+    "AutoencoderKLLTX2Video": lambda model: {"sample": torch.randn(
+        BATCH, model.config.in_channels, 1 + _ltx2_compression(model.config, "temporal"),
+        2 * _ltx2_compression(model.config, "spatial"), 2 * _ltx2_compression(model.config, "spatial"))},
+    # MiniMax-H3's encodes `clip_length`-frame clips and drops `token_drop` latent frames from the end, and its decoder
+    # cross-fades consecutive clips: two clips are the fewest it decodes.
+    "AutoencoderKLMiniMaxH3": lambda model: {"sample": torch.randn(
+        BATCH, model.config.in_channels, 2 * model.config.clip_length, SIDE, SIDE)},
+    # HunyuanVideo 1.5's: its mid-block attention's causal mask has the batch but no head axis (diffusers 0.42.1), which
+    # broadcasts against the attention only for one video: one, as its pipeline decodes one per prompt.
+    "AutoencoderKLHunyuanVideo15": lambda model: {"sample": torch.randn(
+        1, model.config.in_channels, 1 + model.temporal_compression_ratio, SIDE, SIDE)},
     # SANA-WM's refiner, one block of its sliding window as its refiner pipeline runs it: the block's latent tokens,
     # the prompt's states and mask, one timestep per token (sigma times the model's scale) and the rotary table of
     # the block's absolute frame positions.
