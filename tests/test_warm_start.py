@@ -234,9 +234,10 @@ def test_a_warm_process_loads_the_stored_fused_programs_and_never_a_wrong_one(tm
 
 
 def test_the_first_fused_program_does_not_depend_on_when_python_collects_cycles(tmp_path: Path) -> None:
-    """A meta kernel's first call imports torch._dynamo, whose import leaves a cycle of frames holding the
-    recording's own frames and so its inputs: the first fused program's live outputs must not depend on
-    whether a collection ran before its flush (a process with the collector off stores the same programs)."""
+    """torch._dynamo's first import leaves a cycle of frames holding its importer's frames (once a meta kernel's
+    inside a recording, so its inputs; now the device start's): the first fused program's live outputs must not
+    depend on whether a collection ran before its flush (a process with the collector off stores the same
+    programs)."""
     cold = run_step(tmp_path, 5, "import gc; gc.disable()\n" + FUSED)
     warm = run_step(tmp_path, 6, FUSED)
     assert warm["keys"] == cold["keys"] and warm["fused_traces"] == 0
@@ -311,6 +312,33 @@ def test_the_device_starts_without_a_full_garbage_collection_and_leaves_the_coll
                             timeout=300, env={**os.environ, "TORCH_PJRT_CACHE_DIR": "0"})
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.split() == ["0", "1", "1"]
+
+
+DYNAMO_AT_START = textwrap.dedent(
+    """
+    import gc, sys, torch
+    torch.manual_seed(int(sys.argv[1]))
+    torch.pjrt.init()
+    import torch._dynamo.convert_frame, torch._dynamo.symbolic_convert
+    in_generations = {id(o) for o in gc.get_objects()}
+    modules = [torch._dynamo, torch._dynamo.convert_frame, torch._dynamo.symbolic_convert]
+    frozen = not any(id(vars(module)) in in_generations for module in modules)
+    x, w = torch.randn(4, 5), torch.randn(3, 5)
+    found = torch.softmax(torch.nn.functional.linear(x.to("pjrt"), w.to("pjrt")), -1).cpu()
+    torch.testing.assert_close(found, torch.softmax(torch.nn.functional.linear(x, w), -1))
+    print(int(frozen), int(gc.isenabled()))
+    """
+)
+
+
+def test_the_device_start_loads_dynamo_frozen_out_of_later_collections() -> None:
+    """PyTorch imports Dynamo at a process's first ops anyway (meta kernels, decompositions, the optimizer);
+    the device start loads it with the collector paused and freezes it, so no later full collection walks it."""
+    seed = str(int.from_bytes(os.urandom(2), "little"))
+    result = subprocess.run([sys.executable, "-c", DYNAMO_AT_START, seed], capture_output=True, text=True,
+                            timeout=300, env={**os.environ, "TORCH_PJRT_CACHE_DIR": "0"})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["1", "1"]
 
 
 PRELOADED = textwrap.dedent(

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
-import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -98,8 +97,12 @@ def initialize() -> None:
 
             native.set_device_count(len(client.devices()))
             programs.start_preload()
-            if "torch._dynamo" in sys.modules:
-                _torch_private.dynamo_skip_our_packages()
+            # PyTorch imports Dynamo at a process's first op anyway (a meta kernel's or decomposition's lazy
+            # torch._dynamo.disable, the optimizer's first step); here it is loaded with the collector paused
+            # and frozen with the rest, instead of later, where full collections walked its objects.
+            import torch._dynamo  # noqa: F401
+
+            _torch_private.dynamo_skip_our_packages()
             _state["libraries"].extend(kernels.register_all())
             _torch_private.flex_attention_accepts(NAME)
             if envvars.flag("TORCH_PJRT_FLASH_ATTENTION"):
@@ -112,8 +115,8 @@ def initialize() -> None:
 @contextlib.contextmanager
 def _collector_paused() -> Iterator[None]:
     """Start the device without Python's cyclic garbage collector, then keep every object then alive out of
-    its later collections (gc.freeze). The start imports jax and builds the lowering table, about 160,000
-    objects that live as long as the process, and each full collection meanwhile walked every object of
+    its later collections (gc.freeze). The start imports jax and Dynamo and builds the lowering table, about
+    280,000 objects that live as long as the process, and each full collection meanwhile walked every object of
     the process: 3 of them took 0.8 s of a warm fused first step (load 8). A program that needs cyclic
     garbage made before the device's start collected calls gc.unfreeze()."""
     enabled = gc.isenabled()

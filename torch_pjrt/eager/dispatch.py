@@ -13,11 +13,9 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
-import gc
 import hashlib
 import math
 import pickle
-import sys
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -419,14 +417,7 @@ def _run_meta(plan: OpPlan, values: list[Any], described: list[Any], symbols: An
         arguments.check(plan.op, dict(zip(plan.names, metas)))
     positional = [m for m, kw in zip(metas, plan.kwarg_only) if not kw]
     keywords = {n: m for n, m, kw in zip(plan.names, metas, plan.kwarg_only) if kw and m is not _NO_DEFAULT}
-    dynamo_imported = "torch._dynamo" in sys.modules
-    result = meta_kernel(*positional, **keywords)
-    if not dynamo_imported and "torch._dynamo" in sys.modules:
-        # its first import (a decomposition's lazy torch._dynamo.disable) leaves a cycle of frames, torch.fx.wrap's,
-        # holding this call's frames and so the recording's inputs until a collection: collected now, so a fused
-        # program's live outputs never depend on when Python collects
-        gc.collect()
-    return result, metas
+    return meta_kernel(*positional, **keywords), metas
 
 
 def _new_output_specs(plan: OpPlan, meta_result: Any, metas: list[Any]) -> list[Any]:
