@@ -170,8 +170,9 @@ def test_a_model_that_samples_noise_draws_the_same_noise_at_every_call() -> None
 
 def test_video_vaes_get_the_smallest_video_their_compression_takes() -> None:
     """LTX-2's VAE 1 + 8 frames at 64 pixels (32x spatial, 8x temporal compression; its own
-    spatial_compression_ratio says 64), MiniMax-H3's two of its encoder clips, HunyuanVideo 1.5's one video: each
-    built and run on CPU by the zoo (a smaller video fails there)."""
+    spatial_compression_ratio says 64), MiniMax-H3's two of its encoder clips, HunyuanVideo 1.5's one video,
+    Allegro's one tile (tiling on, as its pipeline sets it): each built and run on CPU by the zoo (a smaller video
+    fails there)."""
     from torch_pjrt.cli import zoo, zoo_catalog, zoo_diffusers
 
     def built(name: str) -> tuple[torch.nn.Module, dict]:
@@ -187,6 +188,8 @@ def test_video_vaes_get_the_smallest_video_their_compression_takes() -> None:
         minimax(inputs["sample"][:, :, : minimax.config.clip_length])
     _, inputs = built("AutoencoderKLHunyuanVideo15")
     assert inputs["sample"].shape[0] == 1
+    allegro, inputs = built("AutoencoderKLAllegro")  # tiled, as its pipeline runs it: one tile
+    assert allegro.use_tiling and inputs["sample"].shape == (1, 3, *allegro.kernel) and min(allegro.stride) > 0
     assert zoo_diffusers._ltx2_compression(ltx2.config, "spatial") == 32
 
 

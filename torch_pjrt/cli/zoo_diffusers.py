@@ -140,6 +140,8 @@ CONSTRUCTOR_OVERRIDES: dict[str, dict[str, Any]] = {
     # Channels doubling at each stage as its defaults do (its down- and upsamplers split and fold channels by their
     # factor).
     "AutoencoderKLLTX2Video": {"block_out_channels": (32, 64, 128, 256), "decoder_block_out_channels": (32, 64, 128)},
+    # Tiles wider than its fixed 120- and 80-pixel tile overlaps (its tile side is its sample size).
+    "AutoencoderKLAllegro": {"sample_size": 128},
     # Phi-3's rotary scaling, left to its checkpoint: one short and one long factor per rotary frequency of its
     # head size (2 heads of 64), its width and MLP at that size (3072 wide, its 32064-token embedding alone is 98M).
     "OmniGenTransformer2DModel": {"hidden_size": 2 * 64, "intermediate_size": 256, "rope_scaling": {
@@ -732,6 +734,9 @@ MODEL_INPUTS: dict[str, Callable[[nn.Module], dict[str, Any]]] = {
     "AutoencoderKLLTX2Video": lambda model: {"sample": torch.randn(
         BATCH, model.config.in_channels, 1 + _ltx2_compression(model.config, "temporal"),
         2 * _ltx2_compression(model.config, "spatial"), 2 * _ltx2_compression(model.config, "spatial"))},
+    # Allegro's encodes and decodes only tile by tile: one tile (its kernel: 24 frames of its sample size), at batch 1
+    # (it copies each tile into a batch-1 buffer).
+    "AutoencoderKLAllegro": lambda model: {"sample": torch.randn(1, model.config.in_channels, *model.kernel)},
     # MiniMax-H3's encodes `clip_length`-frame clips and drops `token_drop` latent frames from the end, and its decoder
     # cross-fades consecutive clips: two clips are the fewest it decodes.
     "AutoencoderKLMiniMaxH3": lambda model: {"sample": torch.randn(
@@ -974,6 +979,12 @@ def _build_fused(adapter_class: Callable[..., nn.Module]) -> tuple[nn.Module, di
     return model, synthesize_inputs(model, fusion.fed_as)
 
 
+# What a class's pipeline calls on the model before running it.
+PIPELINE_SETUP: dict[str, Callable[[nn.Module], None]] = {
+    "AutoencoderKLAllegro": lambda model: model.enable_tiling(),  # its forward has no untiled path
+}
+
+
 def _build_small(model_class: Callable[..., nn.Module], name: str, heads: bool) -> tuple[nn.Module, dict[str, Any]]:
     for widths in (False, True):
         arguments = small_arguments(model_class, widths, heads)
@@ -993,4 +1004,5 @@ def _build_small(model_class: Callable[..., nn.Module], name: str, heads: bool) 
         raise Skip(f"{parameters / 1e6:.0f}M parameters when shrunk, over the zoo's {MAX_PARAMETERS / 1e6:.0f}M")
     randomize_constant_matrices(model, 0.02)  # zero-initialised output projections would hide the whole model
     model = model.float().eval()
+    PIPELINE_SETUP.get(name, lambda model: None)(model)
     return model, synthesize_inputs(model, name)
