@@ -11,6 +11,7 @@ The read and write functions here are pure jax and run inside jitted programs.
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 from collections.abc import Sequence
@@ -84,7 +85,12 @@ def numpy_dtype(dtype: torch.dtype) -> Any:
 
 
 def torch_dtype(dtype: Any) -> torch.dtype:
-    dtype = np.dtype(dtype)
+    """The torch dtype of a numpy dtype (looked up once per dtype: each read to the host asks, e.g. per `.item()`)."""
+    return _torch_dtype_of(np.dtype(dtype))
+
+
+@functools.cache
+def _torch_dtype_of(dtype: np.dtype) -> torch.dtype:
     for key in ML_DTYPES:
         if dtype.name == str(key).removeprefix("torch."):
             return key

@@ -210,6 +210,11 @@ def set_empty(self: torch.Tensor) -> torch.Tensor:
 
 
 def local_scalar_dense(self: torch.Tensor) -> Any:
+    """The number, read as a numpy scalar where numpy holds the dtype (its item() is torch's Python number): the CPU
+    tensor to_cpu would build around it costs more than the read itself."""
+    fusion.flush("transfer to host")
+    if self.dtype in storage.TORCH_TO_NUMPY and not isinstance(storage.storage_of(self).array, storage.Padded):
+        return dispatch.read_to_host(self).item()
     return to_cpu(self).item()
 
 
