@@ -341,6 +341,33 @@ def test_the_device_start_loads_dynamo_frozen_out_of_later_collections() -> None
     assert result.stdout.split() == ["1", "1"]
 
 
+STARTER_FREED = textwrap.dedent(
+    """
+    import sys, weakref, torch
+    torch.manual_seed(int(sys.argv[1]))
+
+    def load():
+        weights = torch.randn(64, 32)  # a local of the function whose first pjrt op starts the device
+        moved = weights.to("pjrt")
+        torch.testing.assert_close(moved.cpu(), weights)
+        return weakref.ref(weights), moved
+
+    weights, moved = load()
+    print(int(weights() is None))
+    """
+)
+
+
+def test_the_locals_of_the_function_that_starts_the_device_are_freed_when_it_returns() -> None:
+    """The start's collector is paused and what is alive after it frozen: a reference cycle made there through
+    the caller's frames (torch._dynamo's import makes one) would keep that function's locals forever."""
+    seed = str(int.from_bytes(os.urandom(2), "little"))
+    result = subprocess.run([sys.executable, "-c", STARTER_FREED, seed], capture_output=True, text=True,
+                            timeout=300, env={**os.environ, "TORCH_PJRT_CACHE_DIR": "0"})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["1"]
+
+
 PRELOADED = textwrap.dedent(
     """
     import json, sys, threading, torch, torch_pjrt

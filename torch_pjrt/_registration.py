@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import importlib
 import os
 import threading
 from collections.abc import Iterator
@@ -100,8 +101,7 @@ def initialize() -> None:
             # PyTorch imports Dynamo at a process's first op anyway (a meta kernel's or decomposition's lazy
             # torch._dynamo.disable, the optimizer's first step); here it is loaded with the collector paused
             # and frozen with the rest, instead of later, where full collections walked its objects.
-            import torch._dynamo  # noqa: F401
-
+            _import_on_a_thread_of_its_own("torch._dynamo")
             _torch_private.dynamo_skip_our_packages()
             _state["libraries"].extend(kernels.register_all())
             _torch_private.flex_attention_accepts(NAME)
@@ -110,6 +110,26 @@ def initialize() -> None:
 
                 attention.install()
         startup.mark_started()
+
+
+def _import_on_a_thread_of_its_own(module: str) -> None:
+    """Import a module on a short-lived thread. torch._dynamo's import leaves a reference cycle through
+    torch.fx.wrap's frame, which holds every frame under it, and their locals, until a collection: imported
+    from the caller's stack, the frames of the user's function that started the device were frozen below
+    with the rest and its locals never freed; on a thread of its own, the cycle holds only that thread's."""
+    failures: list[BaseException] = []
+
+    def load() -> None:
+        try:
+            importlib.import_module(module)
+        except BaseException as error:  # re-raised on the caller's thread
+            failures.append(error)
+
+    thread = threading.Thread(target=load, name=f"torch-pjrt import {module}")
+    thread.start()
+    thread.join()
+    if failures:
+        raise failures[0]
 
 
 @contextlib.contextmanager
