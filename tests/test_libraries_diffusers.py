@@ -257,6 +257,26 @@ def test_the_zoo_runs_an_adapter_inside_the_model_its_pipeline_fuses_it_into() -
         assert not torch.allclose(output(model, inputs), before), type(model).__name__
 
 
+def test_wan_animate_gets_a_segment_with_its_pose_latents_and_face_video() -> None:
+    """Wan Animate is fed one pipeline segment: pose latents one frame short of the latents (the reference image's
+    frame), a face video of 1 + 4 (T - 1) frames at its motion encoder's size, and a face adapter that reads it."""
+    from torch_pjrt.cli import zoo, zoo_catalog
+
+    name = "WanAnimateTransformer3DModel"
+    model, inputs = zoo.build_case(zoo_catalog.Case(name, "transformer", "diffusion", model_class=name,
+                                                    library="diffusers"))
+    latent_frames = inputs["pose_hidden_states"].shape[2]
+    assert inputs["hidden_states"].shape[2] == latent_frames + 1 and len(model.face_adapter) >= 1
+    face = model.config.motion_encoder_size
+    assert inputs["face_pixel_values"].shape[2:] == (1 + 4 * (latent_frames - 1), face, face)
+    with torch.no_grad():
+        before = model(**inputs).sample
+        other_face = torch.rand_like(inputs["face_pixel_values"]) * 2 - 1
+        after = model(**inputs | {"face_pixel_values": other_face}).sample
+    assert before.shape == (2, model.config.out_channels, latent_frames + 1, *inputs["hidden_states"].shape[3:])
+    assert not torch.allclose(before, after)  # the face video reaches the output
+
+
 def test_a_fixed_zoo_slice_matches_cpu() -> None:
     from torch_pjrt.cli import zoo
 

@@ -126,6 +126,10 @@ CONSTRUCTOR_OVERRIDES: dict[str, dict[str, Any]] = {
                                 "video_length": FRAMES[0]},  # its frame position table spans the clip
     "ZImageTransformer2DModel": {"dim": 256},  # 2 heads of the rotary axes' 128
     "WanVACETransformer3DModel": {"vace_layers": [0, 1]},  # every block of the shrunk model takes a VACE hint
+    # Its motion encoder halves a square face image down to 4 pixels: 16-pixel faces (512 in its checkpoint); a face
+    # adapter after the first of every 2 blocks (of 5 in its checkpoint: none in 2 blocks).
+    "WanAnimateTransformer3DModel": {"motion_encoder_size": 16, "inject_face_latents_blocks": 2,
+                                     "motion_encoder_channel_sizes": {"4": CHANNELS, "8": CHANNELS, "16": CHANNELS}},
     "UNetSpatioTemporalConditionModel": {"num_attention_heads": (2, 2, 2, 2)},  # 5 heads of 32 channels: 30
     # Two of its four blocks (over 300 s on pjrt fused with four), at the widths of its UNet's; one motion module per
     # resnet of its UNet.
@@ -570,6 +574,18 @@ def _stable_audio(config: dict[str, Any]) -> dict[str, Any]:
                                                         repeat_interleave_real=False)}
 
 
+def _wan_animate(config: dict[str, Any]) -> dict[str, Any]:
+    """Wan Animate's pipeline, one segment of 1 + 4 (T - 1) frames: T latent frames after the reference image's, with
+    the noisy and conditioning latents and mask packed into its input channels, the pose video's T latent frames, the
+    face video in pixels at its motion encoder's size (one frame per video frame), CLIP image tokens and the prompt."""
+    frames, face = FRAMES[1], config["motion_encoder_size"]
+    return {"hidden_states": torch.randn(BATCH, config["in_channels"], 1 + frames, SIDE, SIDE),
+            "pose_hidden_states": torch.randn(BATCH, config["latent_channels"], frames, SIDE, SIDE),
+            "face_pixel_values": torch.rand(BATCH, 3, 1 + 4 * (frames - 1), face, face) * 2 - 1,
+            "encoder_hidden_states_image": torch.randn(BATCH, TEXT_TOKENS, config["image_dim"]),
+            "encoder_hidden_states": torch.randn(BATCH, TEXT_TOKENS, config["text_dim"])}
+
+
 # Inputs of classes whose forward the generic rules cannot feed (a batch of frames, a condition of its own shape),
 # built from the config by the model's own conventions (as its pipeline passes them); the generic rules fill in the
 # arguments a rule leaves out.
@@ -700,6 +716,7 @@ CLASS_INPUTS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     # Its causal rollout (no KV cache: the training path), one frame per chunk.
     "AnyFlowFARTransformer3DModel": lambda config: _anyflow(config) | {"chunk_partition": [1] * FRAMES[1]},
     "HunyuanVideoFramepackTransformer3DModel": lambda config: _framepack(config),
+    "WanAnimateTransformer3DModel": _wan_animate,
     # A latent video and the prompt's states once per frame (AnimateDiff's pipeline repeats them).
     "UNetMotionModel": lambda config: {
         "sample": torch.randn(BATCH, config["in_channels"], FRAMES[1], SIDE, SIDE),
