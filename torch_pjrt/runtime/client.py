@@ -392,10 +392,12 @@ def to_host_many(arrays: list[Any]) -> list[np.ndarray]:
         # pending device-side check codes come back in the same request (raised below)
         taken = checks.take()
         # jax.device_get's own pytree walk costs ~10 us a call (a loss.item() each step): start every copy,
-        # then read each, as it does.
+        # then read each, as it does. On CPU the read is a view of the buffer either way, and the started
+        # copy only waits on another thread (6-300 us a read on this loaded 2-core machine, ~1 us without).
         fetched = [*arrays, *(item.code for item in taken)]
-        for value in fetched:
-            value.copy_to_host_async()
+        if platform() != "cpu":
+            for value in fetched:
+                value.copy_to_host_async()
         values = [np.asarray(value) for value in fetched]
     checks.verify(taken, values[len(values) - len(taken):])
     del values[len(values) - len(taken):]
