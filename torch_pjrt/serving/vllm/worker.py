@@ -3,10 +3,11 @@
 vLLM's CPU runner keeps the step's bookkeeping (input batch, block tables, sampling state) in host
 tensors; this runner reuses all of it and moves only what the model and the sampler read: token ids and
 positions reach the device in the attention backend's one transfer a step, with its index tensors (padded
-to a power-of-two token count, which bounds the programs compiled), and the sampled rows'
-gather and the lm head run as one program right after the forward's (the rows' indices ride in the
-attention metadata's transfer). When vLLM's sampler would only take the argmax (greedy, no logprobs,
-penalties or acting logits processors) that program takes it too and only the token ids come back;
+to a power-of-two token count, which bounds the programs compiled), and the sampled rows' gather and the
+lm head run with the forward (the rows' indices ride in the attention metadata's transfer): on the compile
+path, in the step's one program (StepProgram); in eager modes, as one fused program right after the
+forward. When vLLM's sampler would only take the argmax (greedy, no logprobs, penalties or acting logits
+processors) only the token ids the program took come back;
 otherwise vLLM's sampler runs where TORCH_PJRT_VLLM_SAMPLING says: on the device (its per-request tensors
 copied there once per change of the batch) or on the host, as on vLLM's CPU platform, with the sampled
 rows' logits brought back.
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import os
 from collections.abc import Iterator
@@ -29,7 +31,8 @@ import psutil
 import torch
 from torch.overrides import TorchFunctionMode
 from vllm import envs as vllm_envs
-from vllm.config import CompilationMode
+from vllm.compilation.decorators import support_torch_compile
+from vllm.config import CompilationMode, set_current_vllm_config
 from vllm.forward_context import get_forward_context
 from vllm.logger import init_logger
 from vllm.platforms import current_platform
@@ -49,7 +52,7 @@ from vllm.v1.worker.cpu_model_runner import _set_global_compilation_settings as 
 from vllm.v1.worker.cpu_worker import CPUWorker
 from vllm.v1.worker.gpu_worker import Worker, init_worker_distributed_environment
 
-from torch_pjrt import envvars
+from torch_pjrt import _torch_private, envvars
 from torch_pjrt.eager.modes import EagerMode
 from torch_pjrt.serving.vllm.attention import (
     PjrtAttentionMetadata,
@@ -85,6 +88,8 @@ class PjrtModelRunner(CPUModelRunner):
         self._step_sampled_in_program: SampledInProgram | None = None
         self._step_has_grammar = False
         self._compute_logits: Any = None
+        # the compile path's one program a step (StepProgram), where one rank runs the whole model
+        self._step: Any = None
         # the last greedy program's tokens on the device, padded to its bucket (async scheduling reads them)
         self._padded_device_tokens: tuple[torch.Tensor, torch.Tensor] | None = None
         # under async scheduling, the previous step's sampled tokens on the device this step's ids take rows of
@@ -127,6 +132,12 @@ class PjrtModelRunner(CPUModelRunner):
             return logits if rows is None else logits[:rows]
 
         self.model.compute_logits = compute_logits_where_sampled
+        one_rank = self.parallel_config.tensor_parallel_size == 1 and self.parallel_config.pipeline_parallel_size == 1
+        if self.compilation_config.mode == CompilationMode.VLLM_COMPILE and one_rank and not self.is_pooling_model:
+            with set_current_vllm_config(self.vllm_config):
+                step = StepProgram(vllm_config=self.vllm_config, model=self.model, compute_logits=compute_logits)
+            # its frame is torch_pjrt's, which Dynamo skips (dynamo_skip_our_packages) unless told otherwise
+            self._step = _torch_private.traced_by_dynamo(step.__call__)
 
     def _sample(self, logits: torch.Tensor | None, spec_decode_metadata: Any) -> Any:
         """vLLM's sampling, given the batch's sampling metadata on the device when the logits are there; the
@@ -191,13 +202,13 @@ class PjrtModelRunner(CPUModelRunner):
         traces its profiling run, which has none, and the attention traced then would be skipped for good
         (vLLM keeps no guards). The batch's token and context lengths are the graph's symbols. vLLM's dummy
         run hands the model the runner's host token ids and positions: they go to the device first, as a
-        step's do, or Dynamo would trace host inputs against device weights. The programs after the forward
-        (the sampled rows' lm head and argmax, or their logits brought back) run on the batch's hidden states
-        too, so a first request in that bucket, greedy or sampled, compiles nothing."""
+        step's do, or Dynamo would trace host inputs against device weights. It runs the step program (or,
+        with several ranks, the forward and the programs after it), so a first request in that bucket, greedy
+        or sampled, compiles nothing."""
         if self.compilation_config.mode == CompilationMode.NONE:
             return
         model = self.model
-        self.model = InputsOnDevice(model, self._warm_up_inputs, self._sample_warm_up_rows)
+        self.model = InputsOnDevice(model, self._warm_up_inputs, functools.partial(self._warm_up_forward, model))
         if self.use_async_scheduling:  # the carried tokens' program too, in the smallest buckets
             self._carry_tokens((np.zeros(0, np.int64), np.zeros(0, np.int64)))
             self._carried_from = torch.zeros(padded_token_count(1), dtype=torch.int32, device=self.model_device)
@@ -249,17 +260,44 @@ class PjrtModelRunner(CPUModelRunner):
     ) -> Any:
         input_ids, positions = self._inputs_on_device(input_ids, positions)
         input_ids = self._with_carried_tokens(input_ids)
-        hidden_states = super()._model_forward(
-            input_ids, positions, intermediate_tensors, self._on_device_padded(inputs_embeds), **model_kwargs
-        )
+        inputs_embeds = self._on_device_padded(inputs_embeds)
         logits_indices, self._step_logits_indices = self._step_logits_indices, None
-        sampled = self._sample_in_program(hidden_states, logits_indices)
+        metadata = self._step_program_metadata(input_ids, inputs_embeds)
+        if metadata is not None:
+            hidden_states, logits, tokens = self._run_step(metadata, input_ids, positions, intermediate_tensors,
+                                                           inputs_embeds, **model_kwargs)
+            rows = self._rows_vllm_samples(metadata, logits_indices)
+            greedy = rows is not None and self._only_argmax_samples()
+            sampled = None if rows is None else self._sampled(*((None, tokens) if greedy else (logits, None)), rows)
+        else:
+            hidden_states = super()._model_forward(input_ids, positions, intermediate_tensors, inputs_embeds,
+                                                   **model_kwargs)
+            sampled = self._sample_in_program(hidden_states, logits_indices)
         if sampled is None:
             return hidden_states
         self._step_sampled_in_program, self._sampled_rows = sampled, None
         # vLLM gathers the sampled rows of what this returns before compute_logits: a zero-width host stand-in
         # makes that gather free (compute_logits_where_sampled then returns the logits computed here)
         return torch.empty((hidden_states.shape[0], 0))
+
+    def _run_step(self, metadata: PjrtAttentionMetadata, input_ids: torch.Tensor | None, positions: torch.Tensor,
+                  intermediate_tensors: Any = None, inputs_embeds: torch.Tensor | None = None,
+                  **model_kwargs: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The step program on this step's inputs, called alike at the warm-up (its one trace) and every step."""
+        assert self._step is not None
+        return self._step(input_ids, positions, metadata.sampled_rows, intermediate_tensors, inputs_embeds,
+                          **model_kwargs)
+
+    def _step_program_metadata(self, input_ids: torch.Tensor | None,
+                               inputs_embeds: torch.Tensor | None) -> PjrtAttentionMetadata | None:
+        """This step's attention metadata when the step program runs it: on the compile path with one rank, its
+        token count the metadata's (whose sampled rows the program gathers)."""
+        metadata = _step_attention_metadata()
+        tokens = input_ids if input_ids is not None else inputs_embeds
+        if self._step is None or metadata is None or tokens is None or metadata.sampled_rows is None \
+                or tokens.shape[0] != metadata.num_actual_tokens:
+            return None
+        return metadata
 
     def _prepare_input_ids(self, scheduler_output: Any, num_reqs: int, total_num_scheduled_tokens: int,
                            cu_num_tokens: np.ndarray) -> None:
@@ -332,39 +370,56 @@ class PjrtModelRunner(CPUModelRunner):
         argmax, in one program after the forward's, the rows' indices from the attention metadata's transfer:
         only the tokens (or the sampled rows' logits) come back to the host. None where vLLM reads the hidden
         states itself (drafts, prompt logprobs, pooling) or the metadata's rows are not vLLM's."""
-        if logits_indices is None or not isinstance(hidden_states, torch.Tensor):
+        if not isinstance(hidden_states, torch.Tensor):
             return None
         metadata = _step_attention_metadata()
-        if metadata is None or metadata.sampled_rows_host is None \
+        rows = None if metadata is None else self._rows_vllm_samples(metadata, logits_indices)
+        if rows is None:
+            return None
+        return self._sampled_rows_program(hidden_states, metadata, rows, self._only_argmax_samples())
+
+    def _rows_vllm_samples(self, metadata: PjrtAttentionMetadata, logits_indices: torch.Tensor | None) -> int | None:
+        """How many of the metadata's sampled rows vLLM samples from (the rest pad them to a bucket); None when
+        they are not the rows vLLM gathers (drafts, prompt logprobs, pooling read the hidden states)."""
+        if logits_indices is None or metadata.sampled_rows_host is None \
                 or not np.array_equal(metadata.sampled_rows_host, logits_indices.numpy()):
             return None
-        rows = self._sampled_rows or logits_indices.shape[0]
-        return self._sampled_rows_program(hidden_states, metadata, rows, self._only_argmax_samples())
+        return self._sampled_rows or logits_indices.shape[0]
 
     def _sampled_rows_program(self, hidden_states: torch.Tensor, metadata: PjrtAttentionMetadata, rows: int,
                               greedy: bool) -> SampledInProgram:
         """The metadata's sampled rows' logits (their first `rows`), or their argmax when `greedy`, as one
-        fused program."""
+        fused program (the eager path's; the compile path's step program computes both)."""
         with torch.pjrt.set_eager_mode(EagerMode.DEFER_AND_FUSE):
             logits = self._compute_logits(hidden_states[metadata.sampled_rows])
-            if greedy:
-                tokens = logits.argmax(-1).to(torch.int32)
-                if not self.use_async_scheduling:
-                    return SampledInProgram(logits=None, tokens=tokens.cpu()[:rows])
-            elif not self.samples_on_device:
-                logits = logits.cpu()
-        if greedy:  # dispatched as the mode's context closed; the host copies them when the engine asks
+            tokens = logits.argmax(-1).to(torch.int32) if greedy else None
+        # dispatched as the mode's context closed
+        return self._sampled(None if greedy else logits, tokens, rows)
+
+    def _sampled(self, logits: torch.Tensor | None, tokens: torch.Tensor | None, rows: int) -> SampledInProgram:
+        """The first `rows` of the device's greedy `tokens` (on the host; under async scheduling, copied when the
+        engine asks) or else of the sampled rows' `logits`, where vLLM's sampler reads them."""
+        if tokens is not None:
+            if not self.use_async_scheduling:
+                return SampledInProgram(logits=None, tokens=tokens.cpu()[:rows])
             return SampledInProgram(logits=None, tokens=tokens[:rows], padded_tokens=tokens)
+        assert logits is not None
+        if not self.samples_on_device:
+            logits = logits.cpu()
         return SampledInProgram(logits=logits[:rows], tokens=None)
 
-    def _sample_warm_up_rows(self, hidden_states: Any) -> None:
-        """The warm-up batch's programs after the forward, as a step of that batch runs them (see
-        warming_up_model): the greedy one, and the one that brings the sampled rows' logits back for vLLM's
-        sampler (any request with a temperature, logprobs or penalties)."""
+    def _warm_up_forward(self, model: torch.nn.Module, **inputs: Any) -> Any:
+        """The warm-up batch's programs, as a step of that batch runs them (see warming_up_model): the step
+        program; or, where there is none, the forward and the fused programs after it, the greedy one and the
+        one that brings the sampled rows' logits back for vLLM's sampler (a temperature, logprobs, penalties)."""
         metadata = _step_attention_metadata()
+        if self._step_program_metadata(inputs.get("input_ids"), inputs.get("inputs_embeds")) is not None:
+            return self._run_step(metadata, **inputs)[0]
+        hidden_states = model(**inputs)
         if isinstance(hidden_states, torch.Tensor) and metadata is not None and metadata.sampled_rows is not None:
             for greedy in (True, False):
                 self._sampled_rows_program(hidden_states, metadata, metadata.sampled_rows.shape[0], greedy=greedy)
+        return hidden_states
 
     def _only_argmax_samples(self) -> bool:
         """Whether vLLM's sampler, given this batch's metadata, would return its logits' argmax and nothing
@@ -421,22 +476,42 @@ def _shipped_with_attention(input_ids: torch.Tensor | None,
 
 
 class InputsOnDevice:
-    """The model as vLLM's dummy run calls it, its token ids and positions on the device first (`to_device`:
-    as a step's forward takes them), and its output handed to `then` inside the run's forward context (where
-    the step's attention metadata is); every other attribute the model's."""
+    """The model as vLLM's dummy run calls it: its token ids and positions on the device first (`to_device`: as
+    a step's forward takes them), then run by `forward` inside the run's forward context (where the step's
+    attention metadata is); every other attribute the model's."""
 
-    def __init__(self, model: torch.nn.Module, to_device: Any, then: Any) -> None:
-        self.model, self.to_device, self.then = model, to_device, then
+    def __init__(self, model: torch.nn.Module, to_device: Any, forward: Any) -> None:
+        self.model, self.to_device, self.forward = model, to_device, forward
 
     def __call__(self, input_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None,
                  **kwargs: Any) -> Any:
         input_ids, positions = self.to_device(input_ids, positions)
-        output = self.model(input_ids=input_ids, positions=positions, **kwargs)
-        self.then(output)
-        return output
+        return self.forward(input_ids=input_ids, positions=positions, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.model, name)
+
+
+@support_torch_compile(dynamic_arg_dims={"input_ids": 0, "positions": -1, "sampled_rows": 0, "inputs_embeds": 0})
+class StepProgram(torch.nn.Module):
+    """A greedy decoding step as one program on vLLM's compile path (as vLLM's TPU runner compiles its step):
+    the model's forward, the sampled rows' gather, the lm head and their argmax, traced once by vLLM's Dynamo
+    wrapper (guards dropped; the model's own compiled wrapper is inlined) and compiled by the pjrt backend per
+    (token, context, sampled rows) bucket. It returns the hidden states (for what vLLM reads of them), the
+    sampled rows' logits (for vLLM's sampler) and their greedy tokens: one launch and one wait a step, the
+    runner bringing back only what the batch's sampling needs."""
+
+    def __init__(self, *, vllm_config: Any, prefix: str = "", model: torch.nn.Module, compute_logits: Any) -> None:
+        super().__init__()
+        self.model, self.compute_logits = model, compute_logits
+
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, sampled_rows: torch.Tensor,
+                intermediate_tensors: Any = None, inputs_embeds: torch.Tensor | None = None,
+                **model_kwargs: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        hidden_states = self.model(input_ids=input_ids, positions=positions, intermediate_tensors=intermediate_tensors,
+                                   inputs_embeds=inputs_embeds, **model_kwargs)
+        logits = self.compute_logits(hidden_states[sampled_rows])
+        return hidden_states, logits, logits.argmax(-1).to(torch.int32)
 
 
 @dataclasses.dataclass
