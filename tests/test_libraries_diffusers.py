@@ -277,6 +277,47 @@ def test_wan_animate_gets_a_segment_with_its_pose_latents_and_face_video() -> No
     assert not torch.allclose(before, after)  # the face video reaches the output
 
 
+def test_packed_multimodal_transformers_get_their_pipelines_layout() -> None:
+    """MiniMax-H3 gets its layout step's packed sequence (text, a keyframe, stereo audio, video) with its timestep
+    step's per-row timesteps; Cosmos 3 Omni its text and vision segments, the conditioning frame left out of the
+    prediction; in both the video's prediction depends on the other rows of the sequence."""
+    from torch_pjrt.cli import zoo, zoo_catalog
+
+    def built(name: str) -> tuple[torch.nn.Module, dict]:
+        return zoo.build_case(zoo_catalog.Case(name, "transformer", "diffusion", model_class=name,
+                                                    library="diffusers"))
+
+    def video_output(model: torch.nn.Module, inputs: dict) -> torch.Tensor:
+        with torch.no_grad():
+            return model(**inputs, return_dict=False)[0]
+
+    minimax, inputs = built("MiniMaxH3Transformer3DModel")
+    rows = inputs["position_ids"].shape[0]
+    indices = torch.cat([inputs["text_indices"], inputs["video_indices"], inputs["audio_indices"]])
+    assert sorted(indices.tolist()) == list(range(rows)) and inputs["token_tags"].shape == (rows,)
+    assert (inputs["token_tags"][inputs["audio_indices"]] == 2).all()
+    assert (inputs["token_tags"][inputs["video_indices"]] == 0).all()
+    row_times = inputs["timestep"][inputs["timestep_indices"]]
+    video_times, audio_times = row_times[inputs["video_indices"]], row_times[inputs["audio_indices"]]
+    assert 0 < (video_times == 0.999).sum() < video_times.numel()  # the keyframe's rows, held near clean
+    assert (audio_times == audio_times[0]).all() and not (video_times == audio_times[0]).any()
+    assert inputs["timestep"].numel() == 3 and 0 < inputs["timestep"].min() and inputs["timestep"].max() <= 1
+    before = video_output(minimax, inputs)
+    after = video_output(minimax, inputs | {"audio_hidden_states": torch.randn_like(inputs["audio_hidden_states"])})
+    assert before.shape == inputs["hidden_states"].shape and not torch.allclose(before, after)
+
+    cosmos, inputs = built("Cosmos3OmniTransformer")
+    assert inputs["position_ids"].shape == (3, inputs["sequence_length"])
+    frames, height, width = inputs["vision_token_shapes"][0]
+    assert inputs["vision_noisy_frame_indexes"][0].tolist() == list(range(1, frames))
+    noisy_patches = (frames - 1) * height * width
+    assert inputs["vision_mse_loss_indexes"].numel() == inputs["vision_timesteps"].numel() == noisy_patches
+    before = video_output(cosmos, inputs)[0]
+    after = video_output(cosmos, inputs | {"input_ids": torch.randint_like(inputs["input_ids"], 1000)})[0]
+    assert before.shape == inputs["vision_tokens"][0].shape and before[:, :, 0].abs().max() == 0
+    assert not torch.allclose(before, after)  # the generation stream reads the prompt
+
+
 def test_a_fixed_zoo_slice_matches_cpu() -> None:
     from torch_pjrt.cli import zoo
 

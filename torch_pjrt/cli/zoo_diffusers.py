@@ -586,6 +586,63 @@ def _wan_animate(config: dict[str, Any]) -> dict[str, Any]:
             "encoder_hidden_states": torch.randn(BATCH, TEXT_TOKENS, config["text_dim"])}
 
 
+def _minimax_h3(config: dict[str, Any]) -> dict[str, Any]:
+    """MiniMax-H3's pipeline for a first-frame request: the packed sequence [text | keyframe rows | stereo audio rows,
+    channel-major | video rows] with the (t, h, w) rotary grid, modality tags and row indices its layout step builds
+    (2 of the prompt's rows are the keyframe's vision block, tagged video), and its timestep step's distinct timesteps
+    with each row's index into them (video and audio on their own schedules in [0, 1], the keyframe held at 0.999).
+    The grid is float32, as the pipeline sends it to a device without float64 (the model's rotary casts to it)."""
+    from diffusers.modular_pipelines.minimax_h3.before_denoise import (
+        MiniMaxH3PrepareLayoutStep,
+        MiniMaxH3SetTimestepsStep,
+    )
+    from diffusers.modular_pipelines.minimax_h3.modular_pipeline import (
+        MINIMAX_H3_AUDIO_CHANNELS,
+        MINIMAX_H3_AUDIO_TAG,
+        MINIMAX_H3_TEXT_TAG,
+        MINIMAX_H3_VIDEO_TAG,
+    )
+
+    text_tags = torch.full((TEXT_TOKENS,), MINIMAX_H3_TEXT_TAG)
+    text_tags[2:4] = MINIMAX_H3_VIDEO_TAG
+    patch, side = tuple(config["patch_size"]), SIDE // 2
+    positions, tags, video, audio, text, keyframe_rows, _ = MiniMaxH3PrepareLayoutStep.build_packed_sequence(
+        text_tags, FRAMES[1], side, side, TEXT_TOKENS, patch, MINIMAX_H3_AUDIO_CHANNELS, MINIMAX_H3_AUDIO_TAG,
+        MINIMAX_H3_VIDEO_TAG, ("first",))
+    video_time, audio_time = (_timestep()[:2] / 1000).tolist()
+    timesteps, indices = MiniMaxH3SetTimestepsStep.build_row_timesteps(
+        video, audio, keyframe_rows, 0, TEXT_TOKENS, video_time, audio_time, max(video_time, 0.999), 1.0)
+    return {"hidden_states": torch.randn(BATCH, video.numel(), config["in_channels"] * patch[0] * patch[1] * patch[2]),
+            "audio_hidden_states": torch.randn(BATCH, audio.numel(), config["audio_in_channels"]),
+            "encoder_hidden_states": torch.randn(BATCH, TEXT_TOKENS, config["text_dim"]),
+            "timestep": timesteps, "timestep_indices": indices, "token_tags": tags, "position_ids": positions.float(),
+            "video_indices": video, "audio_indices": audio, "text_indices": text}
+
+
+def _cosmos3_omni(model: nn.Module) -> dict[str, Any]:
+    """Cosmos 3's image-to-video pipeline, the conditional pass of one step: the prompt's token ids, then the latent
+    video's patches (its first latent frame the conditioning image's: no timestep, no prediction), the joint
+    sequence's mRoPE positions (fps-modulated video time after the text and its modality margin) as its text and
+    vision segment builders make them, and the step's timestep for every noisy patch."""
+    from types import SimpleNamespace
+
+    from diffusers.pipelines.cosmos.pipeline_cosmos3_omni import Cosmos3OmniPipeline
+
+    pipeline = SimpleNamespace(transformer=model, vae_scale_factor_temporal=4)  # its Wan 2.2 VAE's (the default)
+    prompt = torch.randint(0, model.config.vocab_size, (TEXT_TOKENS,)).tolist()
+    text = Cosmos3OmniPipeline._prepare_text_segment(pipeline, prompt, "cpu")
+    latents = torch.randn(1, model.config.latent_channel, FRAMES[1], SIDE // 2, SIDE // 2)
+    vision = Cosmos3OmniPipeline._prepare_vision_segment(
+        pipeline, latents, has_image_condition=True, mrope_offset=text["vision_start_temporal_offset"],
+        vision_fps=float(model.config.base_fps), curr=text["und_len"], device="cpu", condition_frame_indexes=[0])
+    return {"input_ids": text["input_ids"], "text_indexes": text["text_indexes"], "und_len": text["und_len"],
+            "position_ids": torch.cat([text["text_mrope_ids"], vision["vision_mrope_ids"]], dim=1),
+            "sequence_length": text["und_len"] + vision["num_vision_tokens"], "vision_tokens": [latents],
+            "vision_timesteps": torch.full((vision["num_noisy_vision_tokens"],), float(_timestep()[0])),
+            **{name: vision[name] for name in ("vision_token_shapes", "vision_sequence_indexes",
+                                               "vision_mse_loss_indexes", "vision_noisy_frame_indexes")}}
+
+
 # Inputs of classes whose forward the generic rules cannot feed (a batch of frames, a condition of its own shape),
 # built from the config by the model's own conventions (as its pipeline passes them); the generic rules fill in the
 # arguments a rule leaves out.
@@ -717,6 +774,7 @@ CLASS_INPUTS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "AnyFlowFARTransformer3DModel": lambda config: _anyflow(config) | {"chunk_partition": [1] * FRAMES[1]},
     "HunyuanVideoFramepackTransformer3DModel": lambda config: _framepack(config),
     "WanAnimateTransformer3DModel": _wan_animate,
+    "MiniMaxH3Transformer3DModel": _minimax_h3,
     # A latent video and the prompt's states once per frame (AnimateDiff's pipeline repeats them).
     "UNetMotionModel": lambda config: {
         "sample": torch.randn(BATCH, config["in_channels"], FRAMES[1], SIDE, SIDE),
@@ -746,6 +804,7 @@ def _ltx2_compression(config: Any, axis: str) -> int:
 
 # Inputs a pipeline asks the model itself for (a rotary table its own position embedding builds).
 MODEL_INPUTS: dict[str, Callable[[nn.Module], dict[str, Any]]] = {
+    "Cosmos3OmniTransformer": _cosmos3_omni,
     # Video VAEs whose compression sets the smallest video they take. LTX-2's: 1 + 8k frames and a latent 2 wide
     # (its 3x3 reflect padding needs 2), at 32x spatial compression 64 pixels.
     "AutoencoderKLLTX2Video": lambda model: {"sample": torch.randn(
