@@ -318,6 +318,26 @@ def test_packed_multimodal_transformers_get_their_pipelines_layout() -> None:
     assert not torch.allclose(before, after)  # the generation stream reads the prompt
 
 
+def test_wan_animate_2_runs_a_segment_through_its_kv_cache() -> None:
+    """Wan Animate 2 runs as its pipeline runs a segment: the reference pass over the driving video fills a new KV
+    cache, which the denoising step of the segment (one frame longer: the reference image's) reads through the block
+    mask built for that call; the driving video reaches the output only through that cache."""
+    from torch_pjrt.cli import zoo, zoo_catalog, zoo_diffusers
+
+    name = "WanAnimate2Transformer3DModel"
+    model, inputs = zoo.build_case(zoo_catalog.Case(name, "transformer", "diffusion", model_class=name,
+                                                    library="diffusers"))
+    assert isinstance(model, zoo_diffusers.WanAnimate2Segment)
+    frames = inputs["driving_latents"].shape[1]
+    assert inputs["latents"].shape[1] == inputs["reference_latents"].shape[1] == frames + 1
+    assert inputs["reference_grid_sizes"].tolist() == [[frames, *(s // 2 for s in inputs["latents"].shape[2:])]]
+    with torch.no_grad():
+        before = model(**inputs).sample[0]
+        assert len(model.transformer.block_masks) == 1
+        after = model(**inputs | {"driving_latents": torch.randn_like(inputs["driving_latents"])}).sample[0]
+    assert before.shape == inputs["latents"].shape and not torch.allclose(before, after)
+
+
 def test_a_fixed_zoo_slice_matches_cpu() -> None:
     from torch_pjrt.cli import zoo
 

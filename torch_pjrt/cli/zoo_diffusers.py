@@ -11,6 +11,7 @@ devices run. A class none fits is skipped with the CPU error of the last candida
 from __future__ import annotations
 
 import inspect
+import math
 import re
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
@@ -643,6 +644,31 @@ def _cosmos3_omni(model: nn.Module) -> dict[str, Any]:
                                                "vision_mse_loss_indexes", "vision_noisy_frame_indexes")}}
 
 
+def _wan_animate_2(config: dict[str, Any]) -> dict[str, Any]:
+    """Wan Animate 2's pipeline, one segment of 1 + 4 (T - 1) frames at a 16x16 latent (128 pixels): the driving
+    video's T latent frames with their conditioning (the i2v mask's 4 channels over the whole segment, then latents),
+    the noisy latents of T + 1 frames (the reference image's first) with theirs (the mask over the reference image's
+    frame), the prompt, CLIP image tokens, the step's timestep, the driving video's patch grid, and the frame count and
+    pixel size of the video its block mask spans."""
+    from diffusers.modular_pipelines.wan_animate_2.encoders import get_i2v_mask
+
+    frames, side, latent = FRAMES[1], SIDE // 2, config["out_dim"]
+
+    def condition(count: int, masked_pixel_frames: int) -> torch.Tensor:
+        mask = get_i2v_mask(count, side, side, masked_pixel_frames, device="cpu")
+        return torch.cat([mask, torch.randn(config["in_dim"] - latent - len(mask), count, side, side)])
+
+    return {"latents": torch.randn(latent, frames + 1, side, side), "reference_latents": condition(frames + 1, 1),
+            "driving_latents": torch.randn(latent, frames, side, side),
+            "driving_condition": condition(frames, 1 + 4 * (frames - 1)),
+            "encoder_hidden_states": torch.randn(TEXT_TOKENS, config["text_dim"]),
+            "encoder_hidden_states_image": torch.randn(1, TEXT_TOKENS, 1280),  # its CLIP's width, fixed in the model
+            "timestep": _timestep()[:1],
+            "reference_grid_sizes": torch.tensor([[frames, side // config["patch_size"][1],
+                                                   side // config["patch_size"][2]]]),
+            "origin_len": 1 + 4 * (frames - 1), "origin_area": [side * 8, side * 8]}
+
+
 # Inputs of classes whose forward the generic rules cannot feed (a batch of frames, a condition of its own shape),
 # built from the config by the model's own conventions (as its pipeline passes them); the generic rules fill in the
 # arguments a rule leaves out.
@@ -775,6 +801,7 @@ CLASS_INPUTS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "HunyuanVideoFramepackTransformer3DModel": lambda config: _framepack(config),
     "WanAnimateTransformer3DModel": _wan_animate,
     "MiniMaxH3Transformer3DModel": _minimax_h3,
+    "WanAnimate2Transformer3DModel": _wan_animate_2,
     # A latent video and the prompt's states once per frame (AnimateDiff's pipeline repeats them).
     "UNetMotionModel": lambda config: {
         "sample": torch.randn(BATCH, config["in_channels"], FRAMES[1], SIDE, SIDE),
@@ -1055,6 +1082,41 @@ def _build_fused(adapter_class: Callable[..., nn.Module]) -> tuple[nn.Module, di
     return model, synthesize_inputs(model, fusion.fed_as)
 
 
+class WanAnimate2Segment(nn.Module):
+    """One segment of Wan Animate 2's pipeline as one call: its reference pass over the driving video's segment fills
+    a new KV cache, then one denoising step of the segment's latents attends to that cache through the model's
+    in-context block mask, as its denoise loop runs them (the mask, which the model keeps, is rebuilt at each call, so
+    it is on the device the call runs on)."""
+
+    def __init__(self, transformer: nn.Module) -> None:
+        super().__init__()
+        self.transformer = transformer
+        self.config = transformer.config
+
+    def forward(self, latents: torch.Tensor, reference_latents: torch.Tensor, driving_latents: torch.Tensor,
+                driving_condition: torch.Tensor, encoder_hidden_states: torch.Tensor,
+                encoder_hidden_states_image: torch.Tensor, timestep: torch.Tensor, reference_grid_sizes: torch.Tensor,
+                origin_len: int, origin_area: list[int]) -> Any:
+        from diffusers.models.transformers.transformer_wan_animate_2 import WanAnimate2KVCache
+
+        def tokens(video: torch.Tensor) -> int:  # the patches of a (channels, frames, height, width) latent
+            return math.prod(size // step for size, step in zip(video.shape[1:], self.config.patch_size))
+
+        self.transformer.block_masks.clear()
+        shared = {"encoder_hidden_states": [encoder_hidden_states], "timestep": timestep,
+                  "encoder_hidden_states_image": encoder_hidden_states_image,
+                  "kv_cache": WanAnimate2KVCache(self.config.num_layers)}
+        self.transformer([driving_latents], condition_latents=[driving_condition], kv_cache_mode="extract",
+                         seq_len=tokens(driving_latents), offset_grid_sizes=reference_grid_sizes, **shared)
+        return self.transformer([latents], condition_latents=[reference_latents], kv_cache_mode="cached",
+                                seq_len=tokens(latents), reference_grid_sizes=reference_grid_sizes,
+                                origin_len=origin_len, origin_area=origin_area, **shared)
+
+
+# Classes whose pipeline runs the model in more than one call per step: the zoo runs the module that makes those calls.
+PIPELINE_CALLS: dict[str, Callable[[nn.Module], nn.Module]] = {"WanAnimate2Transformer3DModel": WanAnimate2Segment}
+
+
 # What a class's pipeline calls on the model before running it.
 PIPELINE_SETUP: dict[str, Callable[[nn.Module], None]] = {
     "AutoencoderKLAllegro": lambda model: model.enable_tiling(),  # its forward has no untiled path
@@ -1081,4 +1143,5 @@ def _build_small(model_class: Callable[..., nn.Module], name: str, heads: bool) 
     randomize_constant_matrices(model, 0.02)  # zero-initialised output projections would hide the whole model
     model = model.float().eval()
     PIPELINE_SETUP.get(name, lambda model: None)(model)
+    model = PIPELINE_CALLS.get(name, lambda model: model)(model)
     return model, synthesize_inputs(model, name)
