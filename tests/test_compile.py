@@ -584,3 +584,22 @@ def test_the_default_backend_compiles_pjrt_graphs_with_pjrt_and_leaves_cpu_graph
     with pytest.warns(UserWarning, match="Inductor's settings do not apply"):
         tuned = torch.compile(fn, mode="max-autotune-no-cudagraphs")
         torch.testing.assert_close(tuned(x.to("pjrt"), w.to("pjrt")).cpu(), fn(x, w))
+
+
+def test_an_op_with_no_lowering_inside_a_compiled_graph_is_named_with_what_to_do() -> None:
+    """Inside one graph's program the eager CPU fallback cannot run the op: the error names it and the remedy
+    (that code outside torch.compile), not a bare MissingLowering from the trace."""
+    torch._dynamo.reset()
+
+    def distinct_doubled(x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._unique(x * 2)[0].sum() + 1
+
+    x = torch.randint(0, 5, (16,)).float()
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        compiled = torch.compile(distinct_doubled, backend="pjrt", fullgraph=True)
+        with pytest.raises(NotImplementedError, match=r"no lowering for aten::_unique\.default .*inside a "
+                                                      r"torch\.compile graph.*TORCH_PJRT_CPU_FALLBACK=1"):
+            compiled(x.to("pjrt"))
+    torch._dynamo.reset()
+    with torch_pjrt.cpu_fallback():  # the remedy it names: the same code eagerly
+        torch.testing.assert_close(distinct_doubled(x.to("pjrt")).cpu(), distinct_doubled(x))

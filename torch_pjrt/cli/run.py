@@ -102,8 +102,8 @@ class Recorder:
                 self.fallbacks[str(op)] = OpSite(str(op), *self.user.stack_site())
             return run_on_cpu(op, args, kwargs)
 
-        def recording_missing_message(op: Any) -> str:
-            message = missing_message(op)
+        def recording_missing_message(op: Any, compiled: bool = False) -> str:
+            message = missing_message(op, compiled)
             name = MISSING_LOWERING.search(message)
             key = name.group(1) if name else str(op)
             if key not in self.unsupported:

@@ -28,7 +28,7 @@ import torch.fx
 
 from torch_pjrt import _torch_private, storage
 from torch_pjrt.compile import native_call, padding, warm_start
-from torch_pjrt.eager import dynamic, modes
+from torch_pjrt.eager import dynamic, fallback, modes
 from torch_pjrt.ops import arguments, graph, linalg, registry
 from torch_pjrt.runtime import checks, client, disk_store, metrics, programs, rng, spmd
 
@@ -477,15 +477,18 @@ class CompiledGraph:
         out_buckets = () if padded is None else self._out_buckets(values)
         donated = _donated(flats, sorted({signature[index][1] for index, _ in self.mutations
                                           if signature[index][0] == "pjrt"}))
-        found = self._program(tuple(signature), padded, (flats, donated, hosts, key, true), out_buckets)
-        replayable = padded is None and self.mesh is None and not self.bounds and not self.symbolic_constants
-        slot_shapes = None
-        if replayable and not found.planned:
-            arrays = list(flats)
-            for slot, flat in zip(found.written, donated):
-                arrays[slot] = flat
-            slot_shapes = [tuple(array.shape) for array in arrays]
-        tensors, written, host_updates, code = found.program.call(flats, donated, hosts, key, true)
+        try:  # a new signature's program is traced here, by its export or by its first call
+            found = self._program(tuple(signature), padded, (flats, donated, hosts, key, true), out_buckets)
+            replayable = padded is None and self.mesh is None and not self.bounds and not self.symbolic_constants
+            slot_shapes = None
+            if replayable and not found.planned:
+                arrays = list(flats)
+                for slot, flat in zip(found.written, donated):
+                    arrays[slot] = flat
+                slot_shapes = [tuple(array.shape) for array in arrays]
+            tensors, written, host_updates, code = found.program.call(flats, donated, hosts, key, true)
+        except registry.MissingLowering as missing:
+            raise NotImplementedError(fallback.missing_message(missing.op, compiled=True)) from None
         if code is not None:
             _issue_checks(tuple(found.checks), code)
         # After the inputs were read: the eager part writes into CPU inputs the program reads as they were.

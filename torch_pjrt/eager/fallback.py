@@ -28,11 +28,19 @@ def cpu_fallback(enabled: bool = True) -> Iterator[None]:
         yield
 
 
-def missing_message(op: torch._ops.OpOverload) -> str:
+def missing_message(op: torch._ops.OpOverload, compiled: bool = False) -> str:
+    """What a user reads for an op with no lowering; in a torch.compile graph the CPU fallback does not apply
+    (the whole graph is one program), so the remedy names running that code eagerly."""
+    name = f"{op._schema.name}.{op._overloadname or 'default'}"
+    if compiled:
+        return (
+            f"torch_pjrt has no lowering for {name} on pjrt tensors, inside a torch.compile graph; run that code "
+            "outside torch.compile, where TORCH_PJRT_CPU_FALLBACK=1 or `with torch_pjrt.cpu_fallback():` runs "
+            "the op on CPU, and please report the op."
+        )
     return (
-        f"torch_pjrt has no lowering for {op._schema.name}.{op._overloadname or 'default'} on pjrt "
-        "tensors; set TORCH_PJRT_CPU_FALLBACK=1 or wrap the code in `with torch_pjrt.cpu_fallback():` "
-        "to run it on CPU, and please report the op."
+        f"torch_pjrt has no lowering for {name} on pjrt tensors; set TORCH_PJRT_CPU_FALLBACK=1 or wrap the "
+        "code in `with torch_pjrt.cpu_fallback():` to run it on CPU, and please report the op."
     )
 
 
