@@ -448,3 +448,16 @@ def test_padded_forms_stored_in_the_cache_folder_serve_later_processes(tmp_path:
         shutil.rmtree(tmp_path / kind, ignore_errors=True)
     hits, writes, compiles = _stored_forms_run(tmp_path, "fused", 3)
     assert hits > 0 and writes == 0 and compiles > 0
+
+
+def test_attention_whose_mask_alone_is_padded_runs_at_true_sizes_with_cpus_values() -> None:
+    """A marked (padded) attention mask against queries and keys of a fixed length (TRL's GRPO generation
+    met it): the one-op attention cannot pad, so it runs at the true sizes, with CPU's values."""
+    q, k, v = (torch.randn(2, 4, 10, 8) for _ in range(3))
+    mask = torch.randn(2, 1, 10, 10)
+    marked = mask.to("pjrt")
+    torch_pjrt.mark_dynamic(marked, 2, min=1, max=64)
+    torch_pjrt.mark_dynamic(marked, 3, min=1, max=64)
+    with pytest.warns(UserWarning, match="mask is padded where its queries or keys have a fixed length"):
+        found = F.scaled_dot_product_attention(q.to("pjrt"), k.to("pjrt"), v.to("pjrt"), attn_mask=marked)
+    torch.testing.assert_close(found.cpu(), F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
