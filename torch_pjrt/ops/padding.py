@@ -398,11 +398,9 @@ class PaddedInterpreter:
         query, key, value = metas[first:first + 3]
         if any(isinstance(size, torch.SymInt) for t in (query, key, value) for size in (*t.shape[:2], t.shape[-1])):
             raise CannotPad("attention over a dynamic batch, head or feature dimension")
-        bias_shape = None if metas[first + 3] is None else metas[first + 3].shape
-        fixed = ((-2, query.shape[2]), (-1, key.shape[2]))
-        padded_only_in_bias = [isinstance(bias_shape[axis], torch.SymInt) and not isinstance(length, torch.SymInt)
-                               for axis, length in fixed] if bias_shape is not None else []
-        if any(padded_only_in_bias):
+        mask = metas[first + 3]
+        if mask is not None and any(isinstance(mask.shape[axis], torch.SymInt) and not isinstance(length, torch.SymInt)
+                                    for axis, length in ((-2, query.shape[2]), (-1, key.shape[2]))):
             raise CannotPad("attention whose mask is padded where its queries or keys have a fixed length")
         zeroed = [_fill(a, m, self.sizes, 0) for a, m in zip(args[:first + 3], metas[:first + 3])]
         if not first:
