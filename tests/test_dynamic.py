@@ -450,14 +450,29 @@ def test_padded_forms_stored_in_the_cache_folder_serve_later_processes(tmp_path:
     assert hits > 0 and writes == 0 and compiles > 0
 
 
-def test_attention_whose_mask_alone_is_padded_runs_at_true_sizes_with_cpus_values() -> None:
+@pytest.mark.parametrize("mask_dtype", [torch.float32, torch.bool])
+def test_attention_whose_mask_alone_is_padded_pads_queries_and_keys_to_it_with_cpus_values(mask_dtype) -> None:
     """A marked (padded) attention mask against queries and keys of a fixed length (TRL's GRPO generation
-    met it): the one-op attention cannot pad, so it runs at the true sizes, with CPU's values."""
-    q, k, v = (torch.randn(2, 4, 10, 8) for _ in range(3))
-    mask = torch.randn(2, 1, 10, 10)
-    marked = mask.to("pjrt")
-    torch_pjrt.mark_dynamic(marked, 2, min=1, max=64)
-    torch_pjrt.mark_dynamic(marked, 3, min=1, max=64)
-    with pytest.warns(UserWarning, match="mask is padded where its queries or keys have a fixed length"):
-        found = F.scaled_dot_product_attention(q.to("pjrt"), k.to("pjrt"), v.to("pjrt"), attn_mask=marked)
-    torch.testing.assert_close(found.cpu(), F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+    met it): they are padded to the mask's bucket (no warning that the op runs at its true sizes), and the
+    output and every gradient, the float mask's included, equal CPU's."""
+    q, k, v = (torch.randn(2, 4, 10, 8, requires_grad=True) for _ in range(3))
+    if mask_dtype == torch.bool:
+        mask = torch.rand(2, 1, 10, 10) > 0.3
+        mask[..., 0] = True
+    else:
+        mask = torch.randn(2, 1, 10, 10, requires_grad=True)
+    marked = mask.detach().to("pjrt").requires_grad_(mask.requires_grad)
+    torch_pjrt.mark_dynamic(marked, 2, min=2, max=64)
+    torch_pjrt.mark_dynamic(marked, 3, min=2, max=64)
+    on_device = [t.detach().to("pjrt").requires_grad_() for t in (q, k, v)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        found = F.scaled_dot_product_attention(*on_device, attn_mask=marked)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    torch.testing.assert_close(found.cpu(), want)
+    grad = torch.randn_like(want)
+    found.backward(grad.to("pjrt"))
+    want.backward(grad)
+    pairs = list(zip(on_device, (q, k, v))) + ([(marked, mask)] if mask.requires_grad else [])
+    for got, expected in pairs:
+        torch.testing.assert_close(got.grad.cpu(), expected.grad, atol=1e-5, rtol=1e-4)

@@ -196,6 +196,14 @@ def _fill(value: Any, meta: Any, sizes: Sizes, fill: Any) -> Any:
     return jnp.where(mask, value, jnp.asarray(fill, value.dtype))
 
 
+def _grown(value: Any, axis: int, width: int) -> Any:
+    """The value with zeros after its elements along the axis, up to `width` of them."""
+    jnp = client.jax_module().numpy
+    widths = [(0, 0)] * value.ndim
+    widths[axis] = (0, width - value.shape[axis])
+    return jnp.pad(value, widths)
+
+
 def _metas(node: torch.fx.Node) -> list[Any]:
     return [arg.meta.get("val") if isinstance(arg, torch.fx.Node) else None for arg in node.args]
 
@@ -392,27 +400,48 @@ class PaddedInterpreter:
     def _attention(self, op, node, metas, args, kwargs, rng):
         """One-op attention (or its backward) over padded sequences: padded keys, values and bias entries
         are zeros, the keys masked out of every query's softmax; padded queries give padded rows, and in
-        the backward their gradient rows are zeros, so they add nothing to the keys' and values' gradients."""
+        the backward their gradient rows are zeros, so they add nothing to the keys' and values' gradients.
+        Queries or keys of a fixed length under a mask padded along them (its true size is their length)
+        are padded to the mask's size with zeros too, and the results cut back to that fixed length, so
+        the mask is never unpadded and one program serves every size of its bucket."""
         jnp = client.jax_module().numpy
         first = 1 if op is attention.fused_attention_backward_op else 0  # (the backward's grad_output)
         query, key, value = metas[first:first + 3]
         if any(isinstance(size, torch.SymInt) for t in (query, key, value) for size in (*t.shape[:2], t.shape[-1])):
             raise CannotPad("attention over a dynamic batch, head or feature dimension")
         mask = metas[first + 3]
-        if mask is not None and any(isinstance(mask.shape[axis], torch.SymInt) and not isinstance(length, torch.SymInt)
-                                    for axis, length in ((-2, query.shape[2]), (-1, key.shape[2]))):
-            raise CannotPad("attention whose mask is padded where its queries or keys have a fixed length")
+        # the width the queries (rows) and the keys (columns) are padded to here, None where they are not
+        rows, columns = (self.sizes.pad(mask.shape[axis]) if mask is not None and isinstance(mask.shape[axis],
+                         torch.SymInt) and not isinstance(length, torch.SymInt) else None
+                         for axis, length in ((-2, query.shape[2]), (-1, key.shape[2])))
+        if any(width is not None and width < length for width, length in ((rows, query.shape[2]),
+                                                                           (columns, key.shape[2]))):
+            raise CannotPad("attention whose mask is padded to fewer positions than its fixed queries or keys")
         zeroed = [_fill(a, m, self.sizes, 0) for a, m in zip(args[:first + 3], metas[:first + 3])]
         if not first:
             zeroed[0] = args[0]  # (a padded query row only makes a padded output row)
+        for i in range(first + 3):  # grad_output and query along rows, key and value along columns
+            width = rows if i <= first else columns
+            if width is not None:
+                zeroed[i] = _grown(zeroed[i], 2, width)
         bias = args[first + 3]
         if bias is not None:
             bias = _fill(bias, metas[first + 3], self.sizes, 0)
-        if isinstance(key.shape[2], torch.SymInt):
-            valid = jnp.arange(zeroed[first + 1].shape[2]) < self.sizes.real(key.shape[2])
+        if isinstance(key.shape[2], torch.SymInt) or columns is not None:
+            true_keys = key.shape[2] if columns is not None else self.sizes.real(key.shape[2])
+            valid = jnp.arange(zeroed[first + 1].shape[2]) < true_keys
             bias = valid if bias is None else (bias & valid if bias.dtype == jnp.bool_
                                                else jnp.where(valid, bias, -jnp.inf))
-        return self._plain(op, node, metas, (*zeroed, bias, *args[first + 4:]), kwargs, rng)
+        args = (*zeroed, bias, *args[first + 4:])
+        if rows is None and columns is None:
+            return self._plain(op, node, metas, args, kwargs, rng)
+        results = graph.call_lowering(op, args, kwargs, rng)
+        # the forward's output and logsumexp go by query rows; the backward's query, key and value gradients
+        cuts = (rows, rows) if not first else (rows, columns, columns)
+        lengths = (query.shape[2], query.shape[2]) if not first else (query.shape[2], key.shape[2], key.shape[2])
+        results = tuple(result if result is None or i >= len(cuts) or cuts[i] is None else result[:, :, :lengths[i]]
+                        for i, result in enumerate(results))
+        return graph.conform(results, self._meta_padded(node.meta.get("val")))
 
     def _constant_pad(self, op, node, metas, args, kwargs, rng):
         """Each dynamic dim: the true elements shifted by the pad before them, the fill everywhere else
