@@ -831,6 +831,64 @@ def test_requests_joining_one_a_step_on_the_compile_path_give_hugging_faces_toke
     assert json.loads(results[-1][len("RESULT "):]) == _torch_greedy_without_stop(tiny_llama, NEW_TOKENS)
 
 
+STEP_PROGRAM_IN_A_NEW_PROCESS = """
+import json, sys, torch
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, enforce_eager=False, dtype="float32", max_model_len=128,
+          max_num_seqs=4, kv_cache_memory_bytes=1 << 24)
+runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+step, sampled, fused = runner._run_step, runner._sampled, runner._sampled_rows_program
+calls = {"steps": 0, "fused": 0, "back": []}
+def counted_step(*args, **kwargs):
+    calls["steps"] += 1
+    return step(*args, **kwargs)
+def recorded(logits, tokens, rows):
+    result = sampled(logits, tokens, rows)
+    back = result.tokens if result.tokens is not None else result.logits
+    calls["back"].append([("tokens" if result.tokens is not None else "logits"), back.device.type,
+                          back.dtype == torch.int32, list(back.shape)])
+    return result
+def fused_program(*args, **kwargs):
+    calls["fused"] += 1
+    return fused(*args, **kwargs)
+runner._run_step, runner._sampled, runner._sampled_rows_program = counted_step, recorded, fused_program
+prompts = [TokensPrompt(prompt_token_ids=p) for p in json.loads(sys.argv[2])]
+results = {}
+for logprobs in (None, 2):
+    calls.update(steps=0, fused=0, back=[])
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=logprobs, detokenize=False)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    results[str(logprobs)] = {"tokens": [list(o.outputs[0].token_ids) for o in outputs], **calls,
+                              "logprobs": [o.outputs[0].logprobs is not None for o in outputs]}
+print("RESULT " + json.dumps(results))
+"""
+
+
+def test_greedy_steps_on_the_compile_path_run_one_program_and_bring_back_only_token_ids(tiny_llama: Path) -> None:
+    """enforce_eager=False, one rank: each step is the runner's one step program (forward, sampled rows, lm
+    head, argmax) and no fused program runs after it; greedy steps bring back only the sampled rows' int32
+    token ids, one per request; with logprobs asked, the sampled rows' logits come back for vLLM's sampler;
+    Hugging Face's greedy tokens either way."""
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    done = subprocess.run([sys.executable, "-c", STEP_PROGRAM_IN_A_NEW_PROCESS, str(tiny_llama),
+                           json.dumps(_prompts())], env=env, capture_output=True, text=True, timeout=600)
+    results = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert done.returncode == 0 and results, done.stderr[-3000:]
+    result = json.loads(results[-1][len("RESULT "):])
+    expected = _torch_greedy_without_stop(tiny_llama, NEW_TOKENS)
+    for logprobs, kind in (("None", "tokens"), ("2", "logits")):
+        run = result[logprobs]
+        assert run["tokens"] == expected
+        assert run["steps"] >= NEW_TOKENS and run["fused"] == 0
+        assert len(run["back"]) == run["steps"]
+        assert {(what, device) for what, device, _, _ in run["back"]} == {(kind, "cpu")}
+        assert run["logprobs"] == [logprobs != "None"] * len(expected)
+    # one int32 token per request a greedy step (a step's requests: at most the prompts')
+    assert all(is_int32 and len(shape) == 1 and 1 <= shape[0] <= len(expected)
+               for _, _, is_int32, shape in result["None"]["back"])
+
+
 BATCH_SIZES_IN_A_NEW_PROCESS = """
 import json, sys, torch, torch_pjrt
 from vllm import LLM, SamplingParams

@@ -53,6 +53,7 @@ from vllm.v1.worker.cpu_worker import CPUWorker
 from vllm.v1.worker.gpu_worker import Worker, init_worker_distributed_environment
 
 from torch_pjrt import _torch_private, envvars
+from torch_pjrt.eager import kernels
 from torch_pjrt.eager.modes import EagerMode
 from torch_pjrt.serving.vllm.attention import (
     PjrtAttentionMetadata,
@@ -399,13 +400,14 @@ class PjrtModelRunner(CPUModelRunner):
     def _sampled(self, logits: torch.Tensor | None, tokens: torch.Tensor | None, rows: int) -> SampledInProgram:
         """The first `rows` of the device's greedy `tokens` (on the host; under async scheduling, copied when the
         engine asks) or else of the sampled rows' `logits`, where vLLM's sampler reads them."""
+        # read with the eager layer's copy to the host itself: .cpu()'s dispatch to it doubled its host time
         if tokens is not None:
             if not self.use_async_scheduling:
-                return SampledInProgram(logits=None, tokens=tokens.cpu()[:rows])
+                return SampledInProgram(logits=None, tokens=kernels.to_cpu(tokens)[:rows])
             return SampledInProgram(logits=None, tokens=tokens[:rows], padded_tokens=tokens)
         assert logits is not None
         if not self.samples_on_device:
-            logits = logits.cpu()
+            logits = kernels.to_cpu(logits)
         return SampledInProgram(logits=logits[:rows], tokens=None)
 
     def _warm_up_forward(self, model: torch.nn.Module, **inputs: Any) -> Any:
