@@ -9,7 +9,9 @@ with one thread: on a loaded machine torch's worker threads wait on each other, 
 times over, which the one-thread column leaves out. --breakdown then splits one more generate's
 main-thread CPU time per token in each native row into the fused graph's flush (outside its program
 call), the program call, reads to the host, and the rest (Hugging Face's Python, PyTorch's dispatcher and
-our native per-op path), with ops, fused programs and native misses per token.
+our native per-op path), with ops, fused programs and native misses per token; and its wall time per token, of
+which the reads to the host wait (off the CPU) for the program to finish: the device time the host does not
+overlap, as each token's read needs that token's program.
 Run: .venv/bin/python bench/generate_tokens.py [--repeats N] [--breakdown]
 """
 
@@ -61,14 +63,23 @@ BREAKDOWN = textwrap.dedent(
     from torch_pjrt.runtime import client, programs
     timers = dict(flush=CpuTimer(), program=CpuTimer(), read=CpuTimer(), miss=CpuTimer())
     originals = (fusion.PendingGraph.flush, programs.Program.call, client.to_host_many, dispatch.native_miss)
+    read_wall = [0.0]
+
+    def read_timed(arrays):
+        start = time.perf_counter()
+        try:
+            return originals[2](arrays)
+        finally:
+            read_wall[0] += time.perf_counter() - start
+
     fusion.PendingGraph.flush = timers["flush"].wrap(originals[0])
     programs.Program.call = timers["program"].wrap(originals[1], lambda self, *args: self.name.startswith("fused"))
-    client.to_host_many = timers["read"].wrap(originals[2])
+    client.to_host_many = timers["read"].wrap(read_timed)
     dispatch.native_miss = timers["miss"].wrap(originals[3])
     before = torch_pjrt.metrics.counters()
-    start = time.thread_time()
+    start, wall = time.thread_time(), time.perf_counter()
     generate(pjrt, "pjrt")
-    total = time.thread_time() - start
+    total, wall = time.thread_time() - start, time.perf_counter() - wall
     (fusion.PendingGraph.flush, programs.Program.call, client.to_host_many, dispatch.native_miss) = originals
     after = torch_pjrt.metrics.counters()
     flush, program, read = (timers[name].seconds for name in ("flush", "program", "read"))
@@ -76,6 +87,7 @@ BREAKDOWN = textwrap.dedent(
     parts = dict(all=total, flush_outside_program_call=flush - program, program_calls=program, reads_to_host=read,
                  rest=total - flush - read)
     result["breakdown_ms_per_token"] = {name: seconds * 1000 / 64 for name, seconds in parts.items()}
+    result["wall_ms_per_token"] = dict(all=wall * 1000 / 64, reads_waiting=(read_wall[0] - read) * 1000 / 64)
     result["per_token"] = dict(ops=(after["ops_executed"] - before["ops_executed"]) / 64,
                                fused_programs=(after["fused_programs"] - before["fused_programs"]) / 64,
                                native_misses=timers["miss"].calls / 64)
@@ -119,6 +131,9 @@ def main() -> None:
                   f"the rest {parts['rest']:.3f}; per token: ops {row['per_token']['ops']:.1f}, fused programs "
                   f"{row['per_token']['fused_programs']:.2f}, native misses {row['per_token']['native_misses']:.2f}",
                   flush=True)
+            wall = row["wall_ms_per_token"]
+            print(f"    wall ms per token: {wall['all']:.3f}, of which reads to host waiting off the CPU (for the "
+                  f"program, or for the CPU) {wall['reads_waiting']:.3f}", flush=True)
 
 
 if __name__ == "__main__":
