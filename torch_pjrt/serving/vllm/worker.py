@@ -400,7 +400,7 @@ class PjrtModelRunner(CPUModelRunner):
     def _sampled(self, logits: torch.Tensor | None, tokens: torch.Tensor | None, rows: int) -> SampledInProgram:
         """The first `rows` of the device's greedy `tokens` (on the host; under async scheduling, copied when the
         engine asks) or else of the sampled rows' `logits`, where vLLM's sampler reads them."""
-        # read with the eager layer's copy to the host itself: .cpu()'s dispatch to it doubled its host time
+        # read with the eager layer's copy to the host itself, without .cpu()'s dispatch to it
         if tokens is not None:
             if not self.use_async_scheduling:
                 return SampledInProgram(logits=None, tokens=kernels.to_cpu(tokens)[:rows])
