@@ -58,10 +58,12 @@ GENERATE = textwrap.dedent(
             return model.generate(ids.to(device), attention_mask=mask.to(device), **options, **extra).cpu()
 
     def programs():
+        # XLA compiles (a fused program compiled counts there too), and fused programs loaded from the
+        # cache folder (new fused programs that jax never traced)
         counts = torch_pjrt.metrics.counters()
-        return counts["compiles"] + counts["fused_compiles"]
+        return counts["compiles"] + counts["fused_compiles"] - counts["fused_traces"]
 
-    row = dict(cpu_s=0.0, pjrt_s=0.0, compiles=0, equal=True)
+    row = dict(cpu_s=0.0, pjrt_s=0.0, compiles=0, equal=True, lengths={{}})
     generator = torch.Generator().manual_seed(1)
     for index, length in enumerate([7, 11] + list(range(5, 61, 5))):
         ids = torch.randint(1, 256, (1, length), generator=generator)
@@ -79,6 +81,7 @@ GENERATE = textwrap.dedent(
             row["pjrt_s"] += end - middle
             row["compiles"] += programs() - before
             row["equal"] = row["equal"] and torch.equal(want, got)
+            row["lengths"][length] = (end - middle, programs() - before)
     row["unmaskable"] = torch_pjrt.metrics.counters()["dynamic_unmaskable"]
     print(json.dumps(row))
     """
