@@ -373,25 +373,29 @@ PRELOADED = textwrap.dedent(
     import json, sys, threading, torch, torch_pjrt
     torch.manual_seed(int(sys.argv[1]))
     x, w, b = torch.randn(4, 6), torch.randn(6, 3), torch.randn(3)
-    product = x.to("pjrt") @ w.to("pjrt")  # the first executable asked for: loaded here, the thread starts
+    torch.pjrt.init()  # the device start: the thread loads while Dynamo imports, then holds
+    at_start = torch_pjrt.metrics.counters().get("preload_hits", 0)
+    product = x.to("pjrt") @ w.to("pjrt")  # the first executable asked for: the thread goes on
     for thread in threading.enumerate():
         if thread.name == "torch_pjrt-preload":
             thread.join()  # so every later recorded executable is found preloaded, not raced to by this thread
     found = torch.tanh(product + b.to("pjrt")).sum(0).cpu()
     torch.testing.assert_close(found, torch.tanh(x @ w + b).sum(0))
     counters = torch_pjrt.metrics.counters()
-    print(json.dumps({name: counters.get(name, 0) for name in ("preload_hits", "op_store_hits", "op_store_writes",
-                                                              "compiles")}))
+    print(json.dumps({"at_start": at_start, **{name: counters.get(name, 0) for name in (
+        "preload_hits", "op_store_hits", "op_store_writes", "compiles")}}))
     """
 )
 
 
 def test_a_second_process_finds_the_executables_its_entry_point_used_preloaded(tmp_path: Path) -> None:
     """A process records the stored executables it used; the next process of the same entry point loads them
-    in the background from its first one's use on and its ops take them from there, with CPU's results."""
+    in the background from its device start on (no op asked for one yet) and its ops take them from there,
+    with CPU's results. The first op asked for may come before the thread took it up: then it loads it."""
     cold = run_step(tmp_path, 7, PRELOADED)
     assert cold["preload_hits"] == 0 and cold["op_store_writes"] > 0
     assert list((tmp_path / "preload").iterdir())
     warm = run_step(tmp_path, 8, PRELOADED)  # other random values through the same programs
     assert warm["compiles"] == 0 and warm["op_store_hits"] == cold["op_store_writes"]
-    assert warm["preload_hits"] == len(list((tmp_path / "executables").iterdir())) - 1 > 0
+    stored = len(list((tmp_path / "executables").iterdir()))
+    assert warm["at_start"] >= 1 and warm["preload_hits"] in (stored - 1, stored) and stored > 1

@@ -97,6 +97,7 @@ def initialize() -> None:
             from torch_pjrt.runtime import client, programs
 
             native.set_device_count(len(client.devices()))
+            # (the stored executables the last process of this entry point used load while Dynamo imports)
             programs.start_preload()
             # PyTorch imports Dynamo at a process's first op anyway (a meta kernel's or decomposition's lazy
             # torch._dynamo.disable, the optimizer's first step); here it is loaded with the collector paused
@@ -109,6 +110,7 @@ def initialize() -> None:
                 from torch_pjrt.kernels import attention
 
                 attention.install()
+            programs.hold_preload()
         startup.mark_started()
 
 

@@ -161,9 +161,10 @@ PRELOAD_LIMIT = 256
 class _Preloads:
     """Stored executables loaded by a background thread, in the order the last process of this entry point
     used them, while the main thread traces and runs (jax's deserialize_and_load releases the GIL for most of
-    its time). The thread starts at the first claim, not at device start: before that the main thread
-    imports and Dynamo traces, Python that a second thread's turns on the GIL only slow (a warm compiled
-    first step, 15 preloaded, was 0.05-0.35 s slower with the thread started at device start than with none).
+    its time). The thread runs while the device starts, where the main thread waits for Dynamo's import, then
+    holds from the start's end to the first claim: in between the main thread builds the model and Dynamo
+    traces, Python that a second thread's turns on the GIL only slow (a warm compiled first step, 15
+    preloaded, was 0.05-0.35 s slower with the thread running from device start on than with none).
     The main thread claims an entry: it takes the executable when loaded, waits while it loads, and loads it
     itself when the thread has not reached it yet."""
 
@@ -174,9 +175,10 @@ class _Preloads:
         self._done: dict[str, Any] = {}
         self._recorded: list[list[Any]] = []
         self._thread: threading.Thread | None = None
+        self._running = threading.Event()  # cleared: the thread holds before its next executable
 
     def start(self) -> None:
-        """Read this entry point's record (loaded from the first claim on); record this process's at exit."""
+        """Read this entry point's record and start loading it; record this process's at exit."""
         if not disk_store.enabled():
             return
         with disk_store.counted_as("preload_record"):
@@ -184,9 +186,18 @@ class _Preloads:
         self._recorded = [] if payload is None else pickle.loads(payload)
         atexit.register(self._save_record)
         self._waiting = {stored: devices for stored, devices in self._recorded}
+        if self._waiting:
+            self._running.set()
+            self._thread = threading.Thread(target=self._load_all, name="torch_pjrt-preload", daemon=True)
+            self._thread.start()
+
+    def hold(self) -> None:
+        """Stop the thread before its next executable until the next claim."""
+        self._running.clear()
 
     def _load_all(self) -> None:
         while True:
+            self._running.wait()
             with self._lock:
                 if not self._waiting:
                     return
@@ -203,10 +214,8 @@ class _Preloads:
 
     def claim(self, stored: str) -> Any:
         """The preloaded executable of this key (counted as a hit of the store), or None when not preloaded."""
+        self._running.set()
         with self._lock:
-            if self._waiting and self._thread is None:
-                self._thread = threading.Thread(target=self._load_all, name="torch_pjrt-preload", daemon=True)
-                self._thread.start()
             if self._waiting.pop(stored, None) is not None:
                 return None
             loading = self._loading.pop(stored, None)
@@ -242,8 +251,12 @@ _preloads = _Preloads()
 
 def start_preload() -> None:
     """Read which stored executables the last process of this entry point used: a background thread loads
-    them from the first one this process asks for on."""
+    them until `hold_preload`, and again from the next one this process asks for on."""
     _preloads.start()
+
+
+def hold_preload() -> None:
+    _preloads.hold()
 
 
 class ProgramCache:
