@@ -35,8 +35,8 @@ def main() -> None:
                     f"{length}: {seconds:.2f}" + (f" ({count:.0f})" if count else "")
                     for length, (seconds, count) in row["lengths"].items()), flush=True)
     print("(programs: new programs during the 12 lengths: XLA compiles, and fused programs loaded from the cache "
-          "folder; prompt 60 is the one whose 8 new tokens take the KV cache past bucket 64, so its "
-          "programs for bucket 128 are new)")
+          "folder; prompt 60 and its 8 new tokens exceed 64, so generate()'s marks "
+          "put that whole generation in bucket 128, whose programs are new)")
 
 
 if __name__ == "__main__":
