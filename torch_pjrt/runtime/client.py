@@ -17,7 +17,7 @@ import re
 import tempfile
 import threading
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -309,26 +309,41 @@ def array_type() -> type:
 
 
 def to_device(value: np.ndarray, index: int) -> Any:
-    """A device array of a host array that the caller gives up (jax may read it later, or keep it on CPU).
-
-    The put jax.device_put(value, device, may_alias=True) ends in, called directly (jaxlib's batched put of
-    one committed, possibly aliased buffer): jax's Python dispatch around it was ~30 of its ~38 us a batch."""
+    """A device array of a host array that the caller gives up (jax may read it later, or keep it on CPU)."""
     metrics.bump("transfers_to_device")
     metrics.bump("bytes_to_device", value.nbytes)
-    device, sharding, put, abstract = _placement(index)
+    put = _put_on(index)
     with out_of_memory_translated((), index):
-        return put(abstract(value), sharding, [value], [device], True)
+        return put(value)
 
 
 @functools.cache
-def _placement(index: int) -> tuple[Any, Any, Any, Any]:
-    """pjrt:index's jax device and sharding, and jax's private put and abstract value of a host array."""
-    from jax._src import core
-    from jax._src.lib import xla_client
-
+def _put_on(index: int) -> Callable[[np.ndarray], Any]:
+    """The put that jax.device_put(value, device, may_alias=True) ends in (jaxlib's batched put of one
+    committed, possibly aliased buffer), called directly: jax's Python dispatch around it was ~30 of its
+    ~38 us a batch. A jax whose private put differs (checked once on a small array) gets the public call."""
+    jax = jax_module()
     device = device_for(index)
-    return device, jax_module().sharding.SingleDeviceSharding(device), xla_client.batched_device_put, \
-        core.shaped_abstractify
+
+    def public(value: np.ndarray) -> Any:
+        return jax.device_put(value, device, may_alias=True)
+
+    try:
+        from jax._src import core
+        from jax._src.lib import xla_client
+
+        sharding = jax.sharding.SingleDeviceSharding(device)
+        batched_put, abstract = xla_client.batched_device_put, core.shaped_abstractify
+
+        def direct(value: np.ndarray) -> Any:
+            return batched_put(abstract(value), sharding, [value], [device], True)
+
+        probe = np.arange(3, dtype=np.int32)
+        if np.array_equal(np.asarray(direct(probe)), probe):
+            return direct
+    except (ImportError, AttributeError, TypeError):
+        pass
+    return public
 
 
 # Traced Python numbers by value: a program called with a number converts it on every call (about
