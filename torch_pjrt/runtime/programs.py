@@ -256,6 +256,8 @@ def start_preload() -> None:
 
 
 def hold_preload() -> None:
+    """Pause the preload at the end of the device's start: until the first stored executable is asked for, the
+    main thread builds the model and traces, which a second thread's turns on the GIL only slow."""
     _preloads.hold()
 
 
