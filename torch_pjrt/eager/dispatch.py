@@ -869,37 +869,51 @@ def _load_stored_op(entry: Entry, key: str | None, scan: Scan, inputs: list[Any]
 class StoredOp:
     """A strict op's program as executables by the shapes and dtypes of the arrays it is called with (a
     storage's array has the shape its producer gave it, so one signature meets several, as jit would
-    retrace), each loaded from the cache folder or compiled (and stored there when `key` is not None)."""
+    retrace), each loaded from the cache folder or compiled (and stored there when `key` is not None).
 
-    __slots__ = ("entry", "key", "device_index", "by_avals", "current", "jit")
+    While it has met one set of shapes, callers run that executable directly (`target`); once it meets a
+    second, they call this object, which picks the executable by the arguments' shapes: an executable
+    refusing other shapes does so through jax's slow path (a TypeError, about 0.5 ms), and a strict
+    generate's one (1, 128) @ (128, 128) mm alternates between producers of (1, 4, 1, 32) and (1, 1, 128)."""
+
+    __slots__ = ("entry", "key", "device_index", "by_avals", "only", "jit")
 
     def __init__(self, entry: Entry, key: str | None, device_index: int) -> None:
         self.entry, self.key, self.device_index = entry, key, device_index
         self.jit = entry.program.jitted  # what compiles it where nothing is stored
         self.by_avals: dict[tuple, Any] = {}
-        self.current: Any = None
+        self.only: Any = None  # the executable while only one set of shapes has been met
 
     def __call__(self, *args: Any) -> Any:
-        try:
-            return self.current(*args)
-        except TypeError:  # arrays of other shapes than the last call's: the executable refused them unrun
-            return self.reload(args)(*args)
+        if self.only is not None:
+            try:
+                return self.only(*args)
+            except TypeError:  # arrays of other shapes: the executable refused them unrun
+                metrics.bump("stored_op_refusals")
+        return self.load(args)(*args)
+
+    @property
+    def target(self) -> Any:
+        """What a caller should call: the one executable, or this object once there are several."""
+        return self if self.only is None else self.only
 
     def reload(self, args: Sequence[Any]) -> Any:
-        """The executable for these arguments, once the current one refused them (the native hit path)."""
+        """What to call instead, once `target` refused these arguments (the native hit path)."""
+        metrics.bump("stored_op_refusals")
         self.load(args)
-        return self.current
+        return self.target
 
-    def load(self, args: Sequence[Any]) -> None:
-        """Make the executable for these arguments' shapes and dtypes the current one."""
-        # dtypes as objects: str(dtype) took 14 us each, and the native path reloads whenever shapes alternate
+    def load(self, args: Sequence[Any]) -> Any:
+        """The executable for these arguments' shapes and dtypes, loaded or compiled when new."""
+        # dtypes as objects: str(dtype) took 14 us each
         avals = tuple((a.shape, a.dtype, getattr(a, "weak_type", False)) if hasattr(a, "shape") else type(a)
                       for a in args)
         executable = self.by_avals.get(avals)
         if executable is None:
             with client.one_op_compiles():
                 executable = self.by_avals[avals] = self._compiled(tuple(args), avals)
-        self.current = executable
+            self.only = executable if len(self.by_avals) == 1 else None
+        return executable
 
     def _compiled(self, args: tuple, avals: tuple) -> Any:
         if self.key is None:
@@ -1066,7 +1080,7 @@ def native_miss(plan: OpPlan, args: tuple, kwargs: dict) -> tuple[Any, tuple | N
     stored = program.jitted if isinstance(program.jitted, StoredOp) else None
     # a signature first met while fusing is recorded natively at once, and runs natively in strict
     # mode once a Python call has compiled its program (csrc/dispatch.cpp checks `compiled`)
-    return result, (stored.current if stored else program.jitted, program, entry.passed_slots, entry.random,
+    return result, (stored.target if stored else program.jitted, program, entry.passed_slots, entry.random,
                     returns, entry.mutated_slots, fresh, replay.lengths, mutated_padded, entry.checks or None, entry,
                     program.compiled, stored)
 

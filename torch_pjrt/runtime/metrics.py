@@ -35,6 +35,8 @@ COUNTER_NAMES = (
     # strict eager's ops loaded from, and stored into, the cache folder (their executables and checks)
     "op_store_hits",
     "op_store_writes",
+    # strict ops' executables that refused arrays of other shapes (jax's slow path) before the right one ran
+    "stored_op_refusals",
     # padded ops' forms (how results' sizes follow the symbols) read from, and stored into, the cache folder
     "form_store_hits",
     "form_store_writes",
