@@ -158,6 +158,11 @@ def has_kernel(name: str, key: str) -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key(name, key)
 
 
+def operator_schemas(qualified: str) -> list[torch.FunctionSchema]:
+    """Every overload's schema of an operator ("aten::add"), in its packet's order; [] for no operator."""
+    return torch._C._jit_get_schemas_for_operator(qualified)
+
+
 def library_fallback(fn: Any, key: str) -> torch.library.Library:
     lib = torch.library.Library("_", "IMPL")
     lib.fallback(fn, key)

@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from torch._ops import OpOverload, OpOverloadPacket
 
+from torch_pjrt import _torch_private
+
 aten = torch.ops.aten
 
 
@@ -92,42 +94,57 @@ def register(*targets: OpOverload | OpOverloadPacket, random: bool = False,
 
 
 def mutated_arguments(op: OpOverload) -> list[int]:
-    return [
-        i for i, a in enumerate(op._schema.arguments) if a.alias_info is not None and a.alias_info.is_write
-    ]
+    return list(_mutated_arguments(op))
 
 
-def _argument_signature(op: OpOverload, skip: set[int]) -> list[tuple[str, str]]:
-    return [
-        (a.name, str(a.type).replace("Optional", ""))
-        for i, a in enumerate(op._schema.arguments)
-        if i not in skip
-    ]
+@functools.cache
+def _mutated_arguments(op: OpOverload) -> tuple[int, ...]:
+    """Once per overload: the device's start asks it about 2 times for each of 2,400 overloads, and each reading
+    of a schema's arguments copies them."""
+    return tuple(i for i, a in enumerate(op._schema.arguments) if a.alias_info is not None and a.alias_info.is_write)
+
+
+def _argument_signature(arguments: list[torch.Argument], skip: set[int]) -> list[tuple[str, torch._C.Type]]:
+    """The arguments' names and types, compared as types (an argument's `Tensor?` is not `Tensor`; its alias
+    annotation is no part of its type): formatting every type as text cost more than the rest of the search."""
+    return [(a.name, a.type) for i, a in enumerate(arguments) if i not in skip]
+
+
+def _packet(namespace: Any, qualified: str) -> OpOverloadPacket | None:
+    """`getattr(namespace, name, None)`, where a name that is no operator costs a schema query instead of the
+    exception torch raises and catches inside (most names a counterpart search tries are no operator)."""
+    name = qualified.split("::")[1]
+    packet = vars(namespace).get(name)
+    if packet is None and _torch_private.operator_schemas(qualified):
+        packet = getattr(namespace, name, None)
+    return packet
 
 
 @functools.cache
 def functional_counterpart(op: OpOverload) -> OpOverload | None:
-    """The functional overload computing what a mutating op writes (add_.Tensor -> add.Tensor)."""
+    """The functional overload computing what a mutating op writes (add_.Tensor -> add.Tensor): in the op's own
+    packet (when it is no `name_` packet), then `name`'s, then the `_functional` packets, the first non-mutating
+    overload whose arguments are the op's less its keyword-only mutated ones, the op's overload name first."""
     schema = op._schema
-    name = schema.name.split("::")[1]
-    namespace = getattr(torch.ops, schema.name.split("::")[0])
-    candidates = []
+    namespace_name, name = schema.name.split("::")
+    namespace = getattr(torch.ops, namespace_name)
     base = name[:-1] if name.endswith("_") else name
-    for packet_name in (base, base + "_functional", name + "_functional", base.lstrip("_") + "_functional"):
-        packet = getattr(namespace, packet_name, None)
-        if packet is not None and packet_name != name:
-            candidates.append(packet)
-    if not name.endswith("_"):
-        candidates.insert(0, getattr(namespace, name))
-    mutated = set(mutated_arguments(op))
-    wanted = _argument_signature(op, {i for i in mutated if op._schema.arguments[i].kwarg_only})
-    for packet in candidates:
-        preferred = [schema.overload_name] if schema.overload_name in packet.overloads() else []
-        for overload_name in preferred + [o for o in packet.overloads() if o not in preferred]:
+    packet_names = [] if name.endswith("_") else [name]
+    packet_names += [packet_name for packet_name in (base, base + "_functional", name + "_functional",
+                                                     base.lstrip("_") + "_functional") if packet_name != name]
+    arguments = schema.arguments
+    wanted = _argument_signature(arguments, {i for i in _mutated_arguments(op) if arguments[i].kwarg_only})
+    for packet_name in packet_names:
+        packet = _packet(namespace, f"{namespace_name}::{packet_name}")
+        if packet is None:
+            continue
+        overload_names = packet.overloads()
+        preferred = [schema.overload_name] if schema.overload_name in overload_names else []
+        for overload_name in preferred + [o for o in overload_names if o not in preferred]:
             overload = getattr(packet, overload_name)
             if overload is op or overload._schema.is_mutable:
                 continue
-            if _argument_signature(overload, set()) == wanted:
+            if _argument_signature(overload._schema.arguments, set()) == wanted:
                 return overload
     return None
 
@@ -155,7 +172,7 @@ def view_copy(op: OpOverload) -> OpOverload | None:
 def decomposition(op: OpOverload) -> Callable | None:
     """PyTorch's decomposition of an op (torch._decomp's table, else its composite kernel), if any."""
     found = _decompositions().get(op)
-    if found is None and torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd"):
+    if found is None and _torch_private.has_kernel(op.name(), "CompositeImplicitAutograd"):
         found = op.decompose
     return found
 
