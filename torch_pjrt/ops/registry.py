@@ -122,9 +122,10 @@ def _packet(namespace: Any, qualified: str) -> OpOverloadPacket | None:
 
 @functools.cache
 def functional_counterpart(op: OpOverload) -> OpOverload | None:
-    """The functional overload computing what a mutating op writes (add_.Tensor -> add.Tensor): in the op's own
-    packet (when it is no `name_` packet), then `name`'s, then the `_functional` packets, the first non-mutating
-    overload whose arguments are the op's less its keyword-only mutated ones, the op's overload name first."""
+    """The functional overload computing what a mutating op writes (add_.Tensor -> add.Tensor): the first
+    non-mutating overload whose arguments are the op's less its keyword-only mutated ones (out=), the op's
+    overload name first, in the op's own packet (add.out's), the packet without the trailing underscore
+    (add_'s add), then the `_functional` packets (normal_ -> normal_functional)."""
     schema = op._schema
     namespace_name, name = schema.name.split("::")
     namespace = getattr(torch.ops, namespace_name)
