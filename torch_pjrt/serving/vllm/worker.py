@@ -414,9 +414,10 @@ class PjrtModelRunner(CPUModelRunner):
         """The warm-up batch's programs, as a step of that batch runs them (see warming_up_model): the step
         program; or, where there is none, the forward and the fused programs after it, the greedy one and the
         one that brings the sampled rows' logits back for vLLM's sampler (a temperature, logprobs, penalties)."""
+        step_metadata = self._step_program_metadata(inputs.get("input_ids"), inputs.get("inputs_embeds"))
+        if step_metadata is not None:
+            return self._run_step(step_metadata, **inputs)[0]
         metadata = _step_attention_metadata()
-        if self._step_program_metadata(inputs.get("input_ids"), inputs.get("inputs_embeds")) is not None:
-            return self._run_step(metadata, **inputs)[0]
         hidden_states = model(**inputs)
         if isinstance(hidden_states, torch.Tensor) and metadata is not None and metadata.sampled_rows is not None:
             for greedy in (True, False):
