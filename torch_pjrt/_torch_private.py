@@ -533,3 +533,11 @@ def fake_mode() -> Any:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     return FakeTensorMode()
+
+
+def fake_tensor(mode: Any, meta: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A fake tensor of `mode` on `device` with the layout of the meta tensor `meta`, wrapped directly (a factory
+    dispatched through the mode costs about 8 times as much)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return FakeTensor(mode, meta, device)

@@ -49,9 +49,9 @@ class StoredGraph(_torch_private.output_code_base()):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.gm = _torch_private.unpickle_graph(state["graph"])
-        with _torch_private.fake_mode():
-            for node, value in zip(self.gm.graph.nodes, state["values"]):
-                node.meta["val"] = _rebuilt(value)
+        mode = _torch_private.fake_mode()
+        for node, value in zip(self.gm.graph.nodes, state["values"]):
+            node.meta["val"] = _rebuilt(value, mode)
         if _making:
             self.compiled = _making[-1](self.gm)
         else:  # loaded with a Dynamo package (caching precompile, torch.compiler.load_cache_artifacts): no backend call
@@ -83,19 +83,21 @@ def _described(value: Any) -> Any:
     raise TypeError(f"torch_pjrt: a graph value of type {type(value).__name__} is not stored in AOTAutograd's cache.")
 
 
-def _rebuilt(described: Any) -> Any:
-    """`_described`'s value again, a tensor as a fake tensor of the current fake mode."""
+def _rebuilt(described: Any, mode: Any) -> Any:
+    """`_described`'s value again, a tensor as a fake tensor of `mode`."""
     kind, *fields = described
     if kind == "plain":
         return fields[0]
     if kind in ("list", "tuple"):
-        items = [_rebuilt(item) for item in fields[0]]
+        items = [_rebuilt(item, mode) for item in fields[0]]
         return items if kind == "list" else tuple(items)
     dtype, shape, stride, offset, device = fields
     if offset == 0:
-        return torch.empty_strided(shape, stride, dtype=dtype, device=device)
-    extent = offset + (0 if 0 in shape else 1 + sum((size - 1) * step for size, step in zip(shape, stride)))
-    return torch.empty(extent, dtype=dtype, device=device).as_strided(shape, stride, offset)
+        meta = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
+    else:
+        extent = offset + (0 if 0 in shape else 1 + sum((size - 1) * step for size, step in zip(shape, stride)))
+        meta = torch.empty(extent, dtype=dtype, device="meta").as_strided(shape, stride, offset)
+    return _torch_private.fake_tensor(mode, meta, torch.device(device))
 
 
 def code_folder_name() -> str:
