@@ -10,12 +10,17 @@ run on random inputs: the columns are the kind's total compile CPU ms (best of `
 summed run us (median of 20 runs each), each option set side by side with XLA's defaults.
 Strict eager's programs are one op each; the fused and compiled kinds are their largest programs
 (the decode step's fused program, the training step's graphs).
-Run: .venv/bin/python bench/compile_cost.py [--rounds 2]
+With --stages it shows instead where a new bucket's compile seconds go, stage by stage: in a fresh
+process on an empty cache folder, Hugging Face generate() of bench/prompt_lengths.py's Llama at prompts
+7 and 11 (bucket 64), then prompt 60 timed (8 new tokens take it past 64: bucket 128, all of whose
+programs are new), in strict eager and in DEFER_AND_FUSE.
+Run: .venv/bin/python bench/compile_cost.py [--rounds 2] | [--stages]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import pickle
 import statistics
@@ -69,6 +74,109 @@ CAPTURE = textwrap.dedent(
         pickle.dump(captured, file)
     """
 )
+
+STAGES = textwrap.dedent(
+    """
+    import collections, json, sys, time, warnings
+    import torch, torch_pjrt
+    from jax._src import compiler, pjit, stages
+    from jax._src.interpreters import mlir
+    from jax.experimental import serialize_executable
+    from torch_pjrt.eager import dispatch
+    from torch_pjrt.runtime import disk_store
+    warnings.simplefilter("ignore")
+    seconds, calls = collections.Counter(), collections.Counter()
+    open_stages = []  # [stage, start] of the stages running now, innermost last
+
+    def timed(owner, attribute, stage):
+        original = getattr(owner, attribute)
+
+        def wrapper(*args, **kwargs):
+            if open_stages and open_stages[-1][0] == stage:  # a recursive call counts in the outer one
+                return original(*args, **kwargs)
+            open_stages.append([stage, time.perf_counter()])
+            try:
+                return original(*args, **kwargs)
+            finally:
+                _, start = open_stages.pop()
+                elapsed = time.perf_counter() - start
+                seconds[stage] += elapsed
+                calls[stage] += 1
+                if open_stages:  # each stage's own time: the outer one does not count this one's
+                    seconds[open_stages[-1][0]] -= elapsed
+
+        setattr(owner, attribute, wrapper)
+
+    for owner, attribute, stage in STAGE_HOOKS:
+        timed(eval(owner), attribute, stage)
+    if sys.argv[1] == "fused":
+        torch_pjrt.set_eager_mode(torch_pjrt.EagerMode.DEFER_AND_FUSE)
+    sys.path.insert(0, BENCH)
+    from tiny_llama import cpu_and_pjrt_llama
+    cpu, pjrt = cpu_and_pjrt_llama()
+
+    def generate(model, ids, device):
+        with torch.no_grad():
+            return model.generate(ids.to(device), attention_mask=torch.ones_like(ids).to(device), max_new_tokens=8,
+                                  do_sample=False, pad_token_id=0).cpu()
+
+    generator = torch.Generator().manual_seed(1)
+    for length in (7, 11, 60):
+        ids = torch.randint(1, 256, (1, length), generator=generator)
+        want = generate(cpu, ids, "cpu")
+        seconds.clear()
+        calls.clear()
+        start = time.perf_counter()
+        got = generate(pjrt, ids, "pjrt")
+        wall = time.perf_counter() - start
+    found = {stage: (seconds[stage], calls[stage]) for stage in seconds}
+    print(json.dumps(dict(wall=wall, equal=torch.equal(want, got), stages=found)))
+    """
+)
+
+# The stages timed by --stages: (object, attribute, label). Each stage's time is its own: a stage inside another
+# (XLA's compile inside jax's compile step, a fused flush inside an op's padded form) counts only in itself.
+STAGE_HOOKS = (
+    ("dispatch", "_padded_form", "padded form (meta kernels, per bucket)"),
+    ("dispatch", "_build", "op entry build"),
+    ("pjit", "jit_trace", "jax trace (our lowerings to a jaxpr)"),
+    ("stages.Traced", "lower", "jaxpr to StableHLO, but its MLIR context"),
+    ("mlir", "make_ir_context", "a fresh MLIR context (one per lowering)"),
+    ("compiler", "compile_or_get_cached", "jax's compile step around XLA's"),
+    ("compiler", "backend_compile_and_load", "XLA's compile"),
+    ("serialize_executable", "serialize", "serialize executable"),
+    ("disk_store", "write", "cache folder writes"),
+)
+
+
+def stages(mode: str) -> dict:
+    """Seconds and calls per stage of prompt 60's generate() (bucket 128, new) in a fresh process."""
+    code = STAGES.replace("BENCH", repr(BENCH)).replace("STAGE_HOOKS", repr(STAGE_HOOKS))
+    with tempfile.TemporaryDirectory() as folder:
+        environment = {**os.environ, "TORCH_PJRT_CACHE_DIR": folder, "TORCH_PJRT_DYNAMIC_GENERATE": "1"}
+        result = subprocess.run([sys.executable, "-c", code, mode], capture_output=True, text=True, env=environment)
+    if result.returncode != 0:
+        raise RuntimeError(f"the {mode} stages run failed:\n{result.stderr[-3000:]}")
+    return json.loads(result.stdout.splitlines()[-1])
+
+
+def print_stages() -> None:
+    print("a new bucket's programs: generate() at prompt 60 (bucket 128) after prompts 7 and 11 (bucket 64), "
+          "empty cache folder")
+    for mode in ("strict", "fused"):
+        row = stages(mode)
+        found = row["stages"]
+        programs = found.get("XLA's compile", (0, 0))[1]
+        print(f"\n{mode}: wall {row['wall']:.2f} s, {programs} XLA compiles, tokens equal CPU's: {row['equal']}")
+        print(f"{'stage':<42}{'ms':>9}{'calls':>7}{'ms each':>9}{'ms a program':>14}{'of wall':>9}")
+        for _, _, label in STAGE_HOOKS:
+            total, count = found.get(label, (0.0, 0))
+            print(f"{label:<42}{total * 1000:>9.0f}{count:>7}{total * 1000 / max(count, 1):>9.1f}"
+                  f"{total * 1000 / max(programs, 1):>14.1f}{total / row['wall']:>9.0%}")
+        rest = row["wall"] - sum(total for total, _ in found.values())
+        print(f"{'the rest (running the ops, Python, HF)':<42}{rest * 1000:>9.0f}{'':>7}{'':>9}{'':>14}"
+              f"{rest / row['wall']:>9.0%}", flush=True)
+
 
 # Option sets: (label, XLA debug options through jax's compiler options).
 VARIANTS = (
@@ -195,7 +303,11 @@ def main() -> None:
                         help="option sets measured, by their index in VARIANTS (0: XLA's defaults, the baseline)")
     parser.add_argument("--ops", type=int, default=40, help="distinct strict ops kept (the first compiled)")
     parser.add_argument("--largest", type=int, default=4, help="programs kept per fused and compiled workload")
+    parser.add_argument("--stages", action="store_true", help="where a new bucket's compile seconds go, by stage")
     arguments = parser.parse_args()
+    if arguments.stages:
+        print_stages()
+        return
     import jax
 
     jax.config.update("jax_enable_x64", True)
