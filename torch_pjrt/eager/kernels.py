@@ -280,9 +280,14 @@ def _metadata_kernel(op: torch._ops.OpOverload) -> Any:
 
 
 def _aten_overloads() -> list[torch._ops.OpOverload]:
+    """The aten overloads a kernel may be registered for: those with a CompositeImplicitAutograd kernel keep
+    their decomposition (but COMPOSITE_REPLACED), checked by name before an overload object is built for them."""
+    replaced = {op.name() for op in COMPOSITE_REPLACED}
     found = []
     for qualified in torch._C._dispatch_get_all_op_names():
         if not qualified.startswith("aten::"):
+            continue
+        if _torch_private.has_kernel(qualified, "CompositeImplicitAutograd") and qualified not in replaced:
             continue
         name, _, overload = qualified[len("aten::"):].partition(".")
         packet = getattr(aten, name, None)
@@ -308,8 +313,6 @@ def register_all() -> list[torch.library.Library]:
         dispatch.configure_native(native_dispatch)
     for op in _aten_overloads():
         name = op.name()
-        if _torch_private.has_kernel(name, "CompositeImplicitAutograd") and op not in COMPOSITE_REPLACED:
-            continue
         if op in plain_calls and native_dispatch is not None and dispatch.plan_for(op) is not None:
             dispatch.register_native(native_dispatch, op, dispatch.plan_for(op),
                                      unless_plain=(plain_calls[op], special[op]))
