@@ -2,7 +2,8 @@
 
 A 4-layer Llama (width 128) from a small config, greedy, 64 new tokens after a 16-token prompt, in
 one process per row (TORCH_PJRT_NATIVE_DISPATCH=1 or 0, TORCH_PJRT_EAGER_MODE strict or
-DEFER_AND_FUSE), each with its own torch CPU eager run on the
+DEFER_AND_FUSE; generate()'s stop check read a token late, as torch_pjrt.integrations has it, and in the last
+row after each token, as Hugging Face has it off mps), each with its own torch CPU eager run on the
 same weights: after one warm-up generate (the compiles), the best of a few timed generates, rounds
 interleaved between CPU and pjrt. Tokens must equal CPU's. CPU is timed with torch's default threads and
 with one thread: on a loaded machine torch's worker threads wait on each other, slowing CPU several
@@ -34,6 +35,9 @@ GENERATE = textwrap.dedent(
     sys.path.insert(0, {bench!r})
     from tiny_llama import cpu_and_pjrt_llama
     cpu, pjrt = cpu_and_pjrt_llama()
+    if not {late_stop_check}:  # Hugging Face's own stop check: read after each token, waiting for its program
+        import transformers.generation.utils as generation
+        generation.DeferredStopCheck = generation.DeferredStopCheck.replaced
     ids = torch.randint(1, 256, (1, 16), generator=torch.Generator().manual_seed(1))
     options = dict(max_new_tokens=64, min_new_tokens=64, do_sample=False, pad_token_id=0)
 
@@ -95,10 +99,11 @@ BREAKDOWN = textwrap.dedent(
 )
 
 
-def run(native: str, mode: str, repeats: int, breakdown: bool = False) -> dict:
+def run(native: str, mode: str, repeats: int, breakdown: bool = False, late_stop_check: bool = True) -> dict:
     env = {**os.environ, "TORCH_PJRT_CACHE_DIR": "0", "TORCH_PJRT_NATIVE_DISPATCH": native,
            "TORCH_PJRT_EAGER_MODE": mode}
-    code = GENERATE.format(repeats=repeats, bench=BENCH) + (BREAKDOWN if breakdown else "")
+    code = GENERATE.format(repeats=repeats, bench=BENCH, late_stop_check=late_stop_check)
+    code += BREAKDOWN if breakdown else ""
     code += "print(json.dumps(result))\n"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     if result.returncode:
@@ -115,11 +120,12 @@ def main() -> None:
     print("generate(): 4-layer Llama (width 128), greedy, 16-token prompt, 64 new tokens")
     print(f"{'pjrt mode, dispatch':<36}{'pjrt tokens/s':>14}{'torch CPU tokens/s':>19}{'pjrt / CPU':>11}"
           f"{'CPU 1 thread':>13}{'pjrt / CPU 1 thread':>20}  tokens equal")
-    for label, native, mode in (("strict, Python (native off)", "0", "defer_never"),
-                                ("strict, native hit path", "1", "defer_never"),
-                                ("DEFER_AND_FUSE, Python (native off)", "0", "defer_and_fuse"),
-                                ("DEFER_AND_FUSE, native", "1", "defer_and_fuse")):
-        row = run(native, mode, args.repeats, args.breakdown and native == "1")
+    for label, native, mode, late in (("strict, Python (native off)", "0", "defer_never", True),
+                                      ("strict, native hit path", "1", "defer_never", True),
+                                      ("DEFER_AND_FUSE, Python (native off)", "0", "defer_and_fuse", True),
+                                      ("DEFER_AND_FUSE, native", "1", "defer_and_fuse", True),
+                                      ("  the same, stop read each token", "1", "defer_and_fuse", False)):
+        row = run(native, mode, args.repeats, args.breakdown and native == "1", late)
         print(f"{label:<36}{row['pjrt_tokens_per_s']:>14.1f}{row['cpu_tokens_per_s']:>19.1f}"
               f"{row['pjrt_tokens_per_s'] / row['cpu_tokens_per_s']:>11.2f}{row['cpu_one_thread_tokens_per_s']:>13.1f}"
               f"{row['pjrt_tokens_per_s'] / row['cpu_one_thread_tokens_per_s']:>20.2f}  {row['equal']}", flush=True)

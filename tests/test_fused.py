@@ -16,6 +16,7 @@ from torch_pjrt.eager import fusion
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+from test_dynamic import one_layer_llama  # noqa: E402
 from test_training import random_batches, train_both  # noqa: E402
 
 FUSE = torch.pjrt.EagerMode.DEFER_AND_FUSE
@@ -340,3 +341,47 @@ def test_sdpa_half_inputs_and_dropout_take_the_math_route_values(fused: None) ->
         dropped = F.scaled_dot_product_attention(q.to("pjrt"), k.to("pjrt"), v.to("pjrt"), dropout_p=1.0,
                                                  enable_gqa=True)
         assert torch.equal(dropped.cpu(), torch.zeros_like(want))
+
+
+class TokenStream:
+    """A generate() streamer that keeps what it is given (the prompt first, then each new token)."""
+
+    def __init__(self) -> None:
+        self.put_ids: list[list[int]] = []
+
+    def put(self, value: torch.Tensor) -> None:
+        self.put_ids.append(value.reshape(-1).tolist())
+
+    def end(self) -> None:
+        self.put_ids.append([])
+
+
+@pytest.mark.parametrize("mode", [torch.pjrt.EagerMode.DEFER_NEVER, FUSE], ids=["strict", "fused"])
+@pytest.mark.parametrize("stops_at", ["eos", "max_new_tokens"])
+def test_generate_reads_its_stop_check_a_token_late_and_gives_cpus_tokens(mode: torch.pjrt.EagerMode,
+                                                                          stops_at: str) -> None:
+    """generate() on pjrt reads whether to stop one token late (integrations.LateStopCheck): the token decoded
+    after an end-of-sequence stop is undone, so tokens and streamed tokens equal CPU's whether it stops at an eos
+    token or at max_new_tokens."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(11)
+    _, cpu, dev = one_layer_llama(transformers)
+    ids = torch.randint(1, 64, (1, 9))
+    options = dict(attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        free_run = cpu.generate(ids, eos_token_id=None, **options)[0, 9:].tolist()
+        # an eos token the greedy run meets halfway (its first appearance there), else none
+        eos = free_run[5] if stops_at == "eos" else None
+        stream = {"cpu": TokenStream(), "pjrt": TokenStream()}
+        want = cpu.generate(ids, eos_token_id=eos, streamer=stream["cpu"], **options)
+        late_reads = fusion.flush_reasons["stop check"]
+        with torch.pjrt.set_eager_mode(mode):
+            got = dev.generate(ids.to("pjrt"), eos_token_id=eos, streamer=stream["pjrt"],
+                               **{**options, "attention_mask": options["attention_mask"].to("pjrt")})
+            got = got.cpu()
+    assert torch.equal(got, want)
+    assert stream["pjrt"].put_ids == stream["cpu"].put_ids
+    if stops_at == "eos":
+        assert want.shape[1] == 9 + free_run.index(eos) + 1 < 9 + 12
+    if mode is FUSE:
+        assert fusion.flush_reasons["stop check"] - late_reads == got.shape[1] - 9 + (stops_at == "eos")

@@ -8,7 +8,8 @@ dim 1, buckets 64, 128, ... up to the model's max_position_embeddings): prompts 
 the KV cache growing by one token then reuse the programs of their bucket instead of compiling per
 length, with no line of the user's code. The prompt starts in the bucket that also holds the tokens
 generate() may add, so a generation never moves to a larger bucket halfway. Marks never change values;
-`TORCH_PJRT_DYNAMIC_GENERATE=0` turns this off.
+`TORCH_PJRT_DYNAMIC_GENERATE=0` turns this off. generate()'s check whether to stop reads its answer a token late
+(as Hugging Face does on mps), so the host records a token while the previous token's program runs.
 
 accelerate (and so `transformers.Trainer`) looks for an accelerator in a fixed list of device
 types and trains on the CPU when none is found. `accelerator_device` is the one answer to "is pjrt
@@ -76,6 +77,59 @@ def _patch_generate(module: Any) -> None:
 
     generate._pjrt_aware = True
     mixin.generate = generate
+    if hasattr(module, "DeferredStopCheck"):  # (transformers 5.x)
+        module.DeferredStopCheck = _stop_check_a_step_late_on_pjrt(module.DeferredStopCheck)
+
+
+def _stop_check_a_step_late_on_pjrt(hugging_faces: type) -> type:
+    """generate()'s stop check, which reads whether every sequence has finished after each token, reads on pjrt
+    the previous token's answer instead, so the host records token n+1 while token n's program runs. Hugging
+    Face defers it that way on mps (an asynchronous copy to the host and an event); the extra token a late
+    stop decodes is undone by its caller, as there. Not where the caller returns the cache (its extra entry)."""
+
+    class DeferredStopCheck(hugging_faces):
+        replaced = hugging_faces  # (for bench/generate_tokens.py's row that reads after each token)
+
+        @staticmethod
+        def is_supported(device: torch.device, cache: Any, cache_is_returned: bool, is_assistant: bool) -> bool:
+            if device.type == "pjrt":
+                return not (cache_is_returned or is_assistant)
+            return hugging_faces.is_supported(device, cache, cache_is_returned, is_assistant)
+
+        def __new__(cls, input_ids: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if input_ids.device.type == "pjrt":
+                return LateStopCheck(*args, **kwargs)
+            return super().__new__(cls)
+
+    return DeferredStopCheck
+
+
+class LateStopCheck:
+    """Whether generate() should stop, answered for the token before the last one (see
+    _stop_check_a_step_late_on_pjrt); a streamer gets each token a step late as well."""
+
+    def __init__(self, max_length: int | None, cache: Any, cache_is_returned: bool, streamer: Any = None) -> None:
+        self.max_length, self.streamer = max_length, streamer
+        self.previous: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.stop_reported = False
+
+    def __call__(self, unfinished_sequences: torch.Tensor, tokens: torch.Tensor, length: int) -> bool:
+        from torch_pjrt.eager import fusion
+
+        finished = unfinished_sequences.max() == 0
+        fusion.flush("stop check")  # this token's program starts before the host reads the previous token's answer
+        previous, self.previous = self.previous, (finished, tokens)
+        if previous is not None:
+            if self.streamer is not None:
+                self.streamer.put(previous[1].cpu())
+            self.stop_reported = bool(previous[0])
+        return self.stop_reported or (self.max_length is not None and length >= self.max_length)
+
+    def finish(self) -> int:
+        """How many decoded tokens the caller undoes: the one decoded after the stop, if the stop came late."""
+        if self.streamer is not None and not self.stop_reported and self.previous is not None:
+            self.streamer.put(self.previous[1].cpu())
+        return 1 if self.stop_reported else 0
 
 
 GENERATE_SMALLEST_BUCKET = 64
