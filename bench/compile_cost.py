@@ -77,7 +77,7 @@ CAPTURE = textwrap.dedent(
 
 STAGES = textwrap.dedent(
     """
-    import collections, json, sys, time, warnings
+    import collections, functools, json, sys, time, warnings
     import torch, torch_pjrt
     from jax._src import compiler, pjit, stages
     from jax._src.interpreters import mlir
@@ -91,6 +91,7 @@ STAGES = textwrap.dedent(
     def timed(owner, attribute, stage):
         original = getattr(owner, attribute)
 
+        @functools.wraps(original)  # (its signature stays readable: client._pass_compile_options binds to it)
         def wrapper(*args, **kwargs):
             if open_stages and open_stages[-1][0] == stage:  # a recursive call counts in the outer one
                 return original(*args, **kwargs)

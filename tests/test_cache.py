@@ -32,10 +32,12 @@ def run(cache: Path, script: str = SCRIPT) -> list[str]:
 
 def test_second_process_loads_every_strict_op_and_lowers_none(tmp_path: Path) -> None:
     """A strict op's executable and its checks are stored beside XLA's cache: a second process loads them
-    (each op's executable and checks, two hits an op) instead of tracing, lowering and asking XLA's cache."""
+    (each op's executable and checks, two hits an op) instead of tracing, lowering and asking XLA's cache.
+    They are compiled without XLA's cache, which would only keep a copy no process reads."""
     value, hits, misses, compiles, loaded = run(tmp_path)
-    assert int(hits) == 0 and int(misses) == int(compiles) > 0 and int(loaded) == 0
-    assert any((tmp_path / "xla").iterdir())
+    assert int(hits) == int(misses) == 0 and int(compiles) > 0 and int(loaded) == 0
+    assert any((tmp_path / "executables").iterdir())
+    assert not (tmp_path / "xla").exists() or not any((tmp_path / "xla").iterdir())
     again, hits, misses, compiles, loaded = run(tmp_path)
     assert again == value
     assert int(hits) == int(misses) == int(compiles) == 0 and int(loaded) > 0
@@ -186,13 +188,13 @@ def test_the_cache_command_shows_prunes_and_clears(tmp_path: Path) -> None:
     cache = functools.partial(cache_command, tmp_path)
 
     shown = json.loads(cache("--format", "json"))
-    entries = shown["kinds"]["xla"]["entries"]
-    assert entries > 0 and shown["kinds"]["xla"]["bytes"] > 0
-    assert "xla/" in cache() and f"{entries} entries" in cache()
+    entries = shown["kinds"]["executables"]["entries"]
+    assert entries > 0 and shown["kinds"]["executables"]["bytes"] > 0
+    assert "executables/" in cache() and f"{entries} entries" in cache()
     assert shown["kinds"]["op_checks"]["entries"] > 0 and shown["kinds"]["preload"]["entries"] == 1
     everything = sum(kind["entries"] for kind in shown["kinds"].values())  # strict ops' executables and checks too
     assert f"removed {everything} entries" in cache("prune", "--max-bytes", "0")
-    assert json.loads(cache("--format", "json"))["kinds"]["xla"]["entries"] == 0
+    assert json.loads(cache("--format", "json"))["kinds"]["executables"]["entries"] == 0
     run(tmp_path)
     assert "cleared" in cache("clear") and not any(tmp_path.iterdir())
 

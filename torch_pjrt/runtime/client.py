@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import math
 import os
 import re
@@ -64,19 +65,19 @@ def cache_failed(error: OSError) -> None:
     )
 
 
-_xla_cache_reads_off = threading.local()  # its depth: how many xla_cache_reads_off are open
+_xla_cache_off = threading.local()  # its depth: how many xla_cache_off are open
 
 
 @contextlib.contextmanager
-def xla_cache_reads_off() -> Iterator[None]:
-    """Compile this thread's programs meanwhile instead of loading them from XLA's persistent cache (still
-    written to it): an executable that cache gave serializes without its code on jaxlib's CPU client
-    (running it then fails with "Function ... not found"), so one our store keeps must be compiled."""
-    _xla_cache_reads_off.depth = getattr(_xla_cache_reads_off, "depth", 0) + 1
+def xla_cache_off() -> Iterator[None]:
+    """Compile this thread's programs meanwhile without XLA's persistent cache, for executables our store
+    keeps: one that cache gave serializes without its code on jaxlib's CPU client (running it then fails
+    with "Function ... not found"), so they must be compiled, and a copy written there is never read."""
+    _xla_cache_off.depth = getattr(_xla_cache_off, "depth", 0) + 1
     try:
         yield
     finally:
-        _xla_cache_reads_off.depth -= 1
+        _xla_cache_off.depth -= 1
 
 
 _one_op_compiles = threading.local()  # its depth: how many one_op_compiles are open on this thread
@@ -113,16 +114,24 @@ def one_op_compiles() -> Iterator[None]:
 
 def _pass_compile_options() -> None:
     """Make jax's compile step add `one_op_options` within `one_op_compiles` (through jax's private module,
-    pinned with jaxlib): jax.jit's own compiler_options reach only programs jitted by the caller with them."""
+    pinned with jaxlib): jax.jit's own compiler_options reach only programs jitted by the caller with them.
+    Within `xla_cache_off` it compiles as jax does with its cache disabled (no cache key, read or write);
+    with a jax whose compile step names its arguments otherwise, `_GuardedCache` refuses the reads only."""
     from jax._src import compiler
 
     compile_or_get_cached = compiler.compile_or_get_cached
+    signature = inspect.signature(compile_or_get_cached)
+    direct = {"executable_devices", "host_callbacks"} <= signature.parameters.keys()
 
     def with_options(backend: Any, computation: Any, devices: Any, options: Any, *rest: Any, **named: Any) -> Any:
         wanted = one_op_options() if getattr(_one_op_compiles, "depth", 0) else None
         text = str(computation) if wanted else ""
         if wanted and len(text) <= ONE_OP_MAX_CHARACTERS and not any(t in text for t in ONE_OP_DEFAULT_TYPES):
             options.env_option_overrides = [*options.env_option_overrides, *wanted.items()]
+        if direct and getattr(_xla_cache_off, "depth", 0):
+            passed = signature.bind(backend, computation, devices, options, *rest, **named).arguments
+            return compiler.backend_compile_and_load(backend, computation, passed["executable_devices"], options,
+                                                     passed["host_callbacks"])
         return compile_or_get_cached(backend, computation, devices, options, *rest, **named)
 
     compiler.compile_or_get_cached = with_options
@@ -138,7 +147,7 @@ class _GuardedCache:
         self.base = base
 
     def get(self, key: str) -> bytes | None:
-        if _cache_failures or getattr(_xla_cache_reads_off, "depth", 0):
+        if _cache_failures or getattr(_xla_cache_off, "depth", 0):
             return None
         try:
             return self.base.get(key)

@@ -120,7 +120,7 @@ def stored_executable(fn: Callable, example: tuple, key: str, name: str, counter
     if executable is not None:
         return Program.of_executable(executable, name, counter, device_index)
     start = time.perf_counter()
-    with warnings.catch_warnings(), client.xla_cache_reads_off():  # one from XLA's cache cannot be stored
+    with warnings.catch_warnings(), client.xla_cache_off():  # our store keeps it, not XLA's cache
         warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
         executable = _jit(fn, donate, device_index).lower(*example).compile()
     if counter:
