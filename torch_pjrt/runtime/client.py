@@ -116,12 +116,14 @@ def _pass_compile_options() -> None:
     """Make jax's compile step add `one_op_options` within `one_op_compiles` (through jax's private module,
     pinned with jaxlib): jax.jit's own compiler_options reach only programs jitted by the caller with them.
     Within `xla_cache_off` it compiles as jax does with its cache disabled (no cache key, read or write);
-    with a jax whose compile step names its arguments otherwise, `_GuardedCache` refuses the reads only."""
+    with a jax whose compile functions take other arguments, `_GuardedCache` refuses the reads only."""
     from jax._src import compiler
 
     compile_or_get_cached = compiler.compile_or_get_cached
     signature = inspect.signature(compile_or_get_cached)
-    direct = {"executable_devices", "host_callbacks"} <= signature.parameters.keys()
+    direct = ({"executable_devices", "host_callbacks"} <= signature.parameters.keys()
+              and list(inspect.signature(compiler.backend_compile_and_load).parameters)
+              == ["backend", "module", "executable_devices", "options", "host_callbacks"])
 
     def with_options(backend: Any, computation: Any, devices: Any, options: Any, *rest: Any, **named: Any) -> Any:
         wanted = one_op_options() if getattr(_one_op_compiles, "depth", 0) else None
