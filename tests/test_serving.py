@@ -835,6 +835,13 @@ STEP_PROGRAM_IN_A_NEW_PROCESS = """
 import json, sys, torch
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
+from torch_pjrt.serving.vllm.worker import StepProgram
+made = []
+make = StepProgram.__init__
+def recorded_init(self, *args, **kwargs):
+    made.append(self)
+    make(self, *args, **kwargs)
+StepProgram.__init__ = recorded_init
 llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, enforce_eager=False, dtype="float32", max_model_len=128,
           max_num_seqs=4, kv_cache_memory_bytes=1 << 24)
 runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
@@ -853,10 +860,16 @@ def fused_program(*args, **kwargs):
     calls["fused"] += 1
     return fused(*args, **kwargs)
 runner._run_step, runner._sampled, runner._sampled_rows_program = counted_step, recorded, fused_program
+(program,) = made
+through_torch_compile = program._compiled_callable
+def counted_compiled_callable(*args, **kwargs):
+    calls["through_torch_compile"] += 1
+    return through_torch_compile(*args, **kwargs)
+program._compiled_callable = counted_compiled_callable
 prompts = [TokensPrompt(prompt_token_ids=p) for p in json.loads(sys.argv[2])]
-results = {}
+results = {"dynamo_code_of": getattr(getattr(program, "_compiled_bytecode", None), "co_name", None)}
 for logprobs in (None, 2):
-    calls.update(steps=0, fused=0, back=[])
+    calls.update(steps=0, fused=0, back=[], through_torch_compile=0)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=logprobs, detokenize=False)
     outputs = llm.generate(prompts, params, use_tqdm=False)
     results[str(logprobs)] = {"tokens": [list(o.outputs[0].token_ids) for o in outputs], **calls,
@@ -869,7 +882,8 @@ def test_greedy_steps_on_the_compile_path_run_one_program_and_bring_back_only_to
     """enforce_eager=False, one rank: each step is the runner's one step program (forward, sampled rows, lm
     head, argmax) and no fused program runs after it; greedy steps bring back only the sampled rows' int32
     token ids, one per request; with logprobs asked, the sampled rows' logits come back for vLLM's sampler;
-    Hugging Face's greedy tokens either way."""
+    Hugging Face's greedy tokens either way. The step runs the code Dynamo made of StepProgram.forward's own
+    frame directly (vLLM's bytecode hook), never through torch.compile's call after the warm-up's trace."""
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
     done = subprocess.run([sys.executable, "-c", STEP_PROGRAM_IN_A_NEW_PROCESS, str(tiny_llama),
                            json.dumps(_prompts())], env=env, capture_output=True, text=True, timeout=600)
@@ -877,10 +891,11 @@ def test_greedy_steps_on_the_compile_path_run_one_program_and_bring_back_only_to
     assert done.returncode == 0 and results, done.stderr[-3000:]
     result = json.loads(results[-1][len("RESULT "):])
     expected = _torch_greedy_without_stop(tiny_llama, NEW_TOKENS)
+    assert result["dynamo_code_of"] == "forward"
     for logprobs, kind in (("None", "tokens"), ("2", "logits")):
         run = result[logprobs]
         assert run["tokens"] == expected
-        assert run["steps"] >= NEW_TOKENS and run["fused"] == 0
+        assert run["steps"] >= NEW_TOKENS and run["fused"] == 0 and run["through_torch_compile"] == 0
         assert len(run["back"]) == run["steps"]
         assert {(what, device) for what, device, _, _ in run["back"]} == {(kind, "cpu")}
         assert run["logprobs"] == [logprobs != "None"] * len(expected)

@@ -362,6 +362,14 @@ def traced_by_dynamo(fn: Callable[..., Any]) -> Callable[..., Any]:
     return dont_skip_tracing(fn)
 
 
+def dynamo_traces_our_code() -> contextlib.AbstractContextManager[Any]:
+    """Within it, Dynamo treats torch_pjrt's frames as user code: torch.compile made there of a function of ours
+    compiles that function's own frame (not a wrapper frame of torch's), as vLLM's bytecode hook needs."""
+    from torch._dynamo import dont_skip_tracing
+
+    return dont_skip_tracing()
+
+
 def suggest_memory_format(tensor: torch.Tensor) -> torch.memory_format:
     """The memory format PyTorch's kernels give a result made from `tensor` (channels-last stays so)."""
     from torch._prims_common import suggest_memory_format as suggest
@@ -511,6 +519,32 @@ def aot_autograd_cache(folder: str) -> Iterator[None]:
     with settings, mock.patch.object(AOTAutogradCache, "_get_tmp_dir", classmethod(lambda cls: folder)), \
             mock.patch.object(codecache, "init_backend_registration", lambda: None):
         yield
+
+
+def torch_source_key() -> bytes:
+    """PyTorch's digest of its own source files (Inductor's torch_key, part of AOTAutograd's cache keys), computed
+    by hashing about 2,600 files (~0.1 s) the first time a process asks."""
+    from torch._inductor import codecache
+
+    return codecache.torch_key()
+
+
+@contextlib.contextmanager
+def torch_source_key_given(key: bytes) -> Iterator[None]:
+    """Within it, `torch_source_key()` is `key` unless the process had computed it already; afterwards PyTorch
+    computes it again when asked (its own cache's `set` and `clear`), so code outside sees no value of ours."""
+    from torch._inductor import codecache
+
+    try:
+        codecache.torch_key.set(key)
+        given = True
+    except RuntimeError:  # already computed: PyTorch's own value stays
+        given = False
+    try:
+        yield
+    finally:
+        if given:
+            codecache.torch_key.clear()
 
 
 def pickle_graph(gm: torch.fx.GraphModule, keep: Callable[[str], bool]) -> bytes:

@@ -150,10 +150,6 @@ class PjrtPlatform(Platform):
             # vLLM's AOT compile stores the compiled model as Inductor artifacts, which pjrt's pieces are not
             # (their programs go to torch_pjrt's own persistent cache); set by hand, it is left alone.
             os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
-            # vLLM's bytecode hook runs the code Dynamo made for the compiled class's own forward; the runner's
-            # step program (worker.StepProgram) is traced from a wrapper frame (torch_pjrt's frames are skipped
-            # by Dynamo), so its compiled code is called through torch.compile, guards dropped all the same.
-            os.environ.setdefault("VLLM_USE_BYTECODE_HOOK", "0")
             if compilation_config.compile_sizes is None:
                 compilation_config.compile_sizes = []  # one piece per range of token counts, none per size
             _split_at_eager_ops(compilation_config)

@@ -135,9 +135,12 @@ class PjrtModelRunner(CPUModelRunner):
         self.model.compute_logits = compute_logits_where_sampled
         one_rank = self.parallel_config.tensor_parallel_size == 1 and self.parallel_config.pipeline_parallel_size == 1
         if self.compilation_config.mode == CompilationMode.VLLM_COMPILE and one_rank and not self.is_pooling_model:
-            with set_current_vllm_config(self.vllm_config):
+            # its frame is torch_pjrt's, which Dynamo skips (dynamo_skip_our_packages) unless told otherwise: made
+            # so, vLLM's torch.compile compiles StepProgram.forward's own frame, whose Dynamo code vLLM's bytecode
+            # hook then runs directly each step (no torch.compile call, no guards); its first call, traced so,
+            # makes that code
+            with set_current_vllm_config(self.vllm_config), _torch_private.dynamo_traces_our_code():
                 step = StepProgram(vllm_config=self.vllm_config, model=self.model, compute_logits=compute_logits)
-            # its frame is torch_pjrt's, which Dynamo skips (dynamo_skip_our_packages) unless told otherwise
             self._step = _torch_private.traced_by_dynamo(step.__call__)
 
     def _sample(self, logits: torch.Tensor | None, spec_decode_metadata: Any) -> Any:
