@@ -58,9 +58,9 @@ RANDOM_OPS = textwrap.dedent(
 
 
 def test_an_executable_our_store_lacks_is_compiled_not_loaded_from_xlas_cache(tmp_path: Path) -> None:
-    """After our code changes, every key of our store is new while XLA's cache still holds the programs:
-    the process that meets them compiles and stores them (one from XLA's cache would lose its code), so the
-    next process lowers nothing."""
+    """After our code changes, every key of our store is new while XLA's cache folder is kept: the process
+    that meets them compiles and stores them (one from XLA's cache would lose its code, and none is written
+    there), so the next process lowers nothing."""
     def counts(seed: int) -> list[int]:
         result = subprocess.run([sys.executable, "-c", RANDOM_OPS, str(seed)], capture_output=True, text=True,
                                 timeout=300, env={**os.environ, "TORCH_PJRT_CACHE_DIR": str(tmp_path)})
