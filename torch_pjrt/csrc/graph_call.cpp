@@ -160,6 +160,7 @@ class GraphPlan {
         next_key_(std::move(next_key)),
         eager_part_(std::move(eager_part)),
         issue_checks_(std::move(issue_checks)),
+        s_aval_(attribute_name("aval")),
         s_shape_(attribute_name("shape")),
         s_copy_(attribute_name("copy")),
         s_materialize_(attribute_name("materialize")) {
@@ -328,7 +329,12 @@ class GraphPlan {
           return false;
         }
       }
-      py::object shape = py::reinterpret_steal<py::object>(PyObject_GetAttr(array.ptr(), s_shape_.ptr()));
+      // aval.shape: two native lookups, where jax's Array.shape is a Python property reading the same
+      py::object aval = py::reinterpret_steal<py::object>(PyObject_GetAttr(array.ptr(), s_aval_.ptr()));
+      if (!aval) {
+        throw py::error_already_set();
+      }
+      py::object shape = py::reinterpret_steal<py::object>(PyObject_GetAttr(aval.ptr(), s_shape_.ptr()));
       if (!shape) {
         throw py::error_already_set();
       }
@@ -425,6 +431,7 @@ class GraphPlan {
   py::object next_key_;
   py::object eager_part_;
   py::object issue_checks_;
+  py::object s_aval_;
   py::object s_shape_;
   py::object s_copy_;
   py::object s_materialize_;
