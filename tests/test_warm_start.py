@@ -399,3 +399,56 @@ def test_a_second_process_finds_the_executables_its_entry_point_used_preloaded(t
     assert warm["compiles"] == 0 and warm["op_store_hits"] == cold["op_store_writes"]
     stored = len(list((tmp_path / "executables").iterdir()))
     assert warm["at_start"] >= 1 and warm["preload_hits"] in (stored - 1, stored) and stored > 1
+
+
+def test_a_stored_graphs_values_come_back_as_fake_tensors_of_the_same_layout() -> None:
+    """AOTAutograd's cache keeps a graph's node values as descriptions; each comes back a fake tensor of the one
+    fake mode given, with the dtype, shape, strides, storage offset and device of the traced value."""
+    from torch_pjrt import _torch_private
+    from torch_pjrt.compile import warm_start
+
+    base = torch.randn(7, 9, dtype=torch.float64, device="pjrt")
+    values = [base, base.t(), base[2:, 3:5], base[1, 4:].view(1, 5), torch.randint(0, 5, (0, 3)),
+              torch.ones((), dtype=torch.bfloat16)]
+    mode = _torch_private.fake_mode()
+    for value in values:
+        rebuilt = warm_start._rebuilt(warm_start._described(value), mode)
+        assert rebuilt.fake_mode is mode
+        assert (rebuilt.dtype, rebuilt.shape, rebuilt.stride(), rebuilt.storage_offset(), rebuilt.device) == (
+            value.dtype, value.shape, value.stride(), value.storage_offset(), value.device)
+    items = [base[1:3], (3, None, torch.float16, [base.t()])]
+    rebuilt = warm_start._rebuilt(warm_start._described(items), mode)
+    assert isinstance(rebuilt, list) and isinstance(rebuilt[1], tuple) and rebuilt[1][:3] == (3, None, torch.float16)
+    assert rebuilt[0].storage_offset() == 9 and rebuilt[1][3][0].stride() == (1, 9)
+    with mode:  # the fake mode computes with them as with its own tensors
+        assert (rebuilt[0] @ rebuilt[1][3][0]).shape == (2, 7)
+
+
+
+TORCH_SOURCE_KEY = textwrap.dedent(
+    """
+    import json, os, pathlib, sys, torch, torch_pjrt
+    from torch._inductor import codecache
+    torch.manual_seed(int(sys.argv[1]))
+    x, w = torch.randn(5, 4), torch.randn(4, 3)
+    loss = torch.compile(lambda x, w: torch.tanh(x @ w).sum(), backend="pjrt")(x.to("pjrt"), w.to("pjrt"))
+    torch.testing.assert_close(loss.cpu(), torch.tanh(x @ w).sum())
+    counters = torch_pjrt.metrics.counters()
+    hashed = codecache.torch_key()  # outside the backend's call PyTorch hashes its files (again)
+    folder = pathlib.Path(os.environ["TORCH_PJRT_CACHE_DIR"], "torch_source_key")
+    stored = [path.read_bytes()[32:] for path in folder.iterdir()]  # past the payload's SHA-256
+    print(json.dumps({"hits": counters.get("torch_source_key_hits", 0),
+                      "writes": counters.get("torch_source_key_writes", 0),
+                      "aot_cache_hits": counters["aot_cache_hits"], "stored_equals_hashed": stored == [hashed]}))
+    """
+)
+
+
+def test_a_warm_process_reads_pytorchs_source_digest_from_the_cache_folder_and_leaves_pytorchs_own_after(
+        tmp_path: Path) -> None:
+    """AOTAutograd's cache keys hold PyTorch's digest of its source files: the first process stores it, the next
+    reads it there instead of hashing torch's files, and the one value stored is the one PyTorch hashes."""
+    cold = run_step(tmp_path, 1, TORCH_SOURCE_KEY)
+    assert cold["writes"] == 1 and cold["hits"] == 0 and cold["stored_equals_hashed"]
+    warm = run_step(tmp_path, 2, TORCH_SOURCE_KEY)
+    assert warm["hits"] == 1 and warm["writes"] == 0 and warm["aot_cache_hits"] > 0 and warm["stored_equals_hashed"]

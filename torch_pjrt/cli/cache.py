@@ -24,7 +24,8 @@ KINDS = {"xla": "XLA executables", "graphs": "traced torch.compile graphs",
          "op_checks": "strict ops' device-side checks, read with their executables",
          "forms": "padded (dynamic) ops' forms: how their results' sizes follow the dynamic lengths",
          "preload": "per script: the executables its last process used, which the next one preloads",
-         "aotautograd": "AOTAutograd's entries for compiled graphs, per version of torch_pjrt"}
+         "aotautograd": "AOTAutograd's entries for compiled graphs, per version of torch_pjrt",
+         "torch_source_key": "PyTorch's digest of its source files (AOTAutograd's keys hold it), per torch install"}
 
 
 def _entries(folder: Path, kind: str) -> list[Path]:

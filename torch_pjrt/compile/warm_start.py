@@ -13,6 +13,7 @@ anything when the cache folder is off.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -134,8 +135,25 @@ def aot_cache(
     compiler = _torch_private.serializable_aot_compiler(StoredGraph, lambda gm, _: StoredGraph(gm, make(gm)))
     _making.append(make)
     try:
-        with _torch_private.aot_autograd_cache(folder):
+        with _torch_source_key_kept(), _torch_private.aot_autograd_cache(folder):
             yield compiler
     finally:
         _making.pop()
+
+
+@contextlib.contextmanager
+def _torch_source_key_kept() -> Iterator[None]:
+    """PyTorch's digest of its source files, which AOTAutograd's cache keys hold, read from our cache folder
+    instead of hashing torch's files again in every process. It is stored per torch version and install path,
+    the identity of torch our stored executables are keyed by too (disk_store.entry_digest)."""
+    name = hashlib.sha256(f"{torch.__version__}\0{os.path.dirname(torch.__file__)}".encode()).hexdigest()
+    with disk_store.counted_as("torch_source_key"):
+        stored = disk_store.read("torch_source_key", name)
+    if stored is not None:
+        with _torch_private.torch_source_key_given(stored):
+            yield
+        return
+    yield
+    with disk_store.counted_as("torch_source_key"):
+        disk_store.write("torch_source_key", name, _torch_private.torch_source_key())
 
