@@ -288,4 +288,4 @@ def test_a_cache_folder_that_fills_up_costs_one_warning(tmp_path: Path) -> None:
     summary, warnings = result.stdout.splitlines()
     assert summary == "True True 1", warnings
     assert "No space left on device" in warnings
-    assert any((tmp_path / "xla").iterdir())  # written before the disk filled
+    assert any((tmp_path / "executables").iterdir())  # written before the disk filled
