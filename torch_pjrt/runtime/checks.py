@@ -233,13 +233,20 @@ def _fold() -> Any:
     return jax.jit(combine)
 
 
-def take() -> list[Issued]:
-    """The pending codes, handed to a caller that reads them with its own transfer (`verify`)."""
+def take(ready_only: bool = False) -> list[Issued]:
+    """The pending codes (only those already computed if `ready_only`), handed to a caller that reads them
+    with its own transfer (`verify`); the others stay pending."""
     if not _pending:
         return []
     with _lock:
-        taken = list(_pending)
-        _pending.clear()
+        if not ready_only:
+            taken = list(_pending)
+            _pending.clear()
+            return taken
+        taken = [item for item in _pending if item.code.is_ready()]
+        if taken:
+            ready = {id(item) for item in taken}
+            _pending[:] = [item for item in _pending if id(item) not in ready]
     return taken
 
 
@@ -251,19 +258,9 @@ def verify(taken: list[Issued], values: Sequence[Any]) -> None:
 
 def raise_pending(wait: bool = True) -> None:
     """Read the pending codes (only those already computed unless `wait`) and raise the first failure."""
-    if not _pending:
-        return
-    with _lock:
-        if wait:
-            taken = list(_pending)
-            _pending.clear()
-        else:
-            taken = [item for item in _pending if item.code.is_ready()]
-            if not taken:
-                return
-            ready = {id(item) for item in taken}
-            _pending[:] = [item for item in _pending if id(item) not in ready]
-    _raise_first(taken, _read([item.code for item in taken]))
+    taken = take(ready_only=not wait)
+    if taken:
+        _raise_first(taken, _read([item.code for item in taken]))
 
 
 def clear() -> None:

@@ -428,12 +428,15 @@ def to_host_many(arrays: list[Any]) -> list[np.ndarray]:
     (an allocation XLA could not make), where waiting raises that failure.
     """
     jax = jax_module()
-    # pending device-side check codes come back in the same request (raised below)
-    taken = checks.take()
-    fetched = [*arrays, *(item.code for item in taken)]
     with out_of_memory_translated(arrays):
-        # one wait for all of them (a code's program may end after the arrays': the optimizer's after the loss)
-        jax.block_until_ready(fetched)
+        jax.block_until_ready(list(arrays))
+        # Pending device-side check codes already computed come back in the same request (raised below).
+        # Codes of programs still running stay pending: waiting for them would stop the host from going on
+        # while later programs run (a read of token n's answer while token n+1's program runs).
+        taken = checks.take(ready_only=True)
+        fetched = [*arrays, *(item.code for item in taken)]
+        if taken:  # a failed program's code raises in the wait, where reading it would abort
+            jax.block_until_ready(fetched[len(arrays):])
         # jax.device_get's own pytree walk costs ~10 us a call (a loss.item() each step): start every copy,
         # then read each, as it does. On CPU the read is a view of the buffer either way, and the started
         # copy only waits on another thread (6-300 us a read on this loaded 2-core machine, ~1 us without).
