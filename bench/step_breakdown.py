@@ -10,9 +10,11 @@ Then the device time alone, compiled against JAX: each program of the compiled s
 their recorded inputs, alternating with the JAX step's one program replayed the same way (best round of each).
 With --host, only the compiled step's main-thread CPU time split into the batch's transfers, our graph calls,
 the rest of the step call (Dynamo, AOTAutograd, autograd, the optimizer's wrappers) and loss.item().
+With --fused-host, only the fused step's main-thread CPU time split by phase (transfers, zero_grad, forward,
+backward, clipping, AdamW, and loss.item()'s flush: ours before and after jax's program call, the call, the wait).
 With --graph-calls, only the compiled step, and each of its graph calls' CPU time on the thread that made it
 (forward and optimizer on the main thread, backward on autograd's), by graph.
-Run: .venv/bin/python bench/step_breakdown.py [--steps N] [--graph-calls | --host]
+Run: .venv/bin/python bench/step_breakdown.py [--steps N] [--graph-calls | --host | --fused-host]
 """
 
 from __future__ import annotations
@@ -109,6 +111,17 @@ def timed_steps(row: TorchRow | JaxRow, data: list) -> tuple[list[float], list[f
     return walls, cpus
 
 
+def step_phases(row: TorchRow, tokens: torch.Tensor, targets: torch.Tensor) -> tuple[float, float, float]:
+    """One step's main-thread CPU seconds in three parts: the batch's two transfers, the step call, loss.item()."""
+    start = time.thread_time()
+    tokens, targets = tokens.to("pjrt"), targets.to("pjrt")
+    sent = time.thread_time()
+    loss = row.step(tokens, targets)
+    stepped = time.thread_time()
+    loss.item()
+    return sent - start, stepped - sent, time.thread_time() - stepped
+
+
 def host_split(model: torch.nn.Module, data: list) -> None:
     """The compiled step's main-thread CPU time per step split by what the host does: the batch's two transfers,
     our graph calls (forward, clipping, AdamW and the loss's detach; the backward's runs on autograd's thread),
@@ -135,16 +148,11 @@ def host_split(model: torch.nn.Module, data: list) -> None:
     try:
         for tokens, targets in data[3:]:
             graph_cpu[0] = 0.0
-            start = time.thread_time()
-            tokens, targets = tokens.to("pjrt"), targets.to("pjrt")
-            sent = time.thread_time()
-            loss = row.step(tokens, targets)
-            stepped = time.thread_time()
-            loss.item()
-            parts["transfers"].append(sent - start)
+            transfers, step, item = step_phases(row, tokens, targets)
+            parts["transfers"].append(transfers)
             parts["graph calls"].append(graph_cpu[0])
-            parts["Dynamo, AOTAutograd, autograd, optimizer"].append(stepped - sent - graph_cpu[0])
-            parts["item"].append(time.thread_time() - stepped)
+            parts["Dynamo, AOTAutograd, autograd, optimizer"].append(step - graph_cpu[0])
+            parts["item"].append(item)
     finally:
         backend.CompiledGraph.__call__ = call
     jax_row = JaxRow(model, 2, 4)
@@ -168,6 +176,85 @@ def host_split(model: torch.nn.Module, data: list) -> None:
         medians = {name: statistics.median(values) * 1e3 for name, values in found.items()}
         print(f"{title}: " + ", ".join(f"{name} {ms:.3f}" for name, ms in medians.items())
               + f"; total {sum(medians.values()):.3f}")
+
+
+def fused_host_split(model: torch.nn.Module, data: list) -> None:
+    """The fused (DEFER_AND_FUSE) step's main-thread CPU per step split by phase: the batch's transfers,
+    zero_grad, the forward and loss (recording), backward (the main thread's CPU, and its wall time: autograd's
+    thread records the backward's ops while the main thread waits), gradient clipping, AdamW's step, and
+    loss.item(), which flushes the step's one program: the flush before the program call (live results, donated
+    inputs, replay match, numbers as arrays), jax's call, the flush after it (results wired), then the wait and
+    the read. With the graph's size: ops, inputs (Python numbers among them) and outputs."""
+    from torch_pjrt.eager import fusion
+
+    main_thread = threading.get_ident()
+    times: dict[str, float] = {}
+    sizes: dict[str, int] = {}
+
+    def timed(name: str, fn: Callable[..., Any], wall: str | None = None) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            if threading.get_ident() != main_thread:
+                return fn(*args, **kwargs)
+            start, started = time.thread_time(), time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                times[name] = times.get(name, 0.0) + time.thread_time() - start
+                if wall is not None:
+                    times[wall] = times.get(wall, 0.0) + time.perf_counter() - started
+        return run
+
+    flush, program_call = fusion.PendingGraph.flush, programs.Program.call
+
+    def sized_flush(self: fusion.PendingGraph, reason: str) -> None:
+        if self.nodes:
+            sizes.update(ops=len(self.nodes), inputs=len(self.inputs),
+                         numbers=sum(type(value) in (int, float, bool, complex) for value in self.inputs))
+        flush(self, reason)
+
+    def counted_call(self: programs.Program, *args: Any) -> Any:
+        results = program_call(self, *args)
+        sizes["outputs"] = len(results)
+        return results
+
+    row = TorchRow(model, "pjrt", "fuse", cpu_threads=1)
+    row.run(data[:3])
+    optimizer, clip, backward = row.optimizer, torch.nn.utils.clip_grad_norm_, torch.Tensor.backward
+    optimizer.zero_grad = timed("zero_grad", optimizer.zero_grad)
+    optimizer.step = timed("AdamW step", optimizer.step)
+    torch.nn.utils.clip_grad_norm_ = timed("clip", clip)
+    torch.Tensor.backward = timed("backward", backward, wall="backward (wall)")
+    fusion.PendingGraph.flush = timed("flush", sized_flush)
+    programs.Program.call = timed("program call", counted_call)
+    parts: dict[str, list[float]] = {}
+    try:
+        with torch.pjrt.set_eager_mode("defer_and_fuse"):
+            for tokens, targets in data[3:]:
+                times.clear()
+                transfers, step, item = step_phases(row, tokens, targets)
+                flush_rest = times.get("flush", 0.0) - times.get("program call", 0.0)
+                found = {
+                    "transfers": transfers, "zero_grad": times.get("zero_grad", 0.0),
+                    "forward and loss": step - sum(times.get(name, 0.0) for name in (
+                        "zero_grad", "backward", "clip", "AdamW step")),
+                    "backward": times.get("backward", 0.0), "clip": times.get("clip", 0.0),
+                    "AdamW step": times.get("AdamW step", 0.0), "flush (ours)": flush_rest,
+                    "program call": times.get("program call", 0.0),
+                    "wait and read": item - times.get("flush", 0.0),
+                    "backward (wall)": times.get("backward (wall)", 0.0),
+                }
+                for name, seconds in found.items():
+                    parts.setdefault(name, []).append(seconds)
+    finally:
+        torch.nn.utils.clip_grad_norm_, torch.Tensor.backward = clip, backward
+        fusion.PendingGraph.flush, programs.Program.call = flush, program_call
+    medians = {name: statistics.median(values) * 1e3 for name, values in parts.items()}
+    print(f"DEFER_AND_FUSE step, main-thread CPU ms per step (median of {len(data) - 3} steps, load "
+          f"{open('/proc/loadavg').read().split()[0]}); its program: {sizes.get('ops')} ops, {sizes.get('inputs')} "
+          f"inputs ({sizes.get('numbers')} Python numbers), {sizes.get('outputs')} outputs")
+    for name, ms in medians.items():
+        print(f"  {name:<20}{ms:>8.3f}")
+    print(f"  {'total (CPU)':<20}{sum(ms for name, ms in medians.items() if name != 'backward (wall)'):>8.3f}")
 
 
 def graph_calls(model: torch.nn.Module, data: list) -> None:
@@ -237,6 +324,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--graph-calls", action="store_true", help="only the compiled step's graph calls, timed")
     parser.add_argument("--host", action="store_true", help="only the compiled step's main-thread CPU, split by part")
+    parser.add_argument("--fused-host", action="store_true",
+                        help="only the fused step's main-thread CPU, split by phase and flush part")
     args = parser.parse_args()
     torch.manual_seed(0)
     model = GPT(width=128, layers=2, heads=4, context=64)
@@ -246,6 +335,9 @@ def main() -> None:
         return
     if args.host:
         host_split(model, data)
+        return
+    if args.fused_host:
+        fused_host_split(model, data)
         return
     programs.Program.call = _recording_call
     rows = []
