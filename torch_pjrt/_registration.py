@@ -11,6 +11,7 @@ import contextlib
 import gc
 import importlib
 import os
+import pickle
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -18,7 +19,7 @@ from typing import Any
 import torch
 
 from torch_pjrt import _torch_private, envvars
-from torch_pjrt.runtime import startup
+from torch_pjrt.runtime import disk_store, startup
 
 NAME = startup.NAME
 # Device queues the autograd engine is told about before the real device count is known.
@@ -104,7 +105,12 @@ def initialize() -> None:
             # and frozen with the rest, instead of later, where full collections walked its objects.
             _import_on_a_thread_of_its_own("torch._dynamo")
             _torch_private.dynamo_skip_our_packages()
-            _state["libraries"].extend(kernels.register_all())
+            key, known = _known_registration()
+            libraries, found = kernels.register_all(known)
+            _state["libraries"].extend(libraries)
+            if key is not None and known is None:
+                with disk_store.counted_as("registration"):
+                    disk_store.write("registration", key, pickle.dumps(found))
             _torch_private.flex_attention_accepts(NAME)
             if envvars.flag("TORCH_PJRT_FLASH_ATTENTION"):
                 from torch_pjrt.kernels import attention
@@ -112,6 +118,20 @@ def initialize() -> None:
                 attention.install()
             programs.hold_preload()
         startup.mark_started()
+
+
+def _known_registration() -> tuple[str | None, Any]:
+    """The cache folder's key for what registration finds in torch's dispatcher and schemas (the same in every
+    process of the same code and torch), and what the last such process found, if stored: with it, the start
+    registers every kernel without searching 2,400 overloads and reading their schemas again."""
+    if not disk_store.enabled():
+        return None, None
+    digest = disk_store.entry_digest()
+    digest.update(torch.__file__.encode())
+    key = digest.hexdigest()
+    with disk_store.counted_as("registration"):
+        stored = disk_store.read("registration", key)
+    return key, None if stored is None else pickle.loads(stored)
 
 
 def _import_on_a_thread_of_its_own(module: str) -> None:

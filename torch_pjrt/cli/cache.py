@@ -25,7 +25,8 @@ KINDS = {"xla": "XLA executables", "graphs": "traced torch.compile graphs",
          "forms": "padded (dynamic) ops' forms: how their results' sizes follow the dynamic lengths",
          "preload": "per script: the executables its last process used, which the next one preloads",
          "aotautograd": "AOTAutograd's entries for compiled graphs, per version of torch_pjrt",
-         "torch_source_key": "PyTorch's digest of its source files (AOTAutograd's keys hold it), per torch install"}
+         "torch_source_key": "PyTorch's digest of its source files (AOTAutograd's keys hold it), per torch install",
+         "registration": "the overloads and schema facts the device's start registers, per torch_pjrt and torch"}
 
 
 def _entries(folder: Path, kind: str) -> list[Path]:

@@ -60,10 +60,10 @@ def _arg_kind(type_: Any) -> Arg:
 
 
 @dataclasses.dataclass
-class OpPlan:
-    """What the dispatcher needs to know about one overload, computed once."""
+class SchemaFacts:
+    """What a plan reads from its overload's schema: the same in every process of the same torch, so the
+    device's start keeps them in the cache folder (`schema_facts_known`) instead of reading 2,400 schemas."""
 
-    op: OpOverload
     names: list[str]
     kinds: list[Arg]
     kwarg_only: list[bool]
@@ -71,6 +71,15 @@ class OpPlan:
     mutated: list[int]
     # for each schema return: the index of the argument it aliases, or None for a new tensor
     return_aliases: list[int | None]
+    # every return is a tensor, an optional tensor or a tensor list (what the native cache can wrap)
+    native_returns: bool
+
+
+@dataclasses.dataclass
+class OpPlan(SchemaFacts):
+    """What the dispatcher needs to know about one overload, computed once."""
+
+    op: OpOverload
     lowering: registry.Lowering
     factory: bool
     static_scalars: bool
@@ -78,8 +87,6 @@ class OpPlan:
     # str(op): hashed per call as part of the cache key (an OpOverload's hash is computed in Python)
     name: str
     allow_cpu: bool
-    # every return is a tensor, an optional tensor or a tensor list (what the native cache can wrap)
-    native_returns: bool
     # a factory's sizes that are padded when they equal a length marked lately (`Scan.sizes`): its `size`,
     # arange's `end`; none for random factories, whose draws would change with the padding
     length_args: tuple[int, ...]
@@ -92,7 +99,13 @@ class OpPlan:
         return values
 
 
-_NO_DEFAULT = object()
+class _NoDefault(enum.Enum):
+    """An argument without a schema default (an enum member: the same object after a stored plan is read)."""
+
+    NO_DEFAULT = 0
+
+
+_NO_DEFAULT = _NoDefault.NO_DEFAULT
 
 
 def _default(argument: Any) -> Any:
@@ -105,17 +118,27 @@ def _default(argument: Any) -> Any:
     return value
 
 
-@functools.cache
-def plan_for(op: OpOverload) -> OpPlan | None:
-    lowering = graph.lookup(op)
-    if lowering is None:
-        return None
+# by overload name (`op.name()`): those read so far, and those an earlier process read (`schema_facts_known`)
+_known_facts: dict[str, SchemaFacts] = {}
+
+
+def schema_facts_known(facts: dict[str, SchemaFacts] | None = None) -> dict[str, SchemaFacts]:
+    """Add the facts an earlier process of the same code and torch read; all those known now."""
+    _known_facts.update(facts or {})
+    return dict(_known_facts)
+
+
+def schema_facts(op: OpOverload) -> SchemaFacts:
+    known = _known_facts.get(op.name())
+    if known is None:
+        known = _known_facts[op.name()] = _read_schema_facts(op)
+    return known
+
+
+def _read_schema_facts(op: OpOverload) -> SchemaFacts:
     schema = op._schema
     arguments = schema.arguments
-    kinds = [_arg_kind(a.type) for a in arguments]
     mutated = registry.mutated_arguments(op)
-    factory = not any(k in (Arg.TENSOR, Arg.TENSOR_LIST) for k in kinds)
-    names = [a.name for a in arguments]
     aliases: list[int | None] = []
     for ret in schema.returns:
         index = None
@@ -124,23 +147,35 @@ def plan_for(op: OpOverload) -> OpPlan | None:
                 if arguments[i].alias_info.before_set == ret.alias_info.before_set:
                     index = i
         aliases.append(index)
-    return OpPlan(
-        op=op,
-        names=names,
-        kinds=kinds,
+    return SchemaFacts(
+        names=[a.name for a in arguments],
+        kinds=[_arg_kind(a.type) for a in arguments],
         kwarg_only=[a.kwarg_only for a in arguments],
         defaults=[_default(a) for a in arguments],
         mutated=mutated,
         return_aliases=aliases,
+        native_returns=all(str(r.type) in ("Tensor", "Optional[Tensor]", "List[Tensor]") for r in schema.returns),
+    )
+
+
+@functools.cache
+def plan_for(op: OpOverload) -> OpPlan | None:
+    lowering = graph.lookup(op)
+    if lowering is None:
+        return None
+    facts = schema_facts(op)
+    factory = not any(k in (Arg.TENSOR, Arg.TENSOR_LIST) for k in facts.kinds)
+    return OpPlan(
+        **vars(facts),
+        op=op,
         lowering=lowering,
         factory=factory,
         static_scalars=lowering.static_scalars or factory,
-        has_device_arg=Arg.DEVICE in kinds,
+        has_device_arg=Arg.DEVICE in facts.kinds,
         name=str(op),
         allow_cpu=op in CPU_TENSORS_ALLOWED,
-        native_returns=all(str(r.type) in ("Tensor", "Optional[Tensor]", "List[Tensor]") for r in schema.returns),
         length_args=() if not factory or lowering.random else tuple(
-            i for i, name in enumerate(names)
+            i for i, name in enumerate(facts.names)
             if name == "size" or (name == "end" and op is torch.ops.aten.arange.default)),
     )
 
