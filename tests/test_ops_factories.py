@@ -276,3 +276,19 @@ def test_dtype_the_device_cannot_hold_is_not_implemented():
             convert()
         with pytest.raises(TypeError, match="complex32"):
             convert()
+
+
+@pytest.mark.parametrize("sizes", [(2, 3, 4, 5), (1, 5, 0), (3, 0, 2**62), (), (2**40, 2**40), (2**62,), (-1, 2)])
+@pytest.mark.parametrize("memory_format", [None, torch.contiguous_format, torch.channels_last, torch.preserve_format])
+def test_empty_layout_and_errors_match_cpu(sizes: tuple[int, ...], memory_format: Any) -> None:
+    """torch.empty's strides, or its error, as on CPU (contiguous strides are computed here, not by the meta kernel)."""
+    kwargs = {} if memory_format is None else {"memory_format": memory_format}
+
+    def outcome(device: str) -> tuple:
+        try:
+            made = torch.empty(sizes, dtype=torch.float32, device=device, **kwargs)
+        except RuntimeError as error:
+            return type(error), str(error)
+        return made.dtype, made.shape, made.stride()
+
+    assert outcome("pjrt") == outcome("cpu")

@@ -8,7 +8,7 @@ lowering (written or decomposed) runs through `dispatch`.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
@@ -61,6 +61,9 @@ def to_cpu(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def resolve_device(device: Any) -> torch.device:
+    """The pjrt device a device argument names, with its index (the current device's when it has none)."""
+    if isinstance(device, torch.device) and device.type == "pjrt" and device.index is not None:
+        return device  # (a pjrt tensor's own device, as factories between a model's steps pass it)
     device = torch.device(device)
     return torch.device("pjrt", startup.current_device() if device.index is None else device.index)
 
@@ -149,18 +152,26 @@ def _laid_out_like(copy: torch.Tensor, source: torch.Tensor, memory_format: Any)
 
 # --- allocation --------------------------------------------------------------------------------
 
+_INT64_MAX = 2**63 - 1
+
 
 def empty_memory_format(
     size: Any, *, dtype: Any = None, layout: Any = None, device: Any = None, pin_memory: Any = None,
     memory_format: Any = None,
 ) -> torch.Tensor:
+    """An uninitialised storage, no program (Hugging Face's generate() makes one, empty, every token). Contiguous
+    strides are computed here; another memory format, or a size past int64 in bytes, asks PyTorch's meta kernel
+    (its strides, its overflow error)."""
     dtype = dtype or torch.get_default_dtype()
-    sizes = tuple(int(s) for s in size)
-    if any(s < 0 for s in sizes):
+    sizes = tuple(map(int, size))
+    if sizes and min(sizes) < 0:
         raise RuntimeError(f"Trying to create tensor with negative dimension {min(sizes)}: {list(sizes)}")
     storage.numpy_dtype(dtype)
-    meta = torch.empty(sizes, dtype=dtype, device="meta", memory_format=memory_format or torch.contiguous_format)
-    return storage.new_tensor(None, dtype, resolve_device(device or "pjrt"), sizes, tuple(meta.stride()))
+    strides = storage.contiguous_strides(sizes)
+    if (memory_format not in (None, torch.contiguous_format)
+            or (sizes and strides[0] * max(sizes[0], 1) * dtype.itemsize > _INT64_MAX)):
+        strides = tuple(torch.empty(sizes, dtype=dtype, device="meta", memory_format=memory_format).stride())
+    return storage.new_tensor(None, dtype, resolve_device(device or "pjrt"), sizes, strides)
 
 
 def empty_strided(
@@ -279,15 +290,15 @@ def _metadata_kernel(op: torch._ops.OpOverload) -> Any:
     return kernel
 
 
-def _aten_overloads(names: list[str] | None) -> list[torch._ops.OpOverload]:
+def _aten_overloads() -> list[torch._ops.OpOverload]:
     """The aten overloads a kernel may be registered for: those with a CompositeImplicitAutograd kernel keep
-    their decomposition (but COMPOSITE_REPLACED), checked by name before an overload object is built for them.
-    `names`: those an earlier process of the same code and torch found (`KnownRegistration`), not searched again."""
+    their decomposition (but COMPOSITE_REPLACED), checked by name before an overload object is built for them."""
     replaced = {op.name() for op in COMPOSITE_REPLACED}
     found = []
-    for qualified in torch._C._dispatch_get_all_op_names() if names is None else names:
-        if names is None and (not qualified.startswith("aten::") or (
-                _torch_private.has_kernel(qualified, "CompositeImplicitAutograd") and qualified not in replaced)):
+    for qualified in torch._C._dispatch_get_all_op_names():
+        if not qualified.startswith("aten::"):
+            continue
+        if _torch_private.has_kernel(qualified, "CompositeImplicitAutograd") and qualified not in replaced:
             continue
         name, _, overload = qualified[len("aten::"):].partition(".")
         packet = getattr(aten, name, None)
@@ -300,29 +311,18 @@ def _aten_overloads(names: list[str] | None) -> list[torch._ops.OpOverload]:
     return found
 
 
-class KnownRegistration(NamedTuple):
-    """What registration reads from torch's dispatcher and schemas, the same in every process of the same code
-    and torch: the device's start keeps it in the cache folder (torch_pjrt/_registration.py)."""
-
-    overloads: list[str]
-    schema_facts: dict[str, dispatch.SchemaFacts]
-
-
-def register_all(known: KnownRegistration | None = None) -> tuple[list[torch.library.Library], KnownRegistration]:
-    """Register a PrivateUse1 kernel for every aten overload we can run; with what an earlier process found
-    (`known`), skip the search of torch's dispatcher and schemas. Also returns what this one found."""
+def register_all() -> list[torch.library.Library]:
+    """Register a PrivateUse1 kernel for every aten overload we can run."""
     from torch_pjrt import ops  # noqa: F401 (fills the lowering table)
     from torch_pjrt.eager import data_dependent
 
-    dispatch.schema_facts_known(None if known is None else known.schema_facts)
-    overloads = _aten_overloads(None if known is None else known.overloads)
     special = {**SPECIAL, **data_dependent.KERNELS}
     plain_calls = {**PLAIN_CALLS, **data_dependent.PLAIN_CALLS}
     library = torch.library.Library("aten", "IMPL")
     native_dispatch = native.dispatch_module()
     if native_dispatch is not None:
         dispatch.configure_native(native_dispatch)
-    for op in overloads:
+    for op in _aten_overloads():
         name = op.name()
         if op in plain_calls and native_dispatch is not None and dispatch.plan_for(op) is not None:
             dispatch.register_native(native_dispatch, op, dispatch.plan_for(op),
@@ -347,7 +347,7 @@ def register_all(known: KnownRegistration | None = None) -> tuple[list[torch.lib
     # (a native module built before install_fused_attention leaves SDPA to the math route)
     if native_dispatch is not None and hasattr(native_dispatch, "install_fused_attention"):
         _install_fused_attention(native_dispatch)
-    return [library], known or KnownRegistration([op.name() for op in overloads], dispatch.schema_facts_known())
+    return [library]
 
 
 def _install_fused_attention(native_dispatch: Any) -> None:
