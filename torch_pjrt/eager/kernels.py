@@ -8,7 +8,7 @@ lowering (written or decomposed) runs through `dispatch`.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -290,15 +290,15 @@ def _metadata_kernel(op: torch._ops.OpOverload) -> Any:
     return kernel
 
 
-def _aten_overloads() -> list[torch._ops.OpOverload]:
+def _aten_overloads(names: list[str] | None) -> list[torch._ops.OpOverload]:
     """The aten overloads a kernel may be registered for: those with a CompositeImplicitAutograd kernel keep
-    their decomposition (but COMPOSITE_REPLACED), checked by name before an overload object is built for them."""
+    their decomposition (but COMPOSITE_REPLACED), checked by name before an overload object is built for them.
+    `names`: those an earlier process of the same code and torch found (`KnownRegistration`), not searched again."""
     replaced = {op.name() for op in COMPOSITE_REPLACED}
     found = []
-    for qualified in torch._C._dispatch_get_all_op_names():
-        if not qualified.startswith("aten::"):
-            continue
-        if _torch_private.has_kernel(qualified, "CompositeImplicitAutograd") and qualified not in replaced:
+    for qualified in torch._C._dispatch_get_all_op_names() if names is None else names:
+        if names is None and (not qualified.startswith("aten::") or (
+                _torch_private.has_kernel(qualified, "CompositeImplicitAutograd") and qualified not in replaced)):
             continue
         name, _, overload = qualified[len("aten::"):].partition(".")
         packet = getattr(aten, name, None)
@@ -311,18 +311,29 @@ def _aten_overloads() -> list[torch._ops.OpOverload]:
     return found
 
 
-def register_all() -> list[torch.library.Library]:
-    """Register a PrivateUse1 kernel for every aten overload we can run."""
+class KnownRegistration(NamedTuple):
+    """What registration reads from torch's dispatcher and schemas, the same in every process of the same code
+    and torch: the device's start keeps it in the cache folder (torch_pjrt/_registration.py)."""
+
+    overloads: list[str]
+    schema_facts: dict[str, dispatch.SchemaFacts]
+
+
+def register_all(known: KnownRegistration | None = None) -> tuple[list[torch.library.Library], KnownRegistration]:
+    """Register a PrivateUse1 kernel for every aten overload we can run; with what an earlier process found
+    (`known`), skip the search of torch's dispatcher and schemas. Also returns what this one found."""
     from torch_pjrt import ops  # noqa: F401 (fills the lowering table)
     from torch_pjrt.eager import data_dependent
 
+    dispatch.schema_facts_known(None if known is None else known.schema_facts)
+    overloads = _aten_overloads(None if known is None else known.overloads)
     special = {**SPECIAL, **data_dependent.KERNELS}
     plain_calls = {**PLAIN_CALLS, **data_dependent.PLAIN_CALLS}
     library = torch.library.Library("aten", "IMPL")
     native_dispatch = native.dispatch_module()
     if native_dispatch is not None:
         dispatch.configure_native(native_dispatch)
-    for op in _aten_overloads():
+    for op in overloads:
         name = op.name()
         if op in plain_calls and native_dispatch is not None and dispatch.plan_for(op) is not None:
             dispatch.register_native(native_dispatch, op, dispatch.plan_for(op),
@@ -347,7 +358,7 @@ def register_all() -> list[torch.library.Library]:
     # (a native module built before install_fused_attention leaves SDPA to the math route)
     if native_dispatch is not None and hasattr(native_dispatch, "install_fused_attention"):
         _install_fused_attention(native_dispatch)
-    return [library]
+    return [library], known or KnownRegistration([op.name() for op in overloads], dispatch.schema_facts_known())
 
 
 def _install_fused_attention(native_dispatch: Any) -> None:
