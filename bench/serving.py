@@ -21,7 +21,8 @@ With `--profile`, each pjrt row also prints torch.profiler's table of one more b
 `--breakdown`, every row times one more batch phase by phase (vLLM's scheduler, the runner's input
 preparation, attention metadata, forward, logits, sampling; in pjrt rows also the forward's program calls made
 from Python and its copies to the host, which wait for the programs) and a table of wall ms per engine step
-follows.
+follows, with the CPU ms per step of the process's threads: the engine's thread and the others (XLA's, which
+run the programs, or vLLM CPU's OpenMP threads).
 Run: .venv-vllm/bin/python bench/serving.py [--requests N] [--new-tokens T] [--repeats R] [--rounds K]
      [--kv-cache-mib M] [--profile | --breakdown] [--sampling auto|device|host] [--rows cpu,strict,fused,...]
 """
@@ -38,7 +39,7 @@ import textwrap
 
 SERVE = textwrap.dedent(
     """
-    import json, sys, time
+    import json, resource, sys, time
     from collections import defaultdict
 
     # (phase, its parent phase, the object, its method): each one's wall time summed over a batch's steps;
@@ -83,9 +84,11 @@ SERVE = textwrap.dedent(
         for label, _, owner, name in phases:
             if owner is not None:
                 setattr(owner, name, timed(label, getattr(owner, name)))
-        start = time.perf_counter()
+        used, start, host = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter(), time.thread_time()
         batch()
         spent["generate"] = time.perf_counter() - start
+        host, now = time.thread_time() - host, resource.getrusage(resource.RUSAGE_SELF)
+        process = now.ru_utime + now.ru_stime - used.ru_utime - used.ru_stime
         for owner, name, method in originals:
             setattr(owner, name, method)
         steps = calls["execute_model"]
@@ -96,6 +99,11 @@ SERVE = textwrap.dedent(
             if children:  # every row's table lists the same phases, timed or not
                 rows.append((f"{label}: rest", spent[label] - sum(children), label))
         rows.append(("outside engine steps", spent["generate"] - spent["engine step"], None))
+        # CPU, not wall: above wall when threads overlap; what the host thread leaves to others is the
+        # program's (XLA's thread pool) in pjrt rows, the model's (torch's OpenMP threads) on vLLM's CPU platform
+        rows.append(("CPU time, the process's threads", process, None))
+        rows.append(("CPU time, the engine's (host) thread", host, "CPU time, the process's threads"))
+        rows.append(("CPU time, the other threads", process - host, "CPU time, the process's threads"))
         return {"steps": steps, "ms_per_step": [(label, 1000 * value / steps, parent) for label, value, parent in rows]}
 
     from vllm import LLM, SamplingParams
@@ -177,9 +185,10 @@ def _run(folder: str, args: argparse.Namespace, platform: str, mode: str) -> dic
 
 
 def _print_breakdown(rows: list[tuple[str, dict]]) -> None:
-    """One column per row: wall ms per engine step in each phase of one more batch (nested phases indented)."""
+    """One column per row: ms per engine step of one more batch, wall in each phase (nested phases indented),
+    then CPU by thread."""
     tables = [row["breakdown"]["ms_per_step"] for _, row in rows]
-    print("| phase, wall ms per step | " + " | ".join(name for name, _ in rows) + " |")
+    print("| phase, ms per step (wall; CPU where named) | " + " | ".join(name for name, _ in rows) + " |")
     print("|---" * (len(rows) + 1) + "|")
     print("| steps | " + " | ".join(str(row["breakdown"]["steps"]) for _, row in rows) + " |")
     depth = {label: 0 if parent is None else 1 for label, _, parent in tables[0]}
