@@ -127,7 +127,7 @@ def _known_registration() -> tuple[str | None, Any]:
     if not disk_store.enabled():
         return None, None
     digest = disk_store.entry_digest()
-    digest.update(torch.__file__.encode())
+    digest.update(disk_store.torch_install().encode())
     key = digest.hexdigest()
     with disk_store.counted_as("registration"):
         stored = disk_store.read("registration", key)

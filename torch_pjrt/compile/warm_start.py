@@ -144,9 +144,9 @@ def aot_cache(
 @contextlib.contextmanager
 def _torch_source_key_kept() -> Iterator[None]:
     """PyTorch's digest of its source files, which AOTAutograd's cache keys hold, read from our cache folder
-    instead of hashing torch's files again in every process. It is stored per torch version and install path,
-    the identity of torch our stored executables are keyed by too (disk_store.entry_digest)."""
-    name = hashlib.sha256(f"{torch.__version__}\0{os.path.dirname(torch.__file__)}".encode()).hexdigest()
+    instead of hashing torch's files again in every process. It is stored per torch install (version and
+    folder: `disk_store.torch_install`), not per version of our code."""
+    name = hashlib.sha256(disk_store.torch_install().encode()).hexdigest()
     with disk_store.counted_as("torch_source_key"):
         stored = disk_store.read("torch_source_key", name)
     if stored is not None:

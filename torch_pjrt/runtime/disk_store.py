@@ -100,6 +100,12 @@ def code_version() -> str:
     return digest.hexdigest()
 
 
+def torch_install() -> str:
+    """Which torch this process runs: its version and the folder it is installed in (two installs of one
+    version may differ). Entries derived from torch's own files are keyed on it."""
+    return f"{torch.__version__}\0{os.path.dirname(torch.__file__)}"
+
+
 def entry_digest() -> hashlib._Hash:
     """A SHA-256 begun with what every stored entry depends on besides its own program: our code, torch's
     and jax's versions, the platform and whether device-side checks are on (one prefix for every kind)."""
