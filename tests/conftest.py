@@ -1,3 +1,4 @@
+import gc
 import os
 from collections.abc import Iterator
 
@@ -15,3 +16,16 @@ def backend_flags_settable() -> Iterator[None]:
     with getattr(torch.backends, "__allow_nonbracketed_mutation")():
         yield
 
+
+
+@pytest.fixture
+def settled_memory() -> Iterator[None]:
+    """For tests that compare torch.pjrt.memory_allocated() exactly: garbage an earlier test left in a
+    reference cycle is collected first and Python's collector stays off until the test ends, so no
+    earlier test's tensor is freed between the two readings (CI saw one free 4,000 bytes mid-test)."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()

@@ -97,6 +97,7 @@ def test_empty_host_cache_with_pjrt_as_accelerator() -> None:
     torch.accelerator.empty_host_cache()
 
 
+@pytest.mark.usefixtures("settled_memory")
 def test_memory_accounting_follows_tensors() -> None:
     before = torch.pjrt.memory_allocated()
     x = torch.empty(1000, dtype=torch.float32, device="pjrt")

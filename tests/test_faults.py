@@ -35,6 +35,7 @@ def small_op_works() -> None:
 # --- out of device memory ------------------------------------------------------------------
 
 
+@pytest.mark.usefixtures("settled_memory")
 def test_an_allocation_larger_than_the_device_raises_out_of_memory_and_the_process_goes_on() -> None:
     asked = 10**13
     assert asked > torch.pjrt.get_device_properties().total_memory
@@ -67,6 +68,7 @@ def test_empty_tensors_count_against_the_device_before_they_are_written() -> Non
     small_op_works()
 
 
+@pytest.mark.usefixtures("settled_memory")
 def test_an_op_whose_output_is_too_large_raises_out_of_memory_before_it_runs() -> None:
     column = torch.randn(10**6).to("pjrt")
     before = torch.pjrt.memory_allocated()

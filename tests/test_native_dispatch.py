@@ -250,6 +250,7 @@ def test_advanced_indexing_hits_natively_unless_a_mask_needs_its_count() -> None
     assert torch.equal(on["a"][on["mask"]].cpu(), a[mask]) and selected.shape == a[mask].shape
 
 
+@pytest.mark.usefixtures("settled_memory")
 def test_memory_figures_follow_native_results() -> None:
     a = pjrt(64, 64)
     a * 2

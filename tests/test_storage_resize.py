@@ -48,6 +48,7 @@ def test_resize_to_zero_and_back_then_written_matches_cpu(mode) -> None:
     torch.testing.assert_close(pjrt_values[0], y, rtol=0, atol=0)
 
 
+@pytest.mark.usefixtures("settled_memory")
 def test_memory_figures_and_device_storage_follow() -> None:
     before = torch.pjrt.memory_allocated()
     t = torch.randn(1000).to("pjrt")
@@ -151,6 +152,7 @@ def test_out_of_memory_and_bad_sizes_change_nothing() -> None:
     torch.testing.assert_close(t.cpu(), x, rtol=0, atol=0)
 
 
+@pytest.mark.usefixtures("settled_memory")
 def test_fsdp2_free_and_alloc_storage_unpatched() -> None:
     from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
 
@@ -241,6 +243,7 @@ def test_deepcopy_and_storage_clone_copy_the_bytes() -> None:
     assert all(p.device.type == "pjrt" for p in model.parameters())
 
 
+@pytest.mark.usefixtures("settled_memory")
 def test_storages_pytorch_allocates_itself_live_on_the_device() -> None:
     """torch.UntypedStorage(n, device="pjrt") goes through the device's C++ allocator (it crashed the process
     without one): counted bytes that read as zeros until written, usable under a tensor of any dtype."""
