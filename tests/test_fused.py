@@ -152,6 +152,29 @@ def test_a_number_repeated_in_one_program_is_not_made_a_device_array(monkeypatch
         assert factor not in made, (factor, made)
 
 
+def test_a_replayed_graph_passes_each_number_it_is_given(monkeypatch: pytest.MonkeyPatch, fused: None) -> None:
+    """A replay reuses the device array it last passed at a number's position only for an equal number of the
+    same type: values that repeat, change, swap places, or are signed zeros or NaN each give CPU's results;
+    a replay whose numbers all equal the last call's looks none of them up again."""
+    from torch_pjrt.runtime import client
+
+    torch.manual_seed(7)
+    x = torch.randn(5, 4)
+    looked_up = []
+    lookup = client.traced_number
+    monkeypatch.setattr(client, "traced_number", lambda value, index: looked_up.append(value) or lookup(value, index))
+    values = [(2.5, 3, 0.5), (2.5, 3, 0.5), (2.5, 3, 0.5), (0.5, 3, 2.5), (0.75, 4, 0.75), (-0.0, 4, 0.0),
+              (0.0, 4, -0.0), (float("nan"), 3, 2.5), (2.5, 3, 0.5), (2.5, 3, 0.5)]
+    for step, (scale, shift, weight) in enumerate(values):
+        looked_up.clear()
+        got = ((x.to("pjrt") * scale + shift) * weight).cpu()
+        want = (x * scale + shift) * weight
+        torch.testing.assert_close(got, want, equal_nan=True)
+        assert torch.equal(torch.signbit(got), torch.signbit(want))
+        if step in (2, 9):  # (the same numbers as the call before, which passed each as a device array)
+            assert looked_up == [], looked_up
+
+
 def test_sync_points_flush(fused: None) -> None:
     x = torch.randn(4, device="pjrt")
     checks = {

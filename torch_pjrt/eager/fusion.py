@@ -161,9 +161,8 @@ class PendingGraph:
                         program = _programs.put(structure, _fused_program(nodes, wanted, donated, self.device_index,
                                                                           mesh, inputs))
                         _seen.append((nodes, where))
-                    replay = self.replay = Replay(nodes, wanted, donated, mesh, program)
-                results = replay.program.call(
-                    *(inputs if mesh is not None else _numbers_as_arrays(inputs, self.device_index)))
+                    replay = self.replay = Replay(nodes, wanted, donated, mesh, program, self.device_index)
+                results = replay.program.call(*(inputs if mesh is not None else replay.arguments(inputs)))
             except BaseException as error:
                 for deferred in live:
                     deferred.failure = error
@@ -177,18 +176,25 @@ class PendingGraph:
 
 class Replay:
     """A flushed graph's program with what identifies its graph: the recorded nodes (entries and wiring),
-    the outputs kept, the donated inputs and the mesh; and the device-side checks its ops make, in order."""
+    the outputs kept, the donated inputs and the mesh; the device-side checks its ops make, in order; and
+    where its inputs hold traced numbers, with the device array each was last passed as."""
 
-    __slots__ = ("nodes", "wanted", "donated", "mesh", "program", "checks", "check_counts")
+    __slots__ = ("nodes", "wanted", "donated", "mesh", "program", "checks", "check_counts", "device_index",
+                 "numbers", "passed")
 
     def __init__(self, nodes: list[tuple[Any, tuple[Any, ...]]], wanted: tuple[tuple[int, int], ...],
-                 donated: tuple[int, ...], mesh: Any, program: Any) -> None:
+                 donated: tuple[int, ...], mesh: Any, program: Any, device_index: int) -> None:
         # (held, not copied: the graph hands its list over at the flush and records into a new one)
         self.nodes = nodes
         self.wanted, self.donated, self.mesh, self.program = wanted, donated, mesh, program
+        self.device_index = device_index
         made = [entry.checks for entry, _ in nodes if entry.checks]
         self.checks = tuple(check for found in made for check in found)
         self.check_counts = tuple(len(found) for found in made)
+        # the input positions of traced numbers (the wiring's ("s", position, type) refs): the same in every
+        # graph this one matches, so a replay converts those alone, not every input
+        self.numbers = tuple(sorted({ref[1] for _, refs in nodes for ref in refs if ref[0] == "s"}))
+        self.passed: list[tuple[Any, Any]] = [(None, None)] * len(self.numbers)
 
     def matches(self, nodes: list[tuple[Any, tuple[Any, ...]]], wanted: tuple[tuple[int, int], ...],
                 donated: tuple[int, ...], mesh: Any) -> bool:
@@ -198,28 +204,37 @@ class Replay:
         return (mesh is None and self.mesh is None and wanted == self.wanted and donated == self.donated
                 and nodes == self.nodes)
 
-
-def _numbers_as_arrays(inputs: list[Any], device_index: int) -> list[Any]:
-    """The inputs with each traced number seen before as its device array (client.traced_number): jax
-    converts a plain number on every call, and a decode step's program takes dozens (lengths, scales).
-    A value repeated within one call is looked up once: its second lookup would make it an array (a device
-    transfer) as if it had come back in a later call (the GPT step's AdamW: 72 numbers, 9 values, two of
-    them new every step)."""
-    found: dict[tuple[type, Any], Any] = {}
-    passed = []
-    for value in inputs:
-        kind = type(value)
-        if kind in _NUMBERS:
+    def arguments(self, inputs: list[Any]) -> list[Any]:
+        """The inputs with each traced number seen before as its device array (client.traced_number): jax
+        converts a plain number on every call, and a decode step's program takes dozens (lengths, scales).
+        A number equal to the one at its position in the last call (same type, nonzero) reuses the array
+        passed then: a step's constants (AdamW's lr and betas, a model's scales) cost one comparison each.
+        A value repeated within one call is looked up once: its second lookup would make it an array (a device
+        transfer) as if it had come back in a later call (the GPT step's AdamW: 64 numbers, 9 values, two of
+        them new every step)."""
+        passed = list(inputs)
+        last = self.passed
+        found: dict[tuple[type, Any], Any] = {}
+        for slot, position in enumerate(self.numbers):
+            value = inputs[position]
+            kind = type(value)
+            if kind not in _NUMBERS:  # (a subclass, numpy's float64: passed as it is)
+                continue
             if value and kind is not complex:  # (0.0 and -0.0, or complex numbers' signed zeros, compare equal)
+                before, array = last[slot]
+                if type(before) is kind and before == value:
+                    passed[position] = array
+                    continue
                 key = (kind, value)
                 array = found.get(key)
                 if array is None:
-                    array = found[key] = client.traced_number(value, device_index)
-                value = array
+                    array = found[key] = client.traced_number(value, self.device_index)
+                if type(array) is not kind:  # (a device array: a number met for the first time is passed as is)
+                    last[slot] = (value, array)
+                passed[position] = array
             else:
-                value = client.traced_number(value, device_index)
-        passed.append(value)
-    return passed
+                passed[position] = client.traced_number(value, self.device_index)
+        return passed
 
 
 _NUMBERS = (int, float, bool, complex)
