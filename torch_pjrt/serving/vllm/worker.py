@@ -95,6 +95,9 @@ class PjrtModelRunner(CPUModelRunner):
         self._padded_device_tokens: tuple[torch.Tensor, torch.Tensor] | None = None
         # under async scheduling, the previous step's sampled tokens on the device this step's ids take rows of
         self._carried_from: torch.Tensor | None = None
+        # under async scheduling, the step program's stand-in for them when the previous step's tokens reached
+        # the host (made at the warm-up)
+        self._no_previous_tokens: torch.Tensor | None = None
         if self.samples_on_device:
             # vLLM's logits processors keep their per-request tensors on the device they are built for
             custom = tuple(vllm_config.model_config.logits_processors or ())
@@ -215,7 +218,8 @@ class PjrtModelRunner(CPUModelRunner):
         self.model = InputsOnDevice(model, self._warm_up_inputs, functools.partial(self._warm_up_forward, model))
         if self.use_async_scheduling:  # the carried tokens' program too, in the smallest buckets
             self._carry_tokens((np.zeros(0, np.int64), np.zeros(0, np.int64)))
-            self._carried_from = torch.zeros(padded_token_count(1), dtype=torch.int32, device=self.model_device)
+            self._no_previous_tokens = torch.zeros(padded_token_count(1), dtype=torch.int32, device=self.model_device)
+            self._carried_from = self._no_previous_tokens
         try:
             with set_global_compilation_settings(self.vllm_config):
                 self._dummy_run(min(WARM_UP_TOKENS, self.max_num_tokens), force_attention=True)
@@ -263,8 +267,8 @@ class PjrtModelRunner(CPUModelRunner):
         **model_kwargs: Any,
     ) -> Any:
         input_ids, positions = self._inputs_on_device(input_ids, positions)
-        input_ids = self._with_carried_tokens(input_ids)
         inputs_embeds = self._on_device_padded(inputs_embeds)
+        input_ids = self._with_carried_tokens(input_ids, inputs_embeds)
         logits_indices, self._step_logits_indices = self._step_logits_indices, None
         metadata = self._step_program_metadata(input_ids, inputs_embeds)
         if metadata is not None:
@@ -287,10 +291,18 @@ class PjrtModelRunner(CPUModelRunner):
     def _run_step(self, metadata: PjrtAttentionMetadata, input_ids: torch.Tensor | None, positions: torch.Tensor,
                   intermediate_tensors: Any = None, inputs_embeds: torch.Tensor | None = None,
                   **model_kwargs: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The step program on this step's inputs, called alike at the warm-up (its one trace) and every step."""
+        """The step program on this step's inputs, called alike at the warm-up (its one trace) and every step.
+        Under async scheduling it also takes the previous step's tokens on the device and the rows the step's
+        ids take from them (see _with_carried_tokens): every step, so the one trace has them."""
         assert self._step is not None
-        return self._step(input_ids, positions, metadata.sampled_rows, intermediate_tensors, inputs_embeds,
-                          **model_kwargs)
+        carried: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
+        if self.use_async_scheduling:
+            previous, self._carried_from = self._carried_from, None
+            if previous is None:  # the previous step's tokens reached the host: no row takes one
+                previous = self._no_previous_tokens
+            carried = (metadata.token_sources, previous)
+        return self._step(input_ids, positions, metadata.sampled_rows, *carried, intermediate_tensors,
+                          inputs_embeds, **model_kwargs)
 
     def _step_program_metadata(self, input_ids: torch.Tensor | None,
                                inputs_embeds: torch.Tensor | None) -> PjrtAttentionMetadata | None:
@@ -330,9 +342,13 @@ class PjrtModelRunner(CPUModelRunner):
                 if isinstance(builder, PjrtAttentionMetadataBuilder):
                     builder.carried_tokens = carried
 
-    def _with_carried_tokens(self, input_ids: torch.Tensor | None) -> torch.Tensor | None:
+    def _with_carried_tokens(self, input_ids: torch.Tensor | None,
+                             inputs_embeds: torch.Tensor | None = None) -> torch.Tensor | None:
         """The step's token ids with the rows the previous step sampled taken from its tokens on the device,
-        in one program (async scheduling: the host has not seen those tokens yet)."""
+        in one program (async scheduling: the host has not seen those tokens yet); unchanged where the step
+        program runs, which takes them in its own program (_run_step)."""
+        if self._step_program_metadata(input_ids, inputs_embeds) is not None:
+            return input_ids
         previous, self._carried_from = self._carried_from, None
         metadata = _step_attention_metadata()
         if previous is None or input_ids is None or metadata is None or metadata.token_sources is None:
@@ -498,22 +514,30 @@ class InputsOnDevice:
         return getattr(self.model, name)
 
 
-@support_torch_compile(dynamic_arg_dims={"input_ids": 0, "positions": -1, "sampled_rows": 0, "inputs_embeds": 0})
+@support_torch_compile(dynamic_arg_dims={"input_ids": 0, "positions": -1, "sampled_rows": 0, "token_sources": 0,
+                                         "previous_tokens": 0, "inputs_embeds": 0})
 class StepProgram(torch.nn.Module):
     """A greedy decoding step as one program on vLLM's compile path (as vLLM's TPU runner compiles its step):
     the model's forward, the sampled rows' gather, the lm head and their argmax, traced once by vLLM's Dynamo
     wrapper (guards dropped; the model's own compiled wrapper is inlined) and compiled by the pjrt backend per
     (token, context, sampled rows) bucket. It returns the hidden states (for what vLLM reads of them), the
     sampled rows' logits (for vLLM's sampler) and their greedy tokens: one launch and one wait a step, the
-    runner bringing back only what the batch's sampling needs."""
+    runner bringing back only what the batch's sampling needs. Under vLLM's async scheduling it first takes
+    the ids of the rows `token_sources` names from `previous_tokens` (the previous step's, still on the device)
+    in the same program, not in a fused program of its own before it."""
 
     def __init__(self, *, vllm_config: Any, prefix: str = "", model: torch.nn.Module, compute_logits: Any) -> None:
         super().__init__()
         self.model, self.compute_logits = model, compute_logits
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, sampled_rows: torch.Tensor,
+                token_sources: torch.Tensor | None = None, previous_tokens: torch.Tensor | None = None,
                 intermediate_tensors: Any = None, inputs_embeds: torch.Tensor | None = None,
                 **model_kwargs: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if token_sources is not None and previous_tokens is not None and input_ids is not None:
+            # async scheduling: the rows continuing a request take the previous step's token, still on the device
+            taken = previous_tokens.to(input_ids.dtype)[token_sources.clamp(min=0)]
+            input_ids = torch.where(token_sources >= 0, taken, input_ids)
         hidden_states = self.model(input_ids=input_ids, positions=positions, intermediate_tensors=intermediate_tensors,
                                    inputs_embeds=inputs_embeds, **model_kwargs)
         logits = self.compute_logits(hidden_states[sampled_rows])
