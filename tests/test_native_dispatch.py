@@ -159,7 +159,7 @@ def test_hits_are_counted() -> None:
 
 def test_padded_calls_at_a_seen_true_length_replay_natively() -> None:
     """Ops on tensors marked dynamic (padded storages) replay natively once their true sizes were
-    seen: Python is entered only for the padded results' layouts and live lengths, and the values,
+    seen: Python is entered only for the padded results' layouts, and the values,
     in-place writes included, equal CPU's."""
     torch.manual_seed(4)
 
@@ -259,6 +259,81 @@ def test_memory_figures_follow_native_results() -> None:
     assert torch.pjrt.memory_allocated() == baseline + 10 * 64 * 64 * 4
     del results
     assert torch.pjrt.memory_allocated() == baseline
+
+
+EMPTY_CALLS: dict[str, Callable[[], torch.Tensor]] = {
+    "float32 (batch, seq, 0) as generate() makes": lambda: torch.empty((1, 5, 0), device="pjrt"),
+    "float16 with an index": lambda: torch.empty(3, 7, dtype=torch.float16, device="pjrt:0"),
+    "int64, contiguous format named": lambda: torch.empty((2, 3, 4), dtype=torch.int64, device="pjrt",
+                                                          memory_format=torch.contiguous_format),
+    "a 0-dim bool": lambda: torch.empty((), dtype=torch.bool, device="pjrt"),
+    "a zero size among others": lambda: torch.empty(4, 0, 9, dtype=torch.int32, device="pjrt"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(EMPTY_CALLS))
+def test_torch_empty_is_made_natively_once_python_made_its_dtype(case: str) -> None:
+    """torch.empty runs its Python kernel for a dtype it has not made yet, then no Python of ours: the tensor
+    has CPU's sizes, strides, dtype and storage bytes on the device asked for, counts in the memory figures,
+    reads as zeros until written and holds what is written (fresh random values, compared with CPU)."""
+    call = EMPTY_CALLS[case]
+    call()  # the Python kernel
+    call()  # natively, reading the device's unchecked allocation size once
+    made: list[torch.Tensor] = []
+    before = torch.pjrt.memory_allocated()
+    assert python_calls_of_ours(lambda: made.append(call())) == []
+    tensor, like = made[0], torch.empty(made[0].shape, dtype=made[0].dtype)
+    assert (tensor.device, tensor.dtype, tensor.shape, tensor.stride(), tensor.storage_offset()) == (
+        torch.device("pjrt", 0), like.dtype, like.shape, like.stride(), 0)
+    assert tensor.untyped_storage().nbytes() == like.untyped_storage().nbytes()
+    assert torch.pjrt.memory_allocated() == before + like.untyped_storage().nbytes()
+    assert torch.equal(tensor.cpu(), torch.zeros_like(like))
+    values = torch.randint(-100, 100, like.shape).to(like.dtype)
+    tensor.copy_(values.to("pjrt"))
+    assert torch.equal(tensor.cpu(), values)
+
+
+def test_torch_empty_calls_of_another_kind_run_the_python_kernel() -> None:
+    """Another memory format, a negative size or bytes past int64 go to the Python kernel: CPU's strides, or
+    CPU's error."""
+    torch.empty(2, device="pjrt")
+    for size in [(2, 3, 4, 5), (1, 8, 1, 3)]:
+        made: list[torch.Tensor] = []
+        entered = python_calls_of_ours(lambda: made.append(torch.empty(size, device="pjrt",  # noqa: B023
+                                                                        memory_format=torch.channels_last)))
+        assert any(name.endswith(":empty_memory_format") for name in entered)
+        assert made[0].stride() == torch.empty(size, memory_format=torch.channels_last).stride()
+    for size in [(2, -3), (2**62, 4)]:
+        with pytest.raises(RuntimeError) as on_cpu:
+            torch.empty(size, device="meta")
+        with pytest.raises(RuntimeError) as on_pjrt:
+            torch.empty(size, device="pjrt")
+        assert str(on_pjrt.value).split(":")[0] == str(on_cpu.value).split(":")[0]
+
+
+def test_native_padded_results_keep_their_lengths_live_as_python_does() -> None:
+    """A padded result made natively notes its dynamic lengths in dynamic.live_lengths() as note_padded does:
+    (bound, ops executed by then, a weak reference to its storage), newest last, with no Python of ours."""
+    from torch_pjrt import storage
+    from torch_pjrt.eager import dynamic
+
+    host = torch.randn(1, 2, 11, 8)
+    torch_pjrt.mark_dynamic(host, 2, max=64)
+    cache, new = host.to("pjrt"), torch.randn(1, 2, 1, 8).to("pjrt")
+    torch.cat([cache, new], dim=2)  # the miss
+    for size in (5, 7):  # other lengths noted after it, so the native note must move 12 to the end
+        dynamic.note_length(size, 64, new)
+    grown: list[torch.Tensor] = []
+    assert python_calls_of_ours(lambda: grown.append(torch.cat([cache, new], dim=2))) == [
+        f"{storage.__file__}:holding", f"{storage.__file__}:__init__"]  # (its layout: Padded.holding)
+    executed = torch_pjrt.metrics.counters()["ops_executed"]
+    live = dynamic.live_lengths()
+    assert list(live)[-1] == 12
+    bound, seen_at, owner = live[12]
+    assert (bound, seen_at, owner()) == (64, executed, storage.storage_of(grown[0]))
+    torch.testing.assert_close(grown[0].cpu(), torch.cat([host, new.cpu()], dim=2))
+    grown.clear()
+    assert dynamic.live_bound(12) is None  # (its owner gone)
 
 
 def workload() -> list[torch.Tensor]:

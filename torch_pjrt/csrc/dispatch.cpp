@@ -1,4 +1,4 @@
-// Native hit path of eager dispatch: one boxed PrivateUse1 kernel per lowered aten overload.
+// Native hit path of eager dispatch: one boxed PrivateUse1 kernel per lowered aten overload, and torch.empty.
 //
 // Python (torch_pjrt/eager/dispatch.py) stays the one source of truth: it builds every program.
 // This file owns the per-overload cache from a call's signature (each tensor's dtype, sizes,
@@ -11,7 +11,7 @@
 // results as tensors. A padded storage (a dynamic dim held at its bucket size) keys by its layout
 // as well, and its programs also take the call's true lengths, remembered with the entry: a call of
 // the same true sizes replays natively (its padded results ask Python's layout for their holder and
-// keep their lengths live through Python's `note_padded`). A program with device-side checks hands
+// keep their lengths live as Python's `note_padded` does, natively). A program with device-side checks hands
 // its code to Python's pending checks (`native_checks_issued`). Every call the cache cannot describe
 // (launch-blocking mode, bfloat16 or large CPU tensors, failed fused results, explicit generators,
 // results placed on another device, factories of a live length's size) and every miss goes to Python's `native_miss`, which runs the op as before and hands
@@ -25,6 +25,7 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <c10/util/SmallVector.h>
+#include <c10/util/safe_numerics.h>
 #include <torch/csrc/Device.h>
 #include <torch/csrc/Dtype.h>
 #include <torch/csrc/Layout.h>
@@ -36,6 +37,7 @@
 #include <torch/library.h>
 #include <pthread.h>
 
+#include <algorithm>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -76,6 +78,8 @@ struct Runtime {
   PyObject* deferred_type = nullptr;  // fusion.Deferred: one result of a recorded op
   PyObject* check_caller = nullptr;  // checks.caller(): the user line a recorded checked op reports
   PyObject* live_lengths = nullptr;  // dynamic.live_lengths(): a dict keyed by the lengths marked lately
+  PyObject* python_counts = nullptr;  // metrics' own counters (ops_executed: those Python ran), or nullptr
+  Py_ssize_t live_limit = 0;  // how many lengths live_lengths keeps, the newest (dynamic._LIVE_LIMIT)
   PyObject* scalar_array = nullptr;  // client.scalar_array(number, device_index): its weakly typed device array
   // where DeviceStorage's slots are in its objects (read and written without attribute lookups)
   DeviceStorageSlots storage_slots;
@@ -167,6 +171,9 @@ struct OutSpec {
   int64_t nbytes;
   PyObject* numel_object;  // numel and nbytes as the Python ints every result's DeviceStorage holds
   PyObject* nbytes_object;
+  // a padded result's dynamic lengths (its layout's true sizes of 2 or more with a bound) and their bounds: a
+  // new result keeps them live (dynamic.note_padded)
+  std::vector<std::pair<PyObject*, PyObject*>> lengths;
 };
 
 // One schema return: an alias of argument `alias`, None, one new tensor, or a list of them.
@@ -747,6 +754,49 @@ py::object random_key(c10::DeviceIndex device) {
   return call_python(runtime().random_key, {index.ptr()});
 }
 
+// dynamic.note_padded(device_storage) natively: each dynamic length of a new padded result becomes the newest
+// live length, as (bound, ops executed so far, a weak reference to the storage); the oldest beyond the limit
+// are dropped. Python's function runs where set_live_lengths was not called.
+void note_padded(const OutSpec& spec, PyObject* device_storage) {
+  auto& rt = runtime();
+  if (rt.python_counts == nullptr) {
+    call_python(rt.note_padded, {device_storage});
+    return;
+  }
+  if (spec.lengths.empty()) {
+    return;
+  }
+  static PyObject* const executed = PyUnicode_InternFromString("ops_executed");
+  PyObject* counted = PyDict_GetItemWithError(rt.python_counts, executed);
+  if (counted == nullptr && PyErr_Occurred()) {
+    throw py::error_already_set();
+  }
+  py::object native_ops = py::reinterpret_steal<py::object>(PyLong_FromLongLong(rt.ops_executed));
+  py::object ops_now = counted == nullptr ? native_ops
+                                          : py::reinterpret_steal<py::object>(PyNumber_Add(counted, native_ops.ptr()));
+  py::object owner = py::reinterpret_steal<py::object>(PyWeakref_NewRef(device_storage, nullptr));
+  if (!ops_now || !owner) {
+    throw py::error_already_set();
+  }
+  for (const auto& [size, bound] : spec.lengths) {
+    const int found = PyDict_Contains(rt.live_lengths, size);
+    if (found < 0 || (found == 1 && PyObject_DelItem(rt.live_lengths, size) != 0)) {
+      throw py::error_already_set();
+    }
+    py::object seen = py::reinterpret_steal<py::object>(PyTuple_Pack(3, bound, ops_now.ptr(), owner.ptr()));
+    if (!seen || PyObject_SetItem(rt.live_lengths, size, seen.ptr()) != 0) {
+      throw py::error_already_set();
+    }
+  }
+  static PyObject* const popitem = PyUnicode_InternFromString("popitem");
+  while (PyDict_GET_SIZE(rt.live_lengths) > rt.live_limit) {
+    py::object dropped = py::reinterpret_steal<py::object>(PyObject_CallMethodOneArg(rt.live_lengths, popitem, Py_False));
+    if (!dropped) {
+      throw py::error_already_set();
+    }
+  }
+}
+
 // `layout.holding(array)`: a padded storage's layout over a new bucket-size array.
 py::object padded_holder(PyObject* layout, PyObject* array) {
   PyObject* holder = PyObject_CallMethodOneArg(layout, runtime().s_holding, array);
@@ -764,7 +814,7 @@ at::Tensor wrap_output(const OutSpec& spec, PyObject* array, c10::DeviceIndex de
                                                  spec.numel_object, device_object(device), spec.nbytes_object);
   at::Tensor tensor = linked_tensor(device, spec.dtype, spec.sizes, spec.strides, spec.nbytes, device_storage.ptr());
   if (spec.layout != nullptr) {
-    call_python(rt.note_padded, {device_storage.ptr()});
+    note_padded(spec, device_storage.ptr());
   }
   return tensor;
 }
@@ -1188,6 +1238,16 @@ OutSpec read_spec(py::handle spec) {
   const auto scalar_type = reinterpret_cast<THPDtype*>(dtype)->scalar_type;
   const auto numel = fields[3].cast<int64_t>();
   const int64_t nbytes = numel * static_cast<int64_t>(c10::elementSize(scalar_type));
+  std::vector<std::pair<PyObject*, PyObject*>> lengths;
+  if (layout != nullptr) {
+    py::tuple shape = py::reinterpret_borrow<py::object>(layout).attr("shape");
+    py::tuple bounds = py::reinterpret_borrow<py::object>(layout).attr("bounds");
+    for (size_t i = 0; i < shape.size() && i < bounds.size(); ++i) {
+      if (!bounds[i].is_none() && shape[i].cast<int64_t>() >= 2) {
+        lengths.emplace_back(py::object(shape[i]).release().ptr(), py::object(bounds[i]).release().ptr());
+      }
+    }
+  }
   return OutSpec{scalar_type,
                  fields[1].cast<std::vector<int64_t>>(),
                  fields[2].cast<std::vector<int64_t>>(),
@@ -1196,7 +1256,8 @@ OutSpec read_spec(py::handle spec) {
                  layout,
                  nbytes,
                  PyLong_FromLongLong(numel),
-                 PyLong_FromLongLong(nbytes)};
+                 PyLong_FromLongLong(nbytes),
+                 std::move(lengths)};
 }
 
 // install = (jitted, program, passed_slots, random, returns, mutated_slots, n_fresh_outputs, lengths,
@@ -1248,14 +1309,11 @@ py::object to_python(const c10::IValue& value, Convert convert) {
   return torch::jit::toPyObject(value);
 }
 
-// The miss: Python's execute runs the op; what it built is installed under the call's key.
-void run_miss(OpState& op, const c10::OperatorHandle& handle, torch::jit::Stack* stack, Signature* keyed) {
-  const auto& schema = handle.schema();
-  const size_t n = schema.arguments().size();
-  auto arguments = torch::jit::last(*stack, n);
+// A call's arguments as Python sees them: the positional ones, and the keyword-only ones by name.
+std::pair<py::tuple, py::dict> python_arguments(const OpState& op, c10::ArrayRef<c10::IValue> arguments) {
   py::list positional;
   py::dict keywords;
-  for (size_t i = 0; i < n; ++i) {
+  for (size_t i = 0; i < arguments.size(); ++i) {
     py::object value = to_python(arguments[i], op.converts[i]);
     if (op.kwarg_only[i]) {
       keywords[op.arg_names[i]] = value;
@@ -1263,17 +1321,13 @@ void run_miss(OpState& op, const c10::OperatorHandle& handle, torch::jit::Stack*
       positional.append(value);
     }
   }
-  PyObject* called = PyObject_CallFunctionObjArgs(
-      runtime().miss, op.plan, py::tuple(positional).ptr(), keywords.ptr(), nullptr);
-  if (called == nullptr) {
-    throw py::error_already_set();
-  }
-  py::tuple answer = py::reinterpret_steal<py::tuple>(called);
-  py::object result = answer[0];
-  if (keyed != nullptr && !answer[1].is_none() && op.cache.find(keyed->key) == op.cache.end()) {
-    op.cache.emplace(std::move(keyed->key), read_entry(answer[1]));
-  }
-  torch::jit::drop(*stack, n);
+  return {py::tuple(positional), std::move(keywords)};
+}
+
+// Replaces a call's arguments on the stack by a Python kernel's result.
+void push_python_result(const OpState& op, const c10::FunctionSchema& schema, py::handle result,
+                        torch::jit::Stack* stack) {
+  torch::jit::drop(*stack, schema.arguments().size());
   const auto& returns = schema.returns();
   auto push = [&](py::handle value, size_t i) {
     stack->push_back(value.is_none() ? none_of(op.return_is_tensor[i]) : torch::jit::toIValue(value, returns[i].type()));
@@ -1286,6 +1340,22 @@ void run_miss(OpState& op, const c10::OperatorHandle& handle, torch::jit::Stack*
       push(values[i], i);
     }
   }
+}
+
+// The miss: Python's execute runs the op; what it built is installed under the call's key.
+void run_miss(OpState& op, const c10::OperatorHandle& handle, torch::jit::Stack* stack, Signature* keyed) {
+  const auto& schema = handle.schema();
+  auto [positional, keywords] = python_arguments(op, torch::jit::last(*stack, schema.arguments().size()));
+  PyObject* called =
+      PyObject_CallFunctionObjArgs(runtime().miss, op.plan, positional.ptr(), keywords.ptr(), nullptr);
+  if (called == nullptr) {
+    throw py::error_already_set();
+  }
+  py::tuple answer = py::reinterpret_steal<py::tuple>(called);
+  if (keyed != nullptr && !answer[1].is_none() && op.cache.find(keyed->key) == op.cache.end()) {
+    op.cache.emplace(std::move(keyed->key), read_entry(answer[1]));
+  }
+  push_python_result(op, schema, answer[0], stack);
 }
 
 struct Kernel final : public c10::OperatorKernel {
@@ -1368,6 +1438,19 @@ torch::Library& library_of(const std::string& space) {
   return *found;
 }
 
+// How a call of `schema` reaches Python: each argument's conversion, keyword-only flag and name; which
+// returns are tensors.
+void read_schema(const c10::FunctionSchema& schema, OpState& state) {
+  for (const auto& argument : schema.arguments()) {
+    state.converts.push_back(convert_of(argument));
+    state.kwarg_only.push_back(argument.kwarg_only());
+    state.arg_names.push_back(py::str(argument.name()).inc_ref().ptr());
+  }
+  for (const auto& ret : schema.returns()) {
+    state.return_is_tensor.push_back(ret.type()->kind() == c10::TypeKind::TensorType);
+  }
+}
+
 // Registers the native kernel of aten::name.overload (or of space::op.overload when `name` is qualified), whose
 // Python plan (eager/dispatch.OpPlan) runs misses.
 void register_kernel(const std::string& name, const std::string& overload, py::object plan,
@@ -1385,13 +1468,8 @@ void register_kernel(const std::string& name, const std::string& overload, py::o
   state->name_object = py::object(plan.attr("name")).release().ptr();
   for (size_t i = 0; i < arguments.size(); ++i) {
     state->kinds.push_back(static_cast<Kind>(kinds[i]));
-    state->converts.push_back(convert_of(arguments[i]));
-    state->kwarg_only.push_back(arguments[i].kwarg_only());
-    state->arg_names.push_back(py::str(arguments[i].name()).inc_ref().ptr());
   }
-  for (const auto& ret : handle.schema().returns()) {
-    state->return_is_tensor.push_back(ret.type()->kind() == c10::TypeKind::TensorType);
-  }
+  read_schema(handle.schema(), *state);
   state->static_scalars = static_scalars;
   state->allow_cpu = allow_cpu;
   state->length_args = std::move(length_args);
@@ -1404,6 +1482,145 @@ void register_metadata_kernel(const std::string& name, const std::string& overlo
   library().impl(
       overload.empty() ? name.c_str() : (name + "." + overload).c_str(),
       torch::CppFunction::makeFromBoxedFunctor(std::make_unique<MetadataKernel>()));
+}
+
+// --- torch.empty ------------------------------------------------------------------------------------
+// aten::empty.memory_format makes an uninitialised storage and runs no program; Hugging Face's generate()
+// makes one every token. Its Python kernel (eager/kernels.py empty_memory_format) is the semantics: this
+// kernel repeats what that kernel did for calls of the kind it has answered, a contiguous tensor of a dtype
+// it accepted (its result's dtype) on a pjrt device, of fewer bytes than the device's allocations that
+// skip the free-memory check (client.unchecked_bytes, read once per device). Every other call (another
+// memory format, a layout or pinned memory asked for, a negative size, bytes past int64, a dtype not met
+// yet, the native dispatch off or in a forked child) runs the Python kernel.
+
+struct EmptyState {
+  OpState python;  // how a call reaches the Python kernel (its `plan` is that kernel)
+  PyObject* unchecked_bytes = nullptr;  // client.unchecked_bytes(index) -> int
+  std::vector<int64_t> limits;  // per device index: client.unchecked_bytes, -1 until read
+  std::vector<PyObject*> dtypes;  // per ScalarType: its torch.dtype once the Python kernel made one, or nullptr
+};
+
+// The bytes below which pjrt:index allocates without asking for its free memory.
+int64_t unchecked_limit(EmptyState& state, c10::DeviceIndex index) {
+  if (static_cast<size_t>(index) >= state.limits.size()) {
+    state.limits.resize(index + 1, -1);
+  }
+  if (state.limits[index] < 0) {
+    py::object device = py::reinterpret_steal<py::object>(PyLong_FromLong(index));
+    state.limits[index] = call_python(state.unchecked_bytes, {device.ptr()}).cast<int64_t>();
+  }
+  return state.limits[index];
+}
+
+// The tensor of a call the Python kernel has answered before, or an undefined tensor: Python answers it.
+at::Tensor known_empty(EmptyState& state, c10::ArrayRef<c10::IValue> arguments) {
+  const c10::IValue& size = arguments[0];
+  const c10::IValue& dtype = arguments[1];
+  const c10::IValue& layout = arguments[2];
+  const c10::IValue& device = arguments[3];
+  const c10::IValue& pin_memory = arguments[4];
+  const c10::IValue& memory_format = arguments[5];
+  if (!size.isIntList() || !layout.isNone() || !(pin_memory.isNone() || (pin_memory.isBool() && !pin_memory.toBool())) ||
+      !(memory_format.isNone() ||
+        static_cast<c10::MemoryFormat>(memory_format.toInt()) == c10::MemoryFormat::Contiguous)) {
+    return {};
+  }
+  const c10::ScalarType scalar_type =
+      dtype.isNone() ? c10::get_default_dtype_as_scalartype() : static_cast<c10::ScalarType>(dtype.toInt());
+  const auto type_index = static_cast<size_t>(scalar_type);
+  if (type_index >= state.dtypes.size() || state.dtypes[type_index] == nullptr) {
+    return {};
+  }
+  c10::DeviceIndex index = c10::impl::getDeviceGuardImpl(c10::DeviceType::PrivateUse1)->getDevice().index();
+  if (!device.isNone()) {
+    const c10::Device named = device.toDevice();
+    if (named.type() != c10::DeviceType::PrivateUse1) {
+      return {};
+    }
+    if (named.has_index()) {
+      index = named.index();
+    }
+  }
+  const auto sizes = size.toIntVector();
+  std::vector<int64_t> strides(sizes.size());
+  int64_t numel = 1;
+  for (size_t i = sizes.size(); i-- > 0;) {
+    if (sizes[i] < 0) {
+      return {};
+    }
+    strides[i] = numel;
+    if (c10::mul_overflows(numel, std::max<int64_t>(sizes[i], 1), &numel)) {
+      return {};
+    }
+  }
+  int64_t nbytes = 0;
+  if (c10::mul_overflows(numel, static_cast<int64_t>(c10::elementSize(scalar_type)), &nbytes)) {
+    return {};
+  }
+  if (std::find(sizes.begin(), sizes.end(), 0) != sizes.end()) {
+    numel = 0;  // (strides count a zero size as one, the storage holds nothing)
+    nbytes = 0;
+  }
+  if (nbytes >= unchecked_limit(state, index)) {
+    return {};
+  }
+  auto& rt = runtime();
+  py::object numel_object = py::reinterpret_steal<py::object>(PyLong_FromLongLong(numel));
+  py::object nbytes_object = py::reinterpret_steal<py::object>(PyLong_FromLongLong(nbytes));
+  py::object device_storage = new_device_storage(rt.storage_type, rt.storage_slots, Py_None, state.dtypes[type_index],
+                                                 numel_object.ptr(), device_object(index), nbytes_object.ptr());
+  return linked_tensor(index, scalar_type, sizes, strides, nbytes, device_storage.ptr());
+}
+
+struct EmptyKernel final : public c10::OperatorKernel {
+  explicit EmptyKernel(EmptyState* state) : state_(state) {}
+
+  void operator()(const c10::OperatorHandle& handle, c10::DispatchKeySet, torch::jit::Stack* stack) {
+    py::gil_scoped_acquire gil;
+    auto& rt = runtime();
+    const auto& schema = handle.schema();
+    const auto arguments = torch::jit::last(*stack, schema.arguments().size());
+    if (rt.enabled && !rt.forked) {
+      at::Tensor made = known_empty(*state_, arguments);
+      if (made.defined()) {
+        torch::jit::drop(*stack, arguments.size());
+        stack->push_back(std::move(made));
+        return;
+      }
+    }
+    auto [positional, keywords] = python_arguments(state_->python, arguments);
+    PyObject* called = PyObject_Call(state_->python.plan, positional.ptr(), keywords.ptr());
+    if (called == nullptr) {
+      throw py::error_already_set();
+    }
+    py::object result = py::reinterpret_steal<py::object>(called);
+    push_python_result(state_->python, schema, result, stack);
+    const auto type_index = static_cast<size_t>(stack->back().toTensor().scalar_type());
+    if (type_index >= state_->dtypes.size()) {
+      state_->dtypes.resize(type_index + 1, nullptr);
+    }
+    state_->dtypes[type_index] = reinterpret_cast<PyObject*>(torch::getTHPDtype(stack->back().toTensor().scalar_type()));
+  }
+
+ private:
+  EmptyState* state_;  // never freed: it holds Python objects
+};
+
+// Hands over what note_padded reads: metrics' own counters and how many live lengths dynamic keeps.
+void set_live_lengths(py::object python_counts, Py_ssize_t limit) {
+  auto& rt = runtime();
+  rt.python_counts = python_counts.inc_ref().ptr();
+  rt.live_limit = limit;
+}
+
+// Registers aten::empty.memory_format's native kernel in front of its Python kernel `kernel`.
+void register_empty(py::object kernel, py::object unchecked_bytes) {
+  const auto handle = c10::Dispatcher::singleton().findSchemaOrThrow("aten::empty", "memory_format");
+  auto* state = new EmptyState();
+  state->python.plan = kernel.inc_ref().ptr();
+  read_schema(handle.schema(), state->python);
+  state->unchecked_bytes = unchecked_bytes.inc_ref().ptr();
+  library().impl("empty.memory_format", torch::CppFunction::makeFromBoxedFunctor(std::make_unique<EmptyKernel>(state)));
 }
 
 PyObject* interned(const char* text) {
@@ -1610,6 +1827,12 @@ void init_dispatch(py::module& m) {
         "Register the native PrivateUse1 kernel of aten::name.overload (or of a qualified name's op).");
   m.def("register_metadata_kernel", &register_metadata_kernel, py::arg("name"), py::arg("overload"),
         "Register aten::name.overload (a view or metadata-only op) to run PyTorch's CPU kernel natively.");
+  m.def("register_empty", &register_empty, py::arg("kernel"), py::arg("unchecked_bytes"),
+        "Register aten::empty.memory_format's native kernel, which repeats what the Python `kernel` made for calls "
+        "of the kind it answered (the allocations below unchecked_bytes(index) of a dtype it made).");
+  m.def("set_live_lengths", &set_live_lengths, py::arg("python_counts"), py::arg("limit"),
+        "Keep a new padded result's lengths live natively (dynamic.note_padded): metrics' own counters and "
+        "how many lengths dynamic.live_lengths() keeps.");
   m.def("set_dispatch_enabled", [](bool on) { runtime().enabled = on && runtime().miss != nullptr; },
         py::arg("on"), "Turn the native hit path on or off (off: every call goes to Python).");
   m.def("dispatch_enabled", []() { return runtime().enabled; });

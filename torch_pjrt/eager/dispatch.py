@@ -929,8 +929,12 @@ class StoredOp:
 
     @property
     def target(self) -> Any:
-        """What a caller should call: the one executable, or this object once there are several."""
-        return self if self.only is None else self.only
+        """What a caller should call: the one executable, or this object once there are several. The executable
+        as jax's C++ call where it has made one (at its first call): `Compiled.__call__` is a Python frame in
+        front of it, which a compiled generate() entered ~40 times a token."""
+        if self.only is None:
+            return self
+        return getattr(self.only, "_call", None) or self.only
 
     def reload(self, args: Sequence[Any]) -> Any:
         """What to call instead, once `target` refused these arguments (the native hit path)."""
@@ -1336,6 +1340,8 @@ def configure_native(module: Any) -> None:
                               startup.newest_outputs(), lambda index: rng.state(index).next_key(), storage.Padded,
                               dynamic.note_padded, native_checks_issued, fusion, fusion.Deferred, checks.caller,
                               dynamic.live_lengths(), client.scalar_array)
+    if hasattr(module, "set_live_lengths"):  # (a module built before it: note_padded runs in Python)
+        module.set_live_lengths(metrics.own_counts(), dynamic.live_limit())
     modes.on_change(module.set_eager_mode_flags)
     metrics.count_elsewhere(
         metrics.KeptElsewhere(module.native_counts, module.native_count, module.reset_native_counts))

@@ -894,8 +894,13 @@ def has_live_lengths() -> bool:
 
 def live_lengths() -> collections.OrderedDict[int, tuple[Bound, float, weakref.ref]]:
     """The table of lengths marked dynamic lately, by length (the native dispatch sends a factory whose
-    size is one of them here, to be padded)."""
+    size is one of them here, to be padded, and notes a new padded result's lengths there as note_padded does)."""
     return _LIVE_LENGTHS
+
+
+def live_limit() -> int:
+    """How many live lengths the table keeps, the newest."""
+    return _LIVE_LIMIT
 
 
 def warn_unmaskable(name: str, reason: str, where: str) -> None:

@@ -338,6 +338,8 @@ def register_all(known: KnownRegistration | None = None) -> tuple[list[torch.lib
         if op in plain_calls and native_dispatch is not None and dispatch.plan_for(op) is not None:
             dispatch.register_native(native_dispatch, op, dispatch.plan_for(op),
                                      unless_plain=(plain_calls[op], special[op]))
+        elif op is aten.empty.memory_format and hasattr(native_dispatch, "register_empty"):
+            native_dispatch.register_empty(empty_memory_format, client.unchecked_bytes)  # (the calls it answered)
         elif op in special:
             library.impl(op, special[op], KEY)
         elif _is_view(op) or op in METADATA_OPS:

@@ -499,15 +499,21 @@ def _host_available(otherwise: int) -> int:
     return otherwise
 
 
+def unchecked_bytes(index: int) -> int:
+    """The allocations of pjrt:index below this many bytes skip check_fits's free-memory query (a small share of
+    the device, which the native torch.empty repeats without calling here)."""
+    return -(-memory_limit(index)[0] // _UNCHECKED_SHARE)
+
+
 def check_fits(index: int, nbytes: int) -> None:
     """Raise torch.OutOfMemoryError before allocating more than pjrt:index has free.
 
     Where the device is host memory (the CPU platform), an allocation the host cannot hold may
     still be granted (memory overcommit), and then exhausts the machine as it is written.
     """
-    total, source = memory_limit(index)
-    if nbytes * _UNCHECKED_SHARE < total:
+    if nbytes < unchecked_bytes(index):
         return
+    total, source = memory_limit(index)
     free = free_memory(index)
     if nbytes > free:
         raise memory.out_of_memory(index, nbytes, total, source, free)

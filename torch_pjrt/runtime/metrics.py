@@ -81,6 +81,11 @@ def bump(name: str, amount: float = 1) -> None:
     _counts[name] += amount
 
 
+def own_counts() -> Counter:
+    """The counters Python keeps itself (the native dispatch reads ops_executed there, adding its own)."""
+    return _counts
+
+
 def count_elsewhere(counters_kept: KeptElsewhere) -> None:
     """Add the counters kept there to every reading of these, and zero them on `reset`."""
     _kept_elsewhere.append(counters_kept)
