@@ -424,6 +424,40 @@ def test_a_stored_graphs_values_come_back_as_fake_tensors_of_the_same_layout() -
         assert (rebuilt[0] @ rebuilt[1][3][0]).shape == (2, 7)
 
 
+def test_a_stored_graph_comes_back_with_the_same_nodes_code_and_results() -> None:
+    """A stored graph (AOTAutograd's lazy graph module; aten overloads, getitem, a higher-order op, lists, keyword
+    dtypes and devices in its arguments) loads with the same nodes, generated code and kept metadata, and computes
+    what the original computes."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from torch_pjrt import _torch_private
+
+    def f(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        values, indices = torch.topk(x, 3)
+        joined = torch.cat([values, y.to(torch.float64)], dim=1)
+        ones = torch.ones(2, 1, dtype=torch.float64, device="cpu")
+        state, noise = torch.ops.higher_order.run_and_save_rng_state(torch.ops.aten.rand.default, [2, 2],
+                                                                             device=torch.device("cpu"))
+        return joined * ones, indices, torch.var_mean(x, dim=0)[1], state.shape, noise.shape
+
+    x, y = torch.randn(2, 6), torch.randn(2, 2)
+    gm = make_fx(f)(x, y)
+    for node in gm.graph.nodes:
+        node.meta.update(stack_trace=f"line of {node.name}", dropped=node.name)
+    loaded = _torch_private.unpickle_graph(_torch_private.pickle_graph(gm, keep=lambda key: key == "stack_trace"))
+    assert loaded.code == gm.code
+    originals, copies = list(gm.graph.nodes), list(loaded.graph.nodes)
+    assert [(n.op, n.name, n.target, str(n.args), str(n.kwargs), n.type) for n in copies] == [
+        (n.op, n.name, n.target, str(n.args), str(n.kwargs), n.type) for n in originals]
+    assert [n.meta for n in copies] == [{"stack_trace": f"line of {n.name}"} for n in originals]
+    assert any(isinstance(n.target, torch._ops.HigherOrderOperator) for n in copies)
+    loaded.graph.lint()
+    expected, got = f(x, y), torch.fx.Interpreter(loaded).run(x, y)
+    for mine, theirs in zip(got[:3], expected[:3]):
+        torch.testing.assert_close(mine, theirs)
+    assert got[3:] == expected[3:]
+
+
 
 TORCH_SOURCE_KEY = textwrap.dedent(
     """

@@ -8,6 +8,8 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import io
+import pickle
 import types
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -548,18 +550,92 @@ def torch_source_key_given(key: bytes) -> Iterator[None]:
 
 
 def pickle_graph(gm: torch.fx.GraphModule, keep: Callable[[str], bool]) -> bytes:
-    """A graph as bytes, with the node metadata entries `keep` names; any op allowed."""
-    from torch.fx._graph_pickler import GraphPickler, Options
-
-    return GraphPickler.dumps(gm, Options(ops_filter=None, node_metadata_key_filter=keep))
+    """A graph as bytes, with the node metadata entries `keep` names: each node pickled as the call that makes it
+    again (`_made_node`), its operators by name, nodes in its arguments as pickle's references to nodes made
+    before. What plain pickle cannot write (a tensor constant, a lambda) raises pickle's error. Loads about 3 times
+    faster than torch's GraphPickler, which maps every node's arguments with pytree twice."""
+    buffer = io.BytesIO()
+    graph = gm.graph
+    _GraphWriter(buffer, keep).dump((_module_state(gm), graph._tracer_cls, graph._tracer_extras, graph._codegen,
+                                     list(graph.nodes)))
+    return buffer.getvalue()
 
 
 def unpickle_graph(data: bytes) -> torch.fx.GraphModule:
-    """`pickle_graph`'s graph again."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx._graph_pickler import GraphPickler
+    """`pickle_graph`'s graph again, its nodes made in their order, with the module's generated code as stored."""
+    gm = torch.fx.GraphModule.__new__(torch.fx.GraphModule)
+    graph = torch.fx.Graph(gm)
+    module_state, graph._tracer_cls, graph._tracer_extras, graph._codegen, _ = _GraphReader(
+        io.BytesIO(data), graph).load()
+    gm.__dict__.update(module_state)
+    gm._graph = graph
+    return gm
 
-    return GraphPickler.loads(data, FakeTensorMode())
+
+def _module_state(gm: torch.fx.GraphModule) -> dict[str, Any]:
+    """The module's attributes but its graph, its generated code (`gm.code`) among them (made now if lazy)."""
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+
+    if isinstance(gm, _LazyGraphModule):
+        gm._real_recompile()
+    else:
+        gm.recompile()
+    return {key: value for key, value in gm.__dict__.items() if key != "_graph"}
+
+
+# Stands for the graph being loaded in a pickled node's call.
+_GRAPH_BEING_LOADED = "graph"
+
+
+class _GraphWriter(pickle.Pickler):
+    def __init__(self, file: io.BytesIO, keep: Callable[[str], bool]) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.keep = keep
+        self.graph_token = object()
+
+    def persistent_id(self, obj: Any) -> Any:
+        return _GRAPH_BEING_LOADED if obj is self.graph_token else None
+
+    def reducer_override(self, obj: Any) -> Any:
+        if type(obj) is torch.fx.Node:  # pickle's memo refers to it afterwards
+            meta = {key: value for key, value in obj.meta.items() if self.keep(key)}
+            return _made_node, (self.graph_token, obj.op, obj.name, obj.target, obj.args, obj.kwargs, obj.type, meta)
+        if isinstance(obj, torch._ops.OpOverload):
+            return _operator, (obj._schema.name, obj._overloadname)
+        if isinstance(obj, torch._ops.OpOverloadPacket):
+            return _operator, (obj._qualified_op_name, None)
+        if isinstance(obj, torch._ops.HigherOrderOperator):
+            return _higher_order_operator, (obj.name(),)
+        return NotImplemented
+
+
+class _GraphReader(pickle.Unpickler):
+    def __init__(self, file: io.BytesIO, graph: torch.fx.Graph) -> None:
+        super().__init__(file)
+        self.graph = graph
+
+    def persistent_load(self, pid: Any) -> Any:
+        if pid != _GRAPH_BEING_LOADED:
+            raise pickle.UnpicklingError(f"torch_pjrt: a stored graph names {pid!r}, no graph being loaded.")
+        return self.graph
+
+
+def _made_node(graph: torch.fx.Graph, op: str, name: str, target: Any, args: tuple, kwargs: dict, type_: Any,
+               meta: dict[str, Any]) -> torch.fx.Node:
+    node = graph.create_node(op, target, args, kwargs, name, type_)
+    node.meta = meta
+    return node
+
+
+def _higher_order_operator(name: str) -> torch._ops.HigherOrderOperator:
+    return getattr(torch.ops.higher_order, name)
+
+
+def _operator(qualified_name: str, overload: str | None) -> Any:
+    """An operator by its schema's name (`aten::add`) and overload name (`Tensor`); None: the packet."""
+    namespace, name = qualified_name.split("::")
+    packet = getattr(getattr(torch.ops, namespace), name)
+    return packet if overload is None else getattr(packet, overload)
 
 
 def fake_mode() -> Any:
