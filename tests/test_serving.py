@@ -758,7 +758,10 @@ with torch.pjrt.set_eager_mode(EagerMode.DEFER_AND_FUSE):
 serve(others)  # the first batch of these lengths (their prefills are not cached yet)
 graphs = torch_pjrt.metrics.counters()["graph_compiles"]
 again = serve([[t + 1 for t in p] for p in others])  # the same lengths, new tokens
+fused_programs = torch_pjrt.metrics.counters()["fused_programs"]
+llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], greedy, use_tqdm=False)
 print("RESULT " + json.dumps({"strict": strict, "fused": fused, "pieces": compilation_counter.num_piecewise_graphs_seen,
+                              "greedy_fused_programs": torch_pjrt.metrics.counters()["fused_programs"] - fused_programs,
                               "dynamo": compilation_counter.num_graphs_seen, "traced_at_start": traced_at_start,
                               "new_graphs": torch_pjrt.metrics.counters()["graph_compiles"] - graphs,
                               "graphs": graphs, "first_request": first_request, "first_sampled": first_sampled,
@@ -772,9 +775,10 @@ def test_vllms_compile_path_gives_hugging_faces_tokens_with_programs_per_bucket(
 ) -> None:
     """enforce_eager=False: vLLM's one Dynamo trace, at start-up (the worker's warm-up), attention inside it,
     one graph compiled by the pjrt backend (strict and fused eager around it); a first short greedy request, a
-    first sampled one and prompts of new lengths in seen buckets compile nothing. The same with vLLM's async
-    scheduling kept (TORCH_PJRT_VLLM_ASYNC_SCHEDULING=1), where each step's ids of continuing requests are the
-    previous step's tokens on the device."""
+    first sampled one and prompts of new lengths in seen buckets compile nothing, and greedy steps run no
+    program but the step's. The same with vLLM's async scheduling kept (TORCH_PJRT_VLLM_ASYNC_SCHEDULING=1),
+    where each step's ids of continuing requests are the previous step's tokens on the device, taken in the
+    step's program."""
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", TORCH_PJRT_VLLM_ASYNC_SCHEDULING=async_scheduling)
     others = [[(7 * i + j) % 250 + 3 for j in range(n)] for i, n in enumerate((6, 12, 19, 33))]
     done = subprocess.run([sys.executable, "-c", COMPILED_IN_A_NEW_PROCESS, str(tiny_llama),
@@ -793,6 +797,7 @@ def test_vllms_compile_path_gives_hugging_faces_tokens_with_programs_per_bucket(
     # nor a first sampled one (its sampled rows' logits brought back for vLLM's sampler)
     assert result["first_sampled"] == {"graph_compiles": 0, "fused_compiles": 0}
     assert result["graphs"] > 0 and result["new_graphs"] == 0
+    assert result["greedy_fused_programs"] == 0
     assert result["async"] == (async_scheduling == "1")
 
 
