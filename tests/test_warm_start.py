@@ -492,34 +492,39 @@ REGISTRATION = textwrap.dedent(
     """
     import hashlib, json, sys, torch, torch_pjrt
     from torch_pjrt.eager import dispatch, kernels
-    schemas_read = []
+    from torch_pjrt.ops import registry
+    schemas_read, searched = [], []
     read_schema_facts = dispatch._read_schema_facts
     dispatch._read_schema_facts = lambda op: schemas_read.append(op) or read_schema_facts(op)
+    search = registry._searched_counterpart
+    registry._searched_counterpart = lambda op: searched.append(op) or search(op)
     torch.manual_seed(int(sys.argv[1]))
     x, y = torch.randn(4, 3), torch.randn(4, 3)
     torch.testing.assert_close(torch.add(x.to("pjrt"), y.to("pjrt"), alpha=2).cpu(), torch.add(x, y, alpha=2))
-    counted = len(schemas_read)
+    counted, counterparts_searched = len(schemas_read), len(searched)
     digest = hashlib.sha256()
     for op in kernels._aten_overloads(None):  # the search a warm start skips, here to list what was registered
         plan = dispatch.plan_for(op)
         if plan is not None:
             fields = {name: value for name, value in vars(plan).items() if name not in ("op", "lowering")}
             lowering = {name: getattr(value, "__qualname__", value) for name, value in vars(plan.lowering).items()}
-            digest.update(repr((str(op), fields, lowering)).encode())
+            counterpart = registry.functional_counterpart(op) if plan.mutated else None
+            digest.update(repr((str(op), fields, lowering, counterpart)).encode())
     counters = torch_pjrt.metrics.counters()
-    print(json.dumps({"plans": digest.hexdigest(), "schemas_read": counted,
+    print(json.dumps({"plans": digest.hexdigest(), "schemas_read": counted, "searched": counterparts_searched,
                       "hits": counters.get("registration_hits", 0), "writes": counters.get("registration_writes", 0)}))
     """
 )
 
 
 def test_a_warm_start_registers_the_same_plans_from_the_cache_folder_without_reading_schemas(tmp_path: Path) -> None:
-    """What registration finds in torch's dispatcher and schemas is stored by the first process and read by the
-    next instead of searched again; every registered plan is the same as with no cache folder."""
+    """What registration finds in torch's dispatcher and schemas (mutating ops' functional counterparts among it) is
+    stored by the first process and read by the next instead of searched again; every registered plan and
+    counterpart is the same as with no cache folder."""
     cold = run_step(tmp_path, 1, REGISTRATION)
-    assert cold["writes"] == 1 and cold["hits"] == 0 and cold["schemas_read"] > 1000
+    assert cold["writes"] == 1 and cold["hits"] == 0 and cold["schemas_read"] > 1000 and cold["searched"] > 1000
     warm = run_step(tmp_path, 2, REGISTRATION)
-    assert warm["hits"] == 1 and warm["writes"] == 0 and warm["schemas_read"] == 0
+    assert warm["hits"] == 1 and warm["writes"] == 0 and warm["schemas_read"] == 0 and warm["searched"] == 0
     without_cache = run_step(Path("0"), 3, REGISTRATION)
     assert without_cache["hits"] == 0 and without_cache["writes"] == 0
     assert cold["plans"] == warm["plans"] == without_cache["plans"]

@@ -95,6 +95,7 @@ def initialize() -> None:
         with _collector_paused():
             from torch_pjrt import native
             from torch_pjrt.eager import kernels
+            from torch_pjrt.ops import registry
             from torch_pjrt.runtime import client, programs
 
             native.set_device_count(len(client.devices()))
@@ -105,12 +106,14 @@ def initialize() -> None:
             # and frozen with the rest, instead of later, where full collections walked its objects.
             _import_on_a_thread_of_its_own("torch._dynamo")
             _torch_private.dynamo_skip_our_packages()
-            key, known = _known_registration()
+            key, stored = _known_registration()
+            known, counterparts = stored if stored is not None else (None, {})
+            registry.counterparts_known(counterparts)
             libraries, found = kernels.register_all(known)
             _state["libraries"].extend(libraries)
-            if key is not None and known is None:
+            if key is not None and stored is None:
                 with disk_store.counted_as("registration"):
-                    disk_store.write("registration", key, pickle.dumps(found))
+                    disk_store.write("registration", key, pickle.dumps((found, registry.counterparts_found())))
             _torch_private.flex_attention_accepts(NAME)
             if envvars.flag("TORCH_PJRT_FLASH_ATTENTION"):
                 from torch_pjrt.kernels import attention
@@ -122,8 +125,9 @@ def initialize() -> None:
 
 def _known_registration() -> tuple[str | None, Any]:
     """The cache folder's key for what registration finds in torch's dispatcher and schemas (the same in every
-    process of the same code and torch), and what the last such process found, if stored: with it, the start
-    registers every kernel without searching 2,400 overloads and reading their schemas again."""
+    process of the same code and torch), and what the last such process found, if stored: the kernels'
+    registration and each mutating op's functional counterpart by name. With it, the start registers every kernel
+    without searching 2,400 overloads, reading their schemas and searching 1,200 ops' counterparts again."""
     if not disk_store.enabled():
         return None, None
     digest = disk_store.entry_digest()

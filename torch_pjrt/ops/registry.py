@@ -120,12 +120,47 @@ def _packet(namespace: Any, qualified: str) -> OpOverloadPacket | None:
     return packet
 
 
-@functools.cache
+# Each mutating op's functional counterpart by name (None: it has none), as found or as given by `counterparts_known`.
+_counterpart_names: dict[str, str | None] = {}
+_counterparts: dict[OpOverload, OpOverload | None] = {}
+
+
+def counterparts_known(names: dict[str, str | None]) -> None:
+    """Counterparts an earlier process of the same code and torch found (the device's start keeps them in the
+    cache folder): each is looked up by name instead of searched for again."""
+    _counterpart_names.update(names)
+
+
+def counterparts_found() -> dict[str, str | None]:
+    return dict(_counterpart_names)
+
+
 def functional_counterpart(op: OpOverload) -> OpOverload | None:
     """The functional overload computing what a mutating op writes (add_.Tensor -> add.Tensor): the first
     non-mutating overload whose arguments are the op's less its keyword-only mutated ones (out=), the op's
     overload name first, in the op's own packet (add.out's), the packet without the trailing underscore
-    (add_'s add), then the `_functional` packets (normal_ -> normal_functional)."""
+    (add_'s add), then the `_functional` packets (normal_ -> normal_functional). Once per op and process."""
+    if op in _counterparts:
+        return _counterparts[op]
+    name = op.name()
+    if name in _counterpart_names:
+        known = _counterpart_names[name]
+        found = None if known is None else _overload_named(known)
+    else:
+        found = _searched_counterpart(op)
+        _counterpart_names[name] = None if found is None else found.name()
+    _counterparts[op] = found
+    return found
+
+
+def _overload_named(name: str) -> OpOverload:
+    """`aten::add.Tensor` -> torch.ops.aten.add.Tensor (`aten::add` -> its `default`)."""
+    qualified, _, overload = name.partition(".")
+    namespace, packet = qualified.split("::")
+    return getattr(getattr(getattr(torch.ops, namespace), packet), overload or "default")
+
+
+def _searched_counterpart(op: OpOverload) -> OpOverload | None:
     schema = op._schema
     namespace_name, name = schema.name.split("::")
     namespace = getattr(torch.ops, namespace_name)
