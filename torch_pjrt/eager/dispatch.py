@@ -915,7 +915,7 @@ class StoredOp:
 
     def __init__(self, entry: Entry, key: str | None, device_index: int) -> None:
         self.entry, self.key, self.device_index = entry, key, device_index
-        self.jit = entry.program.jitted  # what compiles it where nothing is stored
+        self.jit = entry.program  # what compiles it where nothing is stored (its jax.jit made only then)
         self.by_avals: dict[tuple, Any] = {}
         self.only: Any = None  # the executable while only one set of shapes has been met
 
@@ -958,7 +958,7 @@ class StoredOp:
         if self.key is None:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
-                return self.jit.lower(*args).compile()
+                return self.jit.jitted.lower(*args).compile()
         key = hashlib.sha256(f"{self.key}{avals!r}".encode()).hexdigest()
         entry = self.entry
         return programs.stored_executable(entry.fn, args, key, entry.program.name, donate=entry.donate,

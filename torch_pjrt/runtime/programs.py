@@ -18,13 +18,17 @@ from torch_pjrt.runtime import client, disk_store, metrics, profiling
 
 class Program:
     """One jitted function. Compiles are counted by the client's jax event listener (so retraces for
-    new input shapes count too); a program with a `counter` also counts its first call there."""
+    new input shapes count too); a program with a `counter` also counts its first call there.
 
-    __slots__ = ("_run", "_jitted", "name", "counter", "device_index")
+    Its jax.jit (~55 us to make) is made at the first call or read of `jitted`: a strict op whose
+    executable comes from the cache folder (or is compiled for it) is replaced before either."""
+
+    __slots__ = ("_run", "_jitted", "_unjitted", "name", "counter", "device_index")
 
     def __init__(self, fn: Callable, name: str, donate: tuple[int, ...] = (), device_index: int | None = None,
                  counter: str | None = None) -> None:
-        self._jitted = _jit(fn, donate, device_index)
+        self._jitted = None
+        self._unjitted = (fn, donate)
         self.name = name
         # A metrics counter of its own kind (e.g. "graph_compiles"), counted besides "compiles".
         self.counter = counter
@@ -37,6 +41,7 @@ class Program:
         """A program already compiled (or loaded): its calls compile nothing."""
         program = cls.__new__(cls)
         program._jitted = program._run = executable
+        program._unjitted = None
         program.name, program.counter, program.device_index = name, counter, device_index
         return program
 
@@ -65,22 +70,26 @@ class Program:
 
     @property
     def jitted(self) -> Any:
+        if self._jitted is None:
+            fn, donate = self._unjitted
+            self._jitted, self._unjitted = _jit(fn, donate, self.device_index), None
         return self._jitted
 
     def _first_call(self, *args: Any) -> Any:
         start = time.perf_counter()
+        jitted = self.jitted
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
-            result = self._jitted(*args)
+            result = jitted(*args)
         seconds = time.perf_counter() - start
         if self.counter:
             metrics.bump(self.counter)
             metrics.bump(f"{self.counter}_seconds", seconds)
-        self._run = self._jitted
+        self._run = jitted
         return result
 
     def lower_text(self, *args: Any) -> str:
-        return self._jitted.lower(*args).as_text()
+        return self.jitted.lower(*args).as_text()
 
 
 def _jit(fn: Callable, donate: tuple[int, ...], device_index: int | None) -> Any:
