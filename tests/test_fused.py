@@ -175,6 +175,32 @@ def test_a_replayed_graph_passes_each_number_it_is_given(monkeypatch: pytest.Mon
             assert looked_up == [], looked_up
 
 
+def test_floats_new_at_every_replay_are_packed_once_observed(monkeypatch: pytest.MonkeyPatch, fused: None) -> None:
+    """A replayed graph whose float inputs change at every call (an optimizer's step-dependent factors) passes
+    them packed from its second call on, to one more program compiled once; a constant float stays unpacked;
+    results keep CPU's values and dtypes (float32 times a packed factor stays float32), signed zeros and NaN."""
+    monkeypatch.setattr(fusion, "PACK_MIN", 4)
+    torch.manual_seed(11)
+    x = torch.randn(6, 5)
+    compiles = []
+    for step in range(1, 9):
+        factors = [1.0 - 0.9 ** (step + k / 3) for k in range(5)]
+        if step == 6:
+            factors[1], factors[3] = -0.0, float("nan")
+        on_device = x.to("pjrt")
+        got, want = on_device * 0.25, x * 0.25
+        for k, factor in enumerate(factors):
+            got, want = got * factor + k, want * factor + k
+        got = got.cpu()
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, want, equal_nan=True)
+        assert torch.equal(torch.signbit(got), torch.signbit(want))
+        compiles.append(torch_pjrt.metrics.counters()["fused_compiles"])
+    replay = fusion.graph().replay
+    assert len(replay.packed) == 5, replay.packed  # the five factors, not the constant 0.25
+    assert compiles[1] == compiles[0] + 1 and compiles[-1] == compiles[1], compiles
+
+
 def test_sync_points_flush(fused: None) -> None:
     x = torch.randn(4, device="pjrt")
     checks = {

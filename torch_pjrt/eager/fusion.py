@@ -27,10 +27,15 @@ import weakref
 from collections import Counter
 from typing import Any
 
+import numpy as np
+
 from torch_pjrt import storage
 from torch_pjrt.runtime import checks, client, disk_store, metrics, programs, spmd
 
 MAX_NODES = int(os.environ.get("TORCH_PJRT_FUSE_MAX_NODES", "1000"))
+# Float inputs that changed between a graph's first two calls, at least this many, are passed packed in one
+# host array: jax converts each Python number it is passed (~2-3 us), one host array ~6 us (Replay.arguments).
+PACK_MIN = 8
 DEBUG_RECOMPILE = os.environ.get("TORCH_PJRT_DEBUG_RECOMPILE", "") not in ("", "0")
 
 flush_reasons: Counter = Counter()
@@ -161,8 +166,10 @@ class PendingGraph:
                         program = _programs.put(structure, _fused_program(nodes, wanted, donated, self.device_index,
                                                                           mesh, inputs))
                         _seen.append((nodes, where))
-                    replay = self.replay = Replay(nodes, wanted, donated, mesh, program, self.device_index)
-                results = replay.program.call(*(inputs if mesh is not None else replay.arguments(inputs)))
+                    replay = self.replay = Replay(nodes, wanted, donated, mesh, program, self.device_index,
+                                                  structure)
+                arguments = inputs if mesh is not None else replay.arguments(inputs)  # (which may repack them)
+                results = replay.program.call(*arguments)
             except BaseException as error:
                 for deferred in live:
                     deferred.failure = error
@@ -177,13 +184,15 @@ class PendingGraph:
 class Replay:
     """A flushed graph's program with what identifies its graph: the recorded nodes (entries and wiring),
     the outputs kept, the donated inputs and the mesh; the device-side checks its ops make, in order; and
-    where its inputs hold traced numbers, with the device array each was last passed as."""
+    where its inputs hold traced numbers, with the device array each was last passed as; and the float inputs
+    that changed between its first two calls, which from then on are passed packed (`packed`, to a program that
+    takes them so: the graph's structure and those positions key it)."""
 
     __slots__ = ("nodes", "wanted", "donated", "mesh", "program", "checks", "check_counts", "device_index",
-                 "numbers", "passed")
+                 "numbers", "passed", "structure", "calls", "first", "packed", "unpacked")
 
     def __init__(self, nodes: list[tuple[Any, tuple[Any, ...]]], wanted: tuple[tuple[int, int], ...],
-                 donated: tuple[int, ...], mesh: Any, program: Any, device_index: int) -> None:
+                 donated: tuple[int, ...], mesh: Any, program: Any, device_index: int, structure: tuple) -> None:
         # (held, not copied: the graph hands its list over at the flush and records into a new one)
         self.nodes = nodes
         self.wanted, self.donated, self.mesh, self.program = wanted, donated, mesh, program
@@ -195,6 +204,11 @@ class Replay:
         # graph this one matches, so a replay converts those alone, not every input
         self.numbers = tuple(sorted({ref[1] for _, refs in nodes for ref in refs if ref[0] == "s"}))
         self.passed: list[tuple[Any, Any]] = [(None, None)] * len(self.numbers)
+        self.structure = structure
+        self.calls = 0
+        self.first: list[Any] | None = None  # the numbers of the first call, until the second
+        self.packed: tuple[int, ...] = ()
+        self.unpacked: tuple[int, ...] = ()  # the input positions passed one by one, once packed
 
     def matches(self, nodes: list[tuple[Any, tuple[Any, ...]]], wanted: tuple[tuple[int, int], ...],
                 donated: tuple[int, ...], mesh: Any) -> bool:
@@ -211,7 +225,7 @@ class Replay:
         passed then: a step's constants (AdamW's lr and betas, a model's scales) cost one comparison each.
         A value repeated within one call is looked up once: its second lookup would make it an array (a device
         transfer) as if it had come back in a later call (the GPT step's AdamW: 64 numbers, 9 values, two of
-        them new every step)."""
+        them new every step). Floats packed (`packed`) go in one float64 host array after the other inputs."""
         passed = list(inputs)
         last = self.passed
         found: dict[tuple[type, Any], Any] = {}
@@ -234,7 +248,40 @@ class Replay:
                 passed[position] = array
             else:
                 passed[position] = client.traced_number(value, self.device_index)
+        if self.packed:
+            arguments = [passed[position] for position in self.unpacked]
+            arguments.append(np.array([inputs[position] for position in self.packed], np.float64))
+            return arguments
+        if self.mesh is None and self.calls < 2:
+            self.calls += 1
+            return self._observe(passed, inputs)
         return passed
+
+    def _observe(self, passed: list[Any], inputs: list[Any]) -> list[Any]:
+        """Keep the first call's numbers; the float inputs that differ at the second, when at least PACK_MIN,
+        are packed from then on (a step's optimizer factors, not its constants)."""
+        if self.calls == 1:
+            self.first = [inputs[position] for position in self.numbers]
+            return passed
+        steady = frozenset([position for position, before in zip(self.numbers, self.first)
+                            if type(before) is float and type(inputs[position]) is float
+                            and before != inputs[position]])
+        self.first = None
+        if len(steady) < PACK_MIN:
+            return passed
+        self.packed = tuple(sorted(steady))
+        self.unpacked = tuple([position for position in range(len(inputs)) if position not in steady])
+        kept = [slot for slot, position in enumerate(self.numbers) if position not in steady]
+        self.numbers = tuple([self.numbers[slot] for slot in kept])
+        self.passed = [self.passed[slot] for slot in kept]
+        key = (self.structure, self.packed)
+        program = _programs.get(key)
+        if program is None:
+            metrics.bump("fused_compiles")
+            program = _programs.put(key, _fused_program(self.nodes, self.wanted, self.donated, self.device_index,
+                                                        None, inputs, self.packed))
+        self.program = program
+        return self.arguments(inputs)
 
 
 _NUMBERS = (int, float, bool, complex)
@@ -254,10 +301,11 @@ def _unreferenced(inputs: list[Any]) -> tuple[int, ...]:
 
 def _fused_program(
     nodes: list[tuple[Any, tuple[Any, ...]]], wanted: tuple[tuple[int, int], ...], donated: tuple[int, ...],
-    device_index: int, mesh: Any, inputs: list[Any],
+    device_index: int, mesh: Any, inputs: list[Any], packed: tuple[int, ...] = (),
 ) -> Any:
     """The program of a pending graph: stored for later processes (and loaded from an earlier one's store)
-    where the cache folder is on and every op's entry has a process-independent structure."""
+    where the cache folder is on and every op's entry has a process-independent structure. With `packed`
+    float input positions, it takes the other inputs one by one and those as one host array, last."""
     functions = [entry.fn for entry, _ in nodes]
     wiring = [refs for _, refs in nodes]
     # ops with device-side checks: their programs' last output is a code; the graph returns one for all
@@ -280,22 +328,50 @@ def _fused_program(
     if mesh is not None:
         return spmd.MeshProgram(fused, mesh, f"fused[{len(nodes)}]", donate=donated)
     name = f"fused[{len(nodes)}]"
-    stored = _stored_key(nodes, wanted, donated, inputs) if disk_store.enabled() else None
+    arguments = list(inputs)
+    if packed:
+        fused, arguments, donated = _packed_program(fused, inputs, packed, donated)
+    stored = _stored_key(nodes, wanted, donated, arguments, packed) if disk_store.enabled() else None
     if stored is not None:
-        return programs.stored_executable(fused, tuple(inputs), stored, name, donate=donated,
+        return programs.stored_executable(fused, tuple(arguments), stored, name, donate=donated,
                                           device_index=device_index)
     # placed on its device: a graph of factories alone has no input that would place it
     return programs.Program(fused, name, donate=donated, device_index=device_index)
 
 
+def _packed_program(fused: Any, inputs: list[Any], packed: tuple[int, ...], donated: tuple[int, ...],
+                    ) -> tuple[Any, list[Any], tuple[int, ...]]:
+    """`fused` taking the inputs at `packed` (floats) as one float64 host array after the others: each element
+    unpacked as the weakly typed scalar jax makes of a Python float, so it promotes as one (a float32 tensor
+    times it stays float32). With the example arguments and the donated inputs' argument positions."""
+    from jax._src.lax import lax as lax_internal  # (jax has no public way to make a weakly typed value)
+
+    count, packed_set = len(inputs), set(packed)
+    unpacked = [position for position in range(count) if position not in packed_set]
+
+    def program(*arguments: Any) -> tuple[Any, ...]:
+        values: list[Any] = [None] * count
+        for argument, position in zip(arguments, unpacked):
+            values[position] = argument
+        pack = arguments[-1]
+        for index, position in enumerate(packed):
+            values[position] = lax_internal._convert_element_type(pack[index], pack.dtype, weak_type=True)
+        return fused(*values)
+
+    argument_of = {position: index for index, position in enumerate(unpacked)}
+    example = [inputs[position] for position in unpacked]
+    example.append(np.array([inputs[position] for position in packed], np.float64))
+    return program, example, tuple(argument_of[position] for position in donated)
+
+
 def _stored_key(nodes: list[tuple[Any, tuple[Any, ...]]], wanted: tuple[tuple[int, int], ...],
-                donated: tuple[int, ...], inputs: list[Any]) -> str | None:
+                donated: tuple[int, ...], inputs: list[Any], packed: tuple[int, ...] = ()) -> str | None:
     """What a pending graph's program depends on, the same in every process: our code and the versions,
     each op's structure (overload, views, static arguments, default dtype, matmul precision, kernel
-    fingerprint), the wiring, the outputs kept, the donated inputs and each input's type; None when
-    an op's structure is known only in this process."""
+    fingerprint), the wiring, the outputs kept, the donated inputs, the packed float inputs and each
+    argument's type; None when an op's structure is known only in this process."""
     digest = disk_store.entry_digest()
-    digest.update(f"{wanted!r}\0{donated!r}\n".encode())
+    digest.update(f"{wanted!r}\0{donated!r}\0{packed!r}\n".encode())
     for entry, refs in nodes:
         structure = getattr(entry, "structure", None)
         if structure is None:
