@@ -515,21 +515,49 @@ STORED_OPS = textwrap.dedent(
 )
 
 
-def test_a_stored_op_picks_its_executable_by_shape_without_refusals(tmp_path: Path) -> None:
-    """With a cache folder, a strict op's executables come from it (one per storage shape). Alternating
-    storage shapes, the native path calls the stored op, which picks the executable by the arrays' shapes
-    (an executable refusing them goes through jax's slow path: no refusals once both are known), and
-    nothing else of ours; results equal CPU's either way."""
+@pytest.mark.parametrize("folder", [True, False])
+def test_a_stored_op_picks_its_executable_by_shape_natively(tmp_path: Path, folder: bool) -> None:
+    """A strict op's executables (one per storage shape) come from the cache folder where there is one,
+    else are compiled for it. Alternating storage shapes, the native path picks the executable by the
+    arrays' shapes, dtypes and weak types as StoredOp.load does (an executable refusing them goes through
+    jax's slow path: no refusals once both are known), entering no Python of ours; results equal CPU's."""
     seed = random.randrange(1 << 16)
     runs = []
-    for _ in ("cold", "warm"):
+    for _ in ("cold", "warm") if folder else ("no folder",):
         run = subprocess.run([sys.executable, "-c", STORED_OPS, str(seed), str(Path(__file__).parent)],
                              capture_output=True, text=True, timeout=300,
-                             env={**os.environ, "TORCH_PJRT_CACHE_DIR": str(tmp_path)})
+                             env={**os.environ, "TORCH_PJRT_CACHE_DIR": str(tmp_path) if folder else "0"})
         assert run.returncode == 0, run.stderr[-3000:]
         words = run.stdout.split()[-5:]
         runs.append([words[0]] + [int(word) for word in words[1:]])
     # functions entered, refusals, misses (mul and add once each), op-store hits, op-store writes:
     # 2 ops x 2 storage shapes
-    picked = "<genexpr>,__call__,load"  # StoredOp.__call__ and load, whose key is a generator of shapes
-    assert runs == [[picked, 0, 2, 0, 4], [picked, 0, 2, 4, 0]]
+    assert runs == ([["-", 0, 2, 0, 4], ["-", 0, 2, 4, 0]] if folder else [["-", 0, 2, 0, 0]])
+
+
+def test_an_entry_first_met_while_fusing_makes_its_jit_only_when_strict_eager_runs_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A signature recorded while fusing hands the native path no jax.jit (it would never run one); the
+    same signature in strict eager then compiles through Python once and hits natively after, with CPU's
+    results."""
+    from torch_pjrt.runtime import programs
+
+    made: list[str] = []
+    jitted = programs.Program.jitted
+
+    def counted(program: programs.Program) -> object:
+        if program._jitted is None:
+            made.append(program.name)
+        return jitted.fget(program)
+
+    monkeypatch.setattr(programs.Program, "jitted", property(counted))
+    a_host, b_host = torch.randn(5, 7), torch.randn(5, 7)
+    a, b = a_host.to("pjrt"), b_host.to("pjrt")
+    with torch.pjrt.set_eager_mode(torch_pjrt.EagerMode.DEFER_AND_FUSE):
+        fused = [torch.atan2(a, b) for _ in range(3)]  # a miss, then native recordings
+        torch.pjrt.synchronize()
+    assert [name for name in made if not name.startswith("fused")] == []
+    strict = [torch.atan2(a, b) for _ in range(2)]  # Python compiles the op's program, then a native hit
+    assert python_calls_of_ours(lambda: strict.append(torch.atan2(a, b))) == []
+    for result in fused + strict:
+        torch.testing.assert_close(result.cpu(), torch.atan2(a_host, b_host))

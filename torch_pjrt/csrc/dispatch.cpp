@@ -95,6 +95,11 @@ struct Runtime {
   PyObject* s_bounds = nullptr;
   PyObject* s_holding = nullptr;
   PyObject* s_compiled = nullptr;
+  PyObject* s_jitted = nullptr;
+  PyObject* s_aval = nullptr;
+  PyObject* s_dtype = nullptr;
+  PyObject* s_weak_type = nullptr;
+  PyObject* s_call_for = nullptr;
   PyObject* s_lock = nullptr;
   PyObject* s_acquire = nullptr;
   PyObject* s_release = nullptr;
@@ -198,6 +203,10 @@ struct Entry {
   PyObject* recorded;  // Python's dispatch.Entry, what a fused graph records
   bool compiled;  // whether `jitted` has run once through Program.call (which compiles and counts)
   PyObject* stored;  // eager/dispatch.StoredOp when `jitted` is one of its executables, or nullptr
+  // Once a stored op has met several sets of input shapes (`jitted` is then the StoredOp itself): the
+  // C++ call of the executable StoredOp picked for each set met (its avals key, `avals_key`), so a hit
+  // picks it here instead of StoredOp.load building the same key in Python.
+  mutable std::vector<std::pair<std::vector<intptr_t>, PyObject*>> by_avals;
 };
 
 struct Key {
@@ -846,11 +855,89 @@ void numbers_as_arrays(Signature& sig) {
 
 // Whether a strict hit may call `jitted` directly: only once Program.call has run it (an entry first
 // met while fusing has been traced, not compiled).
+// An entry first met while fusing comes without `jitted` (Py_None): its jax.jit, made when first read, is
+// read here once it has compiled.
 bool program_compiled(Entry& entry) {
   if (!entry.compiled) {
     entry.compiled = attribute_of(entry.program, runtime().s_compiled).ptr() == Py_True;
+    if (entry.compiled && entry.jitted == Py_None) {
+      Py_SETREF(entry.jitted, attribute_of(entry.program, runtime().s_jitted).release().ptr());
+    }
   }
   return entry.compiled;
+}
+
+// The key StoredOp.load picks an executable by, read natively: each jax array's aval (shape, dtype,
+// weak type), each Python bool, int or float by its type. False for any other input (Python picks then).
+bool avals_key(const c10::SmallVector<PyObject*, 8>& inputs, std::vector<intptr_t>& words) {
+  auto& rt = runtime();
+  for (PyObject* input : inputs) {
+    if (PyBool_Check(input) || PyLong_CheckExact(input) || PyFloat_CheckExact(input)) {
+      words.push_back(-1);
+      words.push_back(reinterpret_cast<intptr_t>(Py_TYPE(input)));
+      continue;
+    }
+    if (!PyObject_TypeCheck(input, reinterpret_cast<PyTypeObject*>(rt.array_type))) {
+      return false;
+    }
+    py::object aval = attribute_of(input, rt.s_aval);
+    py::object shape = attribute_of(aval.ptr(), rt.s_shape);
+    if (!PyTuple_Check(shape.ptr())) {
+      return false;
+    }
+    const Py_ssize_t rank = PyTuple_GET_SIZE(shape.ptr());
+    words.push_back(rank);
+    for (Py_ssize_t i = 0; i < rank; ++i) {
+      const intptr_t size = PyLong_AsSsize_t(PyTuple_GET_ITEM(shape.ptr(), i));
+      if (size == -1 && PyErr_Occurred()) {
+        throw py::error_already_set();
+      }
+      words.push_back(size);
+    }
+    // dtypes are numpy's (and ml_dtypes') interned objects: the key keeps a reference (stored_call)
+    words.push_back(reinterpret_cast<intptr_t>(attribute_of(aval.ptr(), rt.s_dtype).ptr()));
+    words.push_back(attribute_of(aval.ptr(), rt.s_weak_type).ptr() == Py_True);
+  }
+  return true;
+}
+
+// What a strict hit of a stored op that has met several sets of shapes calls: the executable for these
+// inputs' avals, kept natively once StoredOp has picked (loaded or compiled) it; the StoredOp itself for
+// a set not met here yet (it picks and runs; `call_for` then hands over the executable's C++ call).
+constexpr size_t kAvalsKept = 16;
+
+PyObject* stored_call(const Entry& entry, const c10::SmallVector<PyObject*, 8>& inputs, bool& ask_after) {
+  std::vector<intptr_t> words;
+  words.reserve(inputs.size() * 4);
+  ask_after = false;
+  if (!avals_key(inputs, words)) {
+    return entry.stored;
+  }
+  for (const auto& [key, call] : entry.by_avals) {
+    if (key == words) {
+      return call;
+    }
+  }
+  ask_after = entry.by_avals.size() < kAvalsKept;
+  return entry.stored;
+}
+
+void keep_stored_call(const Entry& entry, const c10::SmallVector<PyObject*, 8>& inputs) {
+  std::vector<intptr_t> words;
+  if (!avals_key(inputs, words)) {
+    return;
+  }
+  py::tuple arguments(inputs.size());
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    arguments[i] = py::reinterpret_borrow<py::object>(inputs[i]);
+  }
+  py::object call = py::handle(entry.stored).attr(runtime().s_call_for)(arguments);
+  for (PyObject* input : inputs) {  // the dtypes the key names stay alive with it
+    if (!PyBool_Check(input) && !PyLong_CheckExact(input) && !PyFloat_CheckExact(input)) {
+      attribute_of(attribute_of(input, runtime().s_aval).ptr(), runtime().s_dtype).release();
+    }
+  }
+  entry.by_avals.emplace_back(std::move(words), call.release().ptr());
 }
 
 // The strict hit: run the cached program; its results (the check code, when it makes one, handed
@@ -875,8 +962,17 @@ py::object run_program(const Entry& entry, Signature& sig) {
   for (Py_ssize_t i = 0; i < n_lengths; ++i) {
     inputs.push_back(PyTuple_GET_ITEM(entry.lengths, i));
   }
-  PyObject* called = PyObject_Vectorcall(entry.jitted, inputs.data(), inputs.size(), nullptr);
-  if (called == nullptr && entry.stored != nullptr && PyErr_ExceptionMatches(PyExc_TypeError)) {
+  bool keep_after = false;
+  PyObject* target = entry.stored != nullptr && entry.jitted == entry.stored ? stored_call(entry, inputs, keep_after)
+                                                                           : entry.jitted;
+  PyObject* called = PyObject_Vectorcall(target, inputs.data(), inputs.size(), nullptr);
+  if (called != nullptr && keep_after) {
+    py::object held = py::reinterpret_steal<py::object>(called);
+    keep_stored_call(entry, inputs);
+    called = held.release().ptr();
+  }
+  if (called == nullptr && target == entry.jitted && entry.stored != nullptr &&
+      PyErr_ExceptionMatches(PyExc_TypeError)) {
     // a stored executable refused arrays of other shapes unrun: load the one for theirs (as jit retraces)
     PyErr_Clear();
     py::tuple arguments(inputs.size());
@@ -1260,7 +1356,7 @@ OutSpec read_spec(py::handle spec) {
                  std::move(lengths)};
 }
 
-// install = (jitted, program, passed_slots, random, returns, mutated_slots, n_fresh_outputs, lengths,
+// install = (jitted (None until the program has compiled), program, passed_slots, random, returns, mutated_slots, n_fresh_outputs, lengths,
 // mutated_padded, checks or None, Python's Entry, compiled, StoredOp or None), each return (kind, alias, specs) with spec (dtype, sizes, strides, numel[, layout]).
 Entry* read_entry(py::handle install) {
   py::tuple fields = py::reinterpret_borrow<py::tuple>(install);
@@ -1661,6 +1757,11 @@ void configure(py::object miss, py::object storage_type, py::object array_type,
   rt.s_bounds = interned("bounds");
   rt.s_holding = interned("holding");
   rt.s_compiled = interned("compiled");
+  rt.s_jitted = interned("jitted");
+  rt.s_aval = interned("aval");
+  rt.s_dtype = interned("dtype");
+  rt.s_weak_type = interned("weak_type");
+  rt.s_call_for = interned("call_for");
   rt.s_lock = interned("lock");
   rt.s_acquire = interned("acquire");
   rt.s_release = interned("release");

@@ -907,7 +907,8 @@ class StoredOp:
     retrace), each loaded from the cache folder or compiled (and stored there when `key` is not None).
 
     While it has met one set of shapes, callers run that executable directly (`target`); once it meets a
-    second, they call this object, which picks the executable by the arguments' shapes: an executable
+    second, they call this object, which picks the executable by the arguments' shapes (the native hit
+    path keeps each pick, `call_for`, and picks by the same key itself): an executable
     refusing other shapes does so through jax's slow path (a TypeError, about 0.5 ms), and a strict
     generate's one (1, 128) @ (128, 128) mm alternates between producers of (1, 4, 1, 32) and (1, 1, 128)."""
 
@@ -934,7 +935,12 @@ class StoredOp:
         front of it, which a compiled generate() entered ~40 times a token."""
         if self.only is None:
             return self
-        return getattr(self.only, "_call", None) or self.only
+        return _direct_call(self.only)
+
+    def call_for(self, args: Sequence[Any]) -> Any:
+        """The executable these arguments run, as `target` hands it over, once it has run: what the native
+        hit path calls for arguments of these shapes and dtypes from then on."""
+        return _direct_call(self.load(args))
 
     def reload(self, args: Sequence[Any]) -> Any:
         """What to call instead, once `target` refused these arguments (the native hit path)."""
@@ -963,6 +969,12 @@ class StoredOp:
         entry = self.entry
         return programs.stored_executable(entry.fn, args, key, entry.program.name, donate=entry.donate,
                                           device_index=self.device_index).jitted
+
+
+def _direct_call(executable: Any) -> Any:
+    """A compiled executable as jax's C++ call where its first call has made one: `Compiled.__call__` is a
+    Python frame in front of it."""
+    return getattr(executable, "_call", None) or executable
 
 
 def _stored_op_key(structure: str) -> str:
@@ -1116,10 +1128,13 @@ def native_miss(plan: OpPlan, args: tuple, kwargs: dict) -> tuple[Any, tuple | N
     mutated_padded = [slot in entry.padded_slots for slot in entry.mutated_slots]
     # a stored op hands the native path its current executable, and itself to load another when the
     # arrays' shapes change, so a hit calls XLA's executable with no frame of ours between
-    stored = program.jitted if isinstance(program.jitted, StoredOp) else None
+    stored = program.jitted if program.compiled and isinstance(program.jitted, StoredOp) else None
     # a signature first met while fusing is recorded natively at once, and runs natively in strict
     # mode once a Python call has compiled its program (csrc/dispatch.cpp checks `compiled`)
-    return result, (stored.target if stored else program.jitted, program, entry.passed_slots, entry.random,
+    # (an entry first met while fusing is not compiled: the native side reads its `jitted` once it is, so a
+    # fused entry never makes a jax.jit it does not run)
+    jitted = stored.target if stored else program.jitted if program.compiled else None
+    return result, (jitted, program, entry.passed_slots, entry.random,
                     returns, entry.mutated_slots, fresh, replay.lengths, mutated_padded, entry.checks or None, entry,
                     program.compiled, stored)
 
