@@ -33,8 +33,8 @@ from torch_pjrt import storage
 from torch_pjrt.runtime import checks, client, disk_store, metrics, programs, spmd
 
 MAX_NODES = int(os.environ.get("TORCH_PJRT_FUSE_MAX_NODES", "1000"))
-# Float inputs that changed between a graph's first two calls, at least this many, are passed packed in one
-# host array: jax converts each Python number it is passed (~2-3 us), one host array ~6 us (Replay.arguments).
+# A graph's float inputs, at least this many, are passed packed in one host array: jax converts each Python
+# number it is passed (~2-3 us) and checks each device array (~1 us), one host array ~6 us (Replay.arguments).
 PACK_MIN = 8
 DEBUG_RECOMPILE = os.environ.get("TORCH_PJRT_DEBUG_RECOMPILE", "") not in ("", "0")
 
@@ -158,16 +158,16 @@ class PendingGraph:
                 else:
                     structure = (tuple([(id(entry), refs) for entry, refs in nodes]), wanted, donated,
                                  self.device_index, mesh)
+                    packed = _packed_floats(nodes) if mesh is None else ()
                     program = _programs.get(structure)
                     if program is None:  # (a stored program is compiled here, before its first call)
                         metrics.bump("fused_compiles")
                         if DEBUG_RECOMPILE:
                             _explain_recompile(nodes, where)
                         program = _programs.put(structure, _fused_program(nodes, wanted, donated, self.device_index,
-                                                                          mesh, inputs))
+                                                                          mesh, inputs, packed))
                         _seen.append((nodes, where))
-                    replay = self.replay = Replay(nodes, wanted, donated, mesh, program, self.device_index,
-                                                  structure)
+                    replay = self.replay = Replay(nodes, wanted, donated, mesh, program, self.device_index, packed)
                 arguments = inputs if mesh is not None else replay.arguments(inputs)  # (which may repack them)
                 results = replay.program.call(*arguments)
             except BaseException as error:
@@ -184,15 +184,15 @@ class PendingGraph:
 class Replay:
     """A flushed graph's program with what identifies its graph: the recorded nodes (entries and wiring),
     the outputs kept, the donated inputs and the mesh; the device-side checks its ops make, in order; and
-    where its inputs hold traced numbers, with the device array each was last passed as; and the float inputs
-    that changed between its first two calls, which from then on are passed packed (`packed`, to a program that
-    takes them so: the graph's structure and those positions key it)."""
+    where its inputs hold traced numbers, with the device array each was last passed as, and those passed
+    packed (`packed`: the graph's float inputs, where there are PACK_MIN or more)."""
 
     __slots__ = ("nodes", "wanted", "donated", "mesh", "program", "checks", "check_counts", "device_index",
-                 "numbers", "passed", "structure", "calls", "first", "packed", "unpacked")
+                 "numbers", "passed", "packed", "unpacked")
 
     def __init__(self, nodes: list[tuple[Any, tuple[Any, ...]]], wanted: tuple[tuple[int, int], ...],
-                 donated: tuple[int, ...], mesh: Any, program: Any, device_index: int, structure: tuple) -> None:
+                 donated: tuple[int, ...], mesh: Any, program: Any, device_index: int,
+                 packed: tuple[int, ...]) -> None:
         # (held, not copied: the graph hands its list over at the flush and records into a new one)
         self.nodes = nodes
         self.wanted, self.donated, self.mesh, self.program = wanted, donated, mesh, program
@@ -202,13 +202,12 @@ class Replay:
         self.check_counts = tuple(len(found) for found in made)
         # the input positions of traced numbers (the wiring's ("s", position, type) refs): the same in every
         # graph this one matches, so a replay converts those alone, not every input
-        self.numbers = tuple(sorted({ref[1] for _, refs in nodes for ref in refs if ref[0] == "s"}))
+        self.packed = packed
+        kept = set(packed)
+        self.numbers = tuple(sorted({ref[1] for _, refs in nodes for ref in refs if ref[0] == "s"} - kept))
         self.passed: list[tuple[Any, Any]] = [(None, None)] * len(self.numbers)
-        self.structure = structure
-        self.calls = 0
-        self.first: list[Any] | None = None  # the numbers of the first call, until the second
-        self.packed: tuple[int, ...] = ()
-        self.unpacked: tuple[int, ...] = ()  # the input positions passed one by one, once packed
+        # the input positions passed one by one, where some are packed
+        self.unpacked = tuple([position for position in range(_input_count(nodes)) if position not in kept])
 
     def matches(self, nodes: list[tuple[Any, tuple[Any, ...]]], wanted: tuple[tuple[int, int], ...],
                 donated: tuple[int, ...], mesh: Any) -> bool:
@@ -252,36 +251,18 @@ class Replay:
             arguments = [passed[position] for position in self.unpacked]
             arguments.append(np.array([inputs[position] for position in self.packed], np.float64))
             return arguments
-        if self.mesh is None and self.calls < 2:
-            self.calls += 1
-            return self._observe(passed, inputs)
         return passed
 
-    def _observe(self, passed: list[Any], inputs: list[Any]) -> list[Any]:
-        """Keep the first call's numbers; the float inputs that differ at the second, when at least PACK_MIN,
-        are packed from then on (a step's optimizer factors, not its constants)."""
-        if self.calls == 1:
-            self.first = [inputs[position] for position in self.numbers]
-            return passed
-        steady = frozenset([position for position, before in zip(self.numbers, self.first)
-                            if type(before) is float and type(inputs[position]) is float
-                            and before != inputs[position]])
-        self.first = None
-        if len(steady) < PACK_MIN:
-            return passed
-        self.packed = tuple(sorted(steady))
-        self.unpacked = tuple([position for position in range(len(inputs)) if position not in steady])
-        kept = [slot for slot, position in enumerate(self.numbers) if position not in steady]
-        self.numbers = tuple([self.numbers[slot] for slot in kept])
-        self.passed = [self.passed[slot] for slot in kept]
-        key = (self.structure, self.packed)
-        program = _programs.get(key)
-        if program is None:
-            metrics.bump("fused_compiles")
-            program = _programs.put(key, _fused_program(self.nodes, self.wanted, self.donated, self.device_index,
-                                                        None, inputs, self.packed))
-        self.program = program
-        return self.arguments(inputs)
+
+def _packed_floats(nodes: list[tuple[Any, tuple[Any, ...]]]) -> tuple[int, ...]:
+    """The input positions of a graph's traced Python floats, where there are PACK_MIN or more, else none."""
+    found = sorted({ref[1] for _, refs in nodes for ref in refs if ref[0] == "s" and ref[2] is float})
+    return tuple(found) if len(found) >= PACK_MIN else ()
+
+
+def _input_count(nodes: list[tuple[Any, tuple[Any, ...]]]) -> int:
+    """How many inputs a graph's wiring reads (its "s" and "c" refs' positions)."""
+    return 1 + max((ref[1] for _, refs in nodes for ref in refs if ref[0] != "n"), default=-1)
 
 
 _NUMBERS = (int, float, bool, complex)
