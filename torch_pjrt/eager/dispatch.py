@@ -912,11 +912,13 @@ class StoredOp:
     refusing other shapes does so through jax's slow path (a TypeError, about 0.5 ms), and a strict
     generate's one (1, 128) @ (128, 128) mm alternates between producers of (1, 4, 1, 32) and (1, 1, 128)."""
 
-    __slots__ = ("entry", "key", "device_index", "by_avals", "only", "jit")
+    __slots__ = ("entry", "key", "device_index", "by_avals", "only", "program")
 
     def __init__(self, entry: Entry, key: str | None, device_index: int) -> None:
         self.entry, self.key, self.device_index = entry, key, device_index
-        self.jit = entry.program  # what compiles it where nothing is stored (its jax.jit made only then)
+        # the op's own Program (the entry's is this object once stored): it compiles the op where nothing is
+        # stored, its jax.jit made only then
+        self.program = entry.program
         self.by_avals: dict[tuple, Any] = {}
         self.only: Any = None  # the executable while only one set of shapes has been met
 
@@ -964,7 +966,7 @@ class StoredOp:
         if self.key is None:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
-                return self.jit.jitted.lower(*args).compile()
+                return self.program.jitted.lower(*args).compile()
         key = hashlib.sha256(f"{self.key}{avals!r}".encode()).hexdigest()
         entry = self.entry
         return programs.stored_executable(entry.fn, args, key, entry.program.name, donate=entry.donate,

@@ -132,6 +132,7 @@ def counterparts_known(names: dict[str, str | None]) -> None:
 
 
 def counterparts_found() -> dict[str, str | None]:
+    """Every counterpart this process found or was given, by name: what the device's start stores."""
     return dict(_counterpart_names)
 
 
