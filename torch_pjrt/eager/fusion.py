@@ -158,7 +158,7 @@ class PendingGraph:
                 else:
                     structure = (tuple([(id(entry), refs) for entry, refs in nodes]), wanted, donated,
                                  self.device_index, mesh)
-                    packed = _packed_floats(nodes) if mesh is None else ()
+                    count, numbers, packed = _traced_numbers(nodes, packing=mesh is None)
                     program = _programs.get(structure)
                     if program is None:  # (a stored program is compiled here, before its first call)
                         metrics.bump("fused_compiles")
@@ -167,7 +167,8 @@ class PendingGraph:
                         program = _programs.put(structure, _fused_program(nodes, wanted, donated, self.device_index,
                                                                           mesh, inputs, packed))
                         _seen.append((nodes, where))
-                    replay = self.replay = Replay(nodes, wanted, donated, mesh, program, self.device_index, packed)
+                    replay = self.replay = Replay(nodes, wanted, donated, mesh, program, self.device_index, count,
+                                                  numbers, packed)
                 arguments = inputs if mesh is not None else replay.arguments(inputs)  # (which may repack them)
                 results = replay.program.call(*arguments)
             except BaseException as error:
@@ -191,8 +192,8 @@ class Replay:
                  "numbers", "passed", "packed", "unpacked")
 
     def __init__(self, nodes: list[tuple[Any, tuple[Any, ...]]], wanted: tuple[tuple[int, int], ...],
-                 donated: tuple[int, ...], mesh: Any, program: Any, device_index: int,
-                 packed: tuple[int, ...]) -> None:
+                 donated: tuple[int, ...], mesh: Any, program: Any, device_index: int, input_count: int,
+                 numbers: tuple[int, ...], packed: tuple[int, ...]) -> None:
         # (held, not copied: the graph hands its list over at the flush and records into a new one)
         self.nodes = nodes
         self.wanted, self.donated, self.mesh, self.program = wanted, donated, mesh, program
@@ -200,14 +201,13 @@ class Replay:
         made = [entry.checks for entry, _ in nodes if entry.checks]
         self.checks = tuple(check for found in made for check in found)
         self.check_counts = tuple(len(found) for found in made)
-        # the input positions of traced numbers (the wiring's ("s", position, type) refs): the same in every
-        # graph this one matches, so a replay converts those alone, not every input
-        self.packed = packed
-        kept = set(packed)
-        self.numbers = tuple(sorted({ref[1] for _, refs in nodes for ref in refs if ref[0] == "s"} - kept))
-        self.passed: list[tuple[Any, Any]] = [(None, None)] * len(self.numbers)
+        # the input positions of traced numbers passed one by one, and of those passed packed
+        # (_traced_numbers): the same in every graph this one matches, so a replay converts those alone
+        self.numbers, self.packed = numbers, packed
+        self.passed: list[tuple[Any, Any]] = [(None, None)] * len(numbers)
         # the input positions passed one by one, where some are packed
-        self.unpacked = tuple([position for position in range(_input_count(nodes)) if position not in kept])
+        kept = set(packed)
+        self.unpacked = tuple([position for position in range(input_count) if position not in kept]) if packed else ()
 
     def matches(self, nodes: list[tuple[Any, tuple[Any, ...]]], wanted: tuple[tuple[int, int], ...],
                 donated: tuple[int, ...], mesh: Any) -> bool:
@@ -254,15 +254,27 @@ class Replay:
         return passed
 
 
-def _packed_floats(nodes: list[tuple[Any, tuple[Any, ...]]]) -> tuple[int, ...]:
-    """The input positions of a graph's traced Python floats, where there are PACK_MIN or more, else none."""
-    found = sorted({ref[1] for _, refs in nodes for ref in refs if ref[0] == "s" and ref[2] is float})
-    return tuple(found) if len(found) >= PACK_MIN else ()
-
-
-def _input_count(nodes: list[tuple[Any, tuple[Any, ...]]]) -> int:
-    """How many inputs a graph's wiring reads (its "s" and "c" refs' positions)."""
-    return 1 + max((ref[1] for _, refs in nodes for ref in refs if ref[0] != "n"), default=-1)
+def _traced_numbers(nodes: list[tuple[Any, tuple[Any, ...]]], packing: bool,
+                    ) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
+    """One scan of a graph's wiring: how many inputs it reads (its "s" and "c" refs' positions), the input
+    positions of the traced Python numbers (its ("s", position, type) refs) passed one by one, and those of
+    its floats passed packed in one host array: where `packing`, there are PACK_MIN or more, and this jax can
+    make them weakly typed scalars again inside the program (client.weak_scalar_maker)."""
+    count = 0
+    floats: set[int] = set()
+    others: set[int] = set()
+    for _, refs in nodes:
+        for ref in refs:
+            if ref[0] == "n":
+                continue
+            position = ref[1]
+            if position >= count:
+                count = position + 1
+            if ref[0] == "s":
+                (floats if ref[2] is float else others).add(position)
+    if packing and len(floats) >= PACK_MIN and client.weak_scalar_maker() is not None:
+        return count, tuple(sorted(others)), tuple(sorted(floats))
+    return count, tuple(sorted(floats | others)), ()
 
 
 _NUMBERS = (int, float, bool, complex)
@@ -325,8 +337,7 @@ def _packed_program(fused: Any, inputs: list[Any], packed: tuple[int, ...], dona
     """`fused` taking the inputs at `packed` (floats) as one float64 host array after the others: each element
     unpacked as the weakly typed scalar jax makes of a Python float, so it promotes as one (a float32 tensor
     times it stays float32). With the example arguments and the donated inputs' argument positions."""
-    from jax._src.lax import lax as lax_internal  # (jax has no public way to make a weakly typed value)
-
+    weak_scalar = client.weak_scalar_maker()
     count, packed_set = len(inputs), set(packed)
     unpacked = [position for position in range(count) if position not in packed_set]
 
@@ -336,7 +347,7 @@ def _packed_program(fused: Any, inputs: list[Any], packed: tuple[int, ...], dona
             values[position] = argument
         pack = arguments[-1]
         for index, position in enumerate(packed):
-            values[position] = lax_internal._convert_element_type(pack[index], pack.dtype, weak_type=True)
+            values[position] = weak_scalar(pack[index], pack.dtype)
         return fused(*values)
 
     argument_of = {position: index for index, position in enumerate(unpacked)}

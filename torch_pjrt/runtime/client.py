@@ -357,6 +357,30 @@ def _put_on(index: int) -> Callable[[np.ndarray], Any]:
     return public
 
 
+@functools.cache
+def weak_scalar_maker() -> Callable[[Any, Any], Any] | None:
+    """`make(value, dtype)`, inside a traced program: `value` (a traced scalar) as `dtype` and weakly typed, the
+    type jax gives a Python number, so it promotes as one (a float32 tensor times it stays float32); through
+    jax's private conversion, since jax has no public way to make a weakly typed value. None where this jax's
+    private function is missing or makes no weak type (checked once by tracing it): callers then pass numbers
+    one by one."""
+    jax = jax_module()
+    try:
+        from jax._src.lax import lax as lax_internal
+
+        convert = lax_internal._convert_element_type
+
+        def make(value: Any, dtype: Any) -> Any:
+            return convert(value, dtype, weak_type=True)
+
+        probe = jax.eval_shape(lambda pack: make(pack[0], pack.dtype), np.zeros(1, np.float64))
+        if getattr(probe, "weak_type", False) and probe.shape == ():
+            return make
+    except (ImportError, AttributeError, TypeError):
+        pass
+    return None
+
+
 # Traced Python numbers by value: a program called with a number converts it on every call (about
 # 2 us, more than a small op's device work); with an uncommitted array of the same weakly typed kind
 # it does not, and runs the same compiled program (a committed one would compile another).
