@@ -6,6 +6,7 @@ import io
 import os
 import sys
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -196,7 +197,39 @@ def test_a_graphs_floats_are_passed_packed(monkeypatch: pytest.MonkeyPatch, fuse
         torch.testing.assert_close(got, want, equal_nan=True)
         assert torch.equal(torch.signbit(got), torch.signbit(want))
         compiles.append(torch_pjrt.metrics.counters()["fused_compiles"])
-    assert len(fusion.graph().replay.packed) == 6, fusion.graph().replay.packed  # the five factors and 0.25
+    kinds = {dtype: len(positions) for dtype, positions in fusion.graph().replay.packed}
+    assert kinds == {np.dtype(np.float64): 6}, kinds  # the five factors and 0.25
+    assert compiles[-1] == compiles[0], compiles
+
+
+def test_a_graphs_ints_are_passed_packed(monkeypatch: pytest.MonkeyPatch, fused: None) -> None:
+    """A graph with PACK_MIN or more traced ints (a decode step's positions and lengths, new every token) passes
+    them packed in one int64 host array: int32 plus a packed int stays int32, int64 keeps values near its
+    bounds, float32 times an int stays float32, bools are passed one by one, and replays compile nothing."""
+    monkeypatch.setattr(fusion, "PACK_MIN", 4)
+    torch.manual_seed(12)
+    small = torch.randint(-100, 100, (7,), dtype=torch.int32)
+    wide = torch.randint(-2**40, 2**40, (7,), dtype=torch.int64)
+    scale = torch.randn(7)
+    compiles = []
+    for step in range(1, 7):
+        shifts = [step * 3 + k for k in range(4)]
+        near_bound = 2**62 + step * 7919 if step % 2 else -(2**62) - step
+        got_small, got_wide, got_scale = small.to("pjrt"), wide.to("pjrt"), scale.to("pjrt")
+        want_small, want_wide, want_scale = small, wide, scale
+        for shift in shifts:
+            got_small, want_small = got_small + shift, want_small + shift
+            got_scale, want_scale = got_scale * shift, want_scale * shift
+        got_wide, want_wide = got_wide + near_bound, want_wide + near_bound
+        got_flag, want_flag = got_small.masked_fill(got_small > 0, step % 2 == 0), \
+            want_small.masked_fill(want_small > 0, step % 2 == 0)
+        results = [got_small.cpu(), got_wide.cpu(), got_scale.cpu(), got_flag.cpu()]
+        for got, want in zip(results, (want_small, want_wide, want_scale, want_flag)):
+            assert got.dtype == want.dtype, (got.dtype, want.dtype)
+            torch.testing.assert_close(got, want, rtol=1.3e-6, atol=1e-5)
+        compiles.append(torch_pjrt.metrics.counters()["fused_compiles"])
+    kinds = {dtype: len(positions) for dtype, positions in fusion.graph().replay.packed}
+    assert kinds.get(np.dtype(np.int64), 0) >= 9, kinds  # the shifts twice and the bound
     assert compiles[-1] == compiles[0], compiles
 
 

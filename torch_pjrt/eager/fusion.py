@@ -33,8 +33,9 @@ from torch_pjrt import storage
 from torch_pjrt.runtime import checks, client, disk_store, metrics, programs, spmd
 
 MAX_NODES = int(os.environ.get("TORCH_PJRT_FUSE_MAX_NODES", "1000"))
-# A graph's float inputs, at least this many, are passed packed in one host array: jax converts each Python
-# number it is passed (~2-3 us) and checks each device array (~1 us), one host array ~6 us (Replay.arguments).
+# A graph's float inputs, and its int inputs, at least this many of a kind, are passed packed in one host array of
+# that kind (float64, int64): jax converts each Python number it is passed (~2-3 us) and checks each device array
+# (~1 us), one host array ~6 us (Replay.arguments).
 PACK_MIN = 8
 DEBUG_RECOMPILE = os.environ.get("TORCH_PJRT_DEBUG_RECOMPILE", "") not in ("", "0")
 
@@ -186,14 +187,15 @@ class Replay:
     """A flushed graph's program with what identifies its graph: the recorded nodes (entries and wiring),
     the outputs kept, the donated inputs and the mesh; the device-side checks its ops make, in order; and
     where its inputs hold traced numbers, with the device array each was last passed as, and those passed
-    packed (`packed`: the graph's float inputs, where there are PACK_MIN or more)."""
+    packed (`packed`: (dtype, input positions) for the graph's floats and for its ints, each where there are
+    PACK_MIN or more)."""
 
     __slots__ = ("nodes", "wanted", "donated", "mesh", "program", "checks", "check_counts", "device_index",
                  "numbers", "passed", "packed", "unpacked")
 
     def __init__(self, nodes: list[tuple[Any, tuple[Any, ...]]], wanted: tuple[tuple[int, int], ...],
                  donated: tuple[int, ...], mesh: Any, program: Any, device_index: int, input_count: int,
-                 numbers: tuple[int, ...], packed: tuple[int, ...]) -> None:
+                 numbers: tuple[int, ...], packed: Packs) -> None:
         # (held, not copied: the graph hands its list over at the flush and records into a new one)
         self.nodes = nodes
         self.wanted, self.donated, self.mesh, self.program = wanted, donated, mesh, program
@@ -206,7 +208,7 @@ class Replay:
         self.numbers, self.packed = numbers, packed
         self.passed: list[tuple[Any, Any]] = [(None, None)] * len(numbers)
         # the input positions passed one by one, where some are packed
-        kept = set(packed)
+        kept = {position for _, positions in packed for position in positions}
         self.unpacked = tuple([position for position in range(input_count) if position not in kept]) if packed else ()
 
     def matches(self, nodes: list[tuple[Any, tuple[Any, ...]]], wanted: tuple[tuple[int, int], ...],
@@ -224,7 +226,8 @@ class Replay:
         passed then: a step's constants (AdamW's lr and betas, a model's scales) cost one comparison each.
         A value repeated within one call is looked up once: its second lookup would make it an array (a device
         transfer) as if it had come back in a later call (the GPT step's AdamW: 64 numbers, 9 values, two of
-        them new every step). Floats packed (`packed`) go in one float64 host array after the other inputs."""
+        them new every step). Numbers packed (`packed`) go in one host array of each kind after the other inputs
+        (a decode step's positions and lengths, new every token: one int64 array, not a conversion each)."""
         passed = list(inputs)
         last = self.passed
         found: dict[tuple[type, Any], Any] = {}
@@ -249,19 +252,24 @@ class Replay:
                 passed[position] = client.traced_number(value, self.device_index)
         if self.packed:
             arguments = [passed[position] for position in self.unpacked]
-            arguments.append(np.array([inputs[position] for position in self.packed], np.float64))
+            arguments += [np.array([inputs[position] for position in positions], dtype)
+                          for dtype, positions in self.packed]
             return arguments
         return passed
 
 
-def _traced_numbers(nodes: list[tuple[Any, tuple[Any, ...]]], packing: bool,
-                    ) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
+# (dtype, input positions) of each kind of number a graph passes packed, floats first
+Packs = tuple[tuple[Any, tuple[int, ...]], ...]
+
+
+def _traced_numbers(nodes: list[tuple[Any, tuple[Any, ...]]], packing: bool) -> tuple[int, tuple[int, ...], Packs]:
     """One scan of a graph's wiring: how many inputs it reads (its "s" and "c" refs' positions), the input
-    positions of the traced Python numbers (its ("s", position, type) refs) passed one by one, and those of
-    its floats passed packed in one host array: where `packing`, there are PACK_MIN or more, and this jax can
-    make them weakly typed scalars again inside the program (client.weak_scalar_maker)."""
+    positions of the traced Python numbers (its ("s", position, type) refs) passed one by one, and those passed
+    packed: where `packing` and this jax can make them weakly typed scalars again inside the program
+    (client.weak_scalar_maker), its floats in one float64 array and its ints in one int64 array, each kind
+    where it has PACK_MIN or more (bools and complex numbers one by one)."""
     count = 0
-    floats: set[int] = set()
+    kinds: dict[type, set[int]] = {float: set(), int: set()}
     others: set[int] = set()
     for _, refs in nodes:
         for ref in refs:
@@ -271,10 +279,14 @@ def _traced_numbers(nodes: list[tuple[Any, tuple[Any, ...]]], packing: bool,
             if position >= count:
                 count = position + 1
             if ref[0] == "s":
-                (floats if ref[2] is float else others).add(position)
-    if packing and len(floats) >= PACK_MIN and client.weak_scalar_maker() is not None:
-        return count, tuple(sorted(others)), tuple(sorted(floats))
-    return count, tuple(sorted(floats | others)), ()
+                kinds.get(ref[2], others).add(position)
+    packed = []
+    for kind, dtype in ((float, np.float64), (int, np.int64)):
+        if packing and len(kinds[kind]) >= PACK_MIN and client.weak_scalar_maker() is not None:
+            packed.append((np.dtype(dtype), tuple(sorted(kinds[kind]))))
+        else:
+            others |= kinds[kind]
+    return count, tuple(sorted(others)), tuple(packed)
 
 
 _NUMBERS = (int, float, bool, complex)
@@ -294,7 +306,7 @@ def _unreferenced(inputs: list[Any]) -> tuple[int, ...]:
 
 def _fused_program(
     nodes: list[tuple[Any, tuple[Any, ...]]], wanted: tuple[tuple[int, int], ...], donated: tuple[int, ...],
-    device_index: int, mesh: Any, inputs: list[Any], packed: tuple[int, ...] = (),
+    device_index: int, mesh: Any, inputs: list[Any], packed: Packs = (),
 ) -> Any:
     """The program of a pending graph: stored for later processes (and loaded from an earlier one's store)
     where the cache folder is on and every op's entry has a process-independent structure. With `packed`
@@ -332,35 +344,37 @@ def _fused_program(
     return programs.Program(fused, name, donate=donated, device_index=device_index)
 
 
-def _packed_program(fused: Any, inputs: list[Any], packed: tuple[int, ...], donated: tuple[int, ...],
+def _packed_program(fused: Any, inputs: list[Any], packed: Packs, donated: tuple[int, ...],
                     ) -> tuple[Any, list[Any], tuple[int, ...]]:
-    """`fused` taking the inputs at `packed` (floats) as one float64 host array after the others: each element
-    unpacked as the weakly typed scalar jax makes of a Python float, so it promotes as one (a float32 tensor
-    times it stays float32). With the example arguments and the donated inputs' argument positions."""
+    """`fused` taking the inputs packed (`packed`: floats, ints) as one host array of each kind after the
+    others: each element unpacked as the weakly typed scalar jax makes of a Python number, so it promotes as one
+    (a float32 tensor times a float stays float32, an int32 one plus an int stays int32). With the example
+    arguments and the donated inputs' argument positions."""
     weak_scalar = client.weak_scalar_maker()
-    count, packed_set = len(inputs), set(packed)
+    count = len(inputs)
+    packed_set = {position for _, positions in packed for position in positions}
     unpacked = [position for position in range(count) if position not in packed_set]
 
     def program(*arguments: Any) -> tuple[Any, ...]:
         values: list[Any] = [None] * count
         for argument, position in zip(arguments, unpacked):
             values[position] = argument
-        pack = arguments[-1]
-        for index, position in enumerate(packed):
-            values[position] = weak_scalar(pack[index], pack.dtype)
+        for pack, (_, positions) in zip(arguments[len(unpacked):], packed):
+            for index, position in enumerate(positions):
+                values[position] = weak_scalar(pack[index], pack.dtype)
         return fused(*values)
 
     argument_of = {position: index for index, position in enumerate(unpacked)}
     example = [inputs[position] for position in unpacked]
-    example.append(np.array([inputs[position] for position in packed], np.float64))
+    example += [np.array([inputs[position] for position in positions], dtype) for dtype, positions in packed]
     return program, example, tuple(argument_of[position] for position in donated)
 
 
 def _stored_key(nodes: list[tuple[Any, tuple[Any, ...]]], wanted: tuple[tuple[int, int], ...],
-                donated: tuple[int, ...], inputs: list[Any], packed: tuple[int, ...] = ()) -> str | None:
+                donated: tuple[int, ...], inputs: list[Any], packed: Packs = ()) -> str | None:
     """What a pending graph's program depends on, the same in every process: our code and the versions,
     each op's structure (overload, views, static arguments, default dtype, matmul precision, kernel
-    fingerprint), the wiring, the outputs kept, the donated inputs, the packed float inputs and each
+    fingerprint), the wiring, the outputs kept, the donated inputs, the packed number inputs and each
     argument's type; None when an op's structure is known only in this process."""
     digest = disk_store.entry_digest()
     digest.update(f"{wanted!r}\0{donated!r}\0{packed!r}\n".encode())
