@@ -40,7 +40,6 @@ PACK_MIN = 8
 DEBUG_RECOMPILE = os.environ.get("TORCH_PJRT_DEBUG_RECOMPILE", "") not in ("", "0")
 
 flush_reasons: Counter = Counter()
-fused_sizes: list[int] = []
 
 
 class Deferred(storage.PendingArray):
@@ -148,7 +147,6 @@ class PendingGraph:
             flush_reasons[reason] += 1
             metrics.bump("fused_programs")
             metrics.bump("fused_ops", len(nodes))
-            fused_sizes.append(len(nodes))
             wanted = tuple([(d.node, d.index) for d in live])
             donated = _unreferenced(inputs)
             metrics.bump("fused_donated_buffers", len(donated))
@@ -458,9 +456,10 @@ def _describe(entry: Any) -> str:
 
 
 def report() -> dict[str, Any]:
+    programs_run = metrics.counters_now("fused_programs")
     return {
-        "fused_programs": len(fused_sizes),
-        "mean_ops_per_program": (sum(fused_sizes) / len(fused_sizes)) if fused_sizes else 0.0,
+        "fused_programs": programs_run,
+        "mean_ops_per_program": metrics.counters_now("fused_ops") / programs_run if programs_run else 0.0,
         "flush_reasons": dict(flush_reasons),
     }
 
