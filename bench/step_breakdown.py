@@ -26,6 +26,7 @@ import statistics
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -186,13 +187,17 @@ def fused_host_split(model: torch.nn.Module, data: list) -> None:
     inputs, replay match, numbers as arrays), jax's call, the flush after it (results wired), then the wait and
     the read. Our flush is split further: the donation scan, the replay match, the numbers passed (Replay.arguments,
     packing included), the device-side checks issued, and the rest (kept results found, counters, results wired).
-    With the graph's size: ops, inputs (Python numbers among them, and those passed packed) and outputs."""
+    With the graph's size: ops, inputs (Python numbers among them, and those passed packed) and outputs, and what
+    holds the outputs when the program runs (each costs jax ~2 us a call): parameters, their gradients (which
+    zero_grad(set_to_none=True) drops unread at the next step), optimizer state, or other tensors."""
+    from torch_pjrt import storage
     from torch_pjrt.eager import fusion
     from torch_pjrt.runtime import checks
 
     main_thread = threading.get_ident()
     times: dict[str, float] = {}
     sizes: dict[str, int] = {}
+    holders: Counter = Counter()
 
     def timed(name: str, fn: Callable[..., Any], wall: str | None = None) -> Callable[..., Any]:
         def run(*args: Any, **kwargs: Any) -> Any:
@@ -216,7 +221,20 @@ def fused_host_split(model: torch.nn.Module, data: list) -> None:
         if self.nodes and "ops" not in sizes:  # (counted once: the count would be timed as our flush's)
             sizes.update(ops=len(self.nodes), inputs=len(self.inputs),
                          numbers=sum(type(value) in (int, float, bool, complex) for value in self.inputs))
+            holders.update(output_holders(self))
         flush(self, reason)
+
+    def output_holders(pending: fusion.PendingGraph) -> Counter:
+        """How many of the graph's live results each kind of tensor holds (a pending result is its storage's array)."""
+        kinds: dict[int, str] = {}
+        for parameter in row.model.parameters():
+            kinds[id(storage.storage_of(parameter).array)] = "parameters"
+            if parameter.grad is not None:
+                kinds[id(storage.storage_of(parameter.grad).array)] = "gradients"
+            for value in row.optimizer.state[parameter].values():
+                if isinstance(value, torch.Tensor) and value.device.type == "pjrt":
+                    kinds[id(storage.storage_of(value).array)] = "optimizer state"
+        return Counter(kinds.get(id(deferred), "other") for ref in pending.outputs if (deferred := ref()) is not None)
 
     def counted_call(self: programs.Program, *args: Any) -> Any:
         results = program_call(self, *args)
@@ -262,10 +280,13 @@ def fused_host_split(model: torch.nn.Module, data: list) -> None:
         for name, (owner, attribute) in flush_parts.items():
             setattr(owner, attribute, originals[name])
     medians = {name: statistics.median(values) * 1e3 for name, values in parts.items()}
+    packed = sum(len(positions) for _, positions in getattr(fusion.graph().replay, "packed", ()))
     print(f"DEFER_AND_FUSE step, main-thread CPU ms per step (median of {len(data) - 3} steps, load "
           f"{open('/proc/loadavg').read().split()[0]}); its program: {sizes.get('ops')} ops, {sizes.get('inputs')} "
-          f"inputs ({sizes.get('numbers')} Python numbers, {len(getattr(fusion.graph().replay, 'packed', ()))} of them "
-          f"packed), {sizes.get('outputs')} outputs")
+          f"inputs ({sizes.get('numbers')} Python numbers, {packed} of them "
+          f"packed), {sizes.get('outputs')} outputs (held by: "
+          f"{', '.join(f'{kind} {count}' for kind, count in holders.most_common())}"
+          f"{'; and the device-side checks code' if sizes.get('outputs') == sum(holders.values()) + 1 else ''})")
     for name, ms in medians.items():
         print(f"  {name:<20}{ms:>8.3f}")
     total = sum(ms for name, ms in medians.items() if name[0] != " " and name != "backward (wall)")
