@@ -113,6 +113,16 @@ def test_a_loaded_graph_without_its_stored_program_traces_it_from_the_described_
     assert warm["graph_compiles"] == cold["graph_compiles"]
 
 
+def test_a_stored_graph_without_its_executable_compiles_from_its_stored_module(tmp_path: Path) -> None:
+    """A graph whose StableHLO is stored but whose executable is not (deserialized only then): the warm process
+    compiles every graph from the stored module and still matches CPU."""
+    cold = run_step(tmp_path, 6, STEP)
+    shutil.rmtree(tmp_path / "executables")
+    warm = run_step(tmp_path, 7, STEP)
+    assert warm["aot_cache_hits"] == cold["aot_cache_writes"]
+    assert warm["graph_compiles"] == cold["graph_compiles"] > 0
+
+
 PRECOMPILED = textwrap.dedent(
     """
     import json, os, sys

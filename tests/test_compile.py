@@ -182,6 +182,26 @@ def test_an_input_written_in_place_keeps_its_buffer_unless_another_holder_reads_
     torch.testing.assert_close(pjrt_cache.cpu(), cache)
 
 
+def test_an_input_held_elsewhere_is_copied_for_its_graph_without_compiling_a_program() -> None:
+    """The copy made of a written input that another holder still reads is a put to the same device, not a jax copy
+    program traced, lowered and compiled for each new shape (a warm first training step lowered one)."""
+    import numpy as np
+
+    from torch_pjrt.compile import backend
+    from torch_pjrt.storage import storage_of
+
+    values = torch.randn(37, 3)
+    array = storage_of((values.to("pjrt") * 2).reshape(-1)).materialize()
+    flats = [array]
+    compiles = torch_pjrt.metrics.counters()["compiles"]
+    [copied] = backend._donated(flats, [0])
+    assert torch_pjrt.metrics.counters()["compiles"] == compiles
+    assert flats == [None]
+    assert copied.unsafe_buffer_pointer() != array.unsafe_buffer_pointer()
+    assert copied.sharding == array.sharding and copied.dtype == array.dtype
+    np.testing.assert_array_equal(np.asarray(copied).reshape(-1), (values * 2).reshape(-1).numpy())
+
+
 def test_cpu_values_in_a_graph_stay_on_the_cpu() -> None:
     """CPU inputs written in place, CPU results of CPU values and device values copied to the CPU."""
 

@@ -660,7 +660,8 @@ def _has_serializer() -> bool:
 
 def _load_stored(key: str, example: tuple) -> tuple[programs.Program, list[Any], list[checks.Check]] | None:
     """A graph's program as an earlier process traced it (its StableHLO, output layouts and checks), run by
-    the executable that process stored for it where there is one."""
+    the executable that process stored for it where there is one: the StableHLO is deserialized only where there
+    is none (the GPT step's 4 graphs: 13 ms of a warm first step's main thread)."""
     payload = disk_store.read("graphs", key)
     if payload is None:
         return None
@@ -668,8 +669,11 @@ def _load_stored(key: str, example: tuple) -> tuple[programs.Program, list[Any],
     described = json.loads(header)
     layouts = [_layout_from_json(item) for item in described["layouts"]]
     made = [checks.Check(op, message, _ERRORS[error], where) for op, message, error, where in described["checks"]]
-    exported = client.jax_module().export.deserialize(bytearray(module))
-    return _stored_graph_program(exported.call, example, key), layouts, made
+
+    def run_stored_module(*args: Any) -> Any:
+        return client.jax_module().export.deserialize(bytearray(module)).call(*args)
+
+    return _stored_graph_program(run_stored_module, example, key), layouts, made
 
 
 # the exception classes a stored check may name
@@ -710,10 +714,14 @@ def _donated(flats: list[Any], written: list[int]) -> list[Any]:
     # Counted here, not in a shared helper: one more Python call frame under Dynamo's frame hook holds one more
     # reference to its arguments (measured: 5 where 4 was due), and every array would be copied.
     held_by_storage_list_and_call = 3
+    # A copy is a put to the array's own sharding, not Array.copy(), which traces, lowers and compiles a jax copy
+    # program per shape (25-45 ms each; a warm first training step lowered one: the optimizer state's newest
+    # zeros, which the device's newest outputs still held).
+    put = client.jax_module().device_put
     donated = []
     for slot in written:
         flat, flats[slot] = flats[slot], None
-        donated.append(flat if sys.getrefcount(flat) == held_by_storage_list_and_call else flat.copy())
+        donated.append(flat if sys.getrefcount(flat) == held_by_storage_list_and_call else put(flat, may_alias=False))
     return donated
 
 
