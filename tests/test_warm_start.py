@@ -403,7 +403,8 @@ def test_a_second_process_finds_the_executables_its_entry_point_used_preloaded(t
 
 def test_a_stored_graphs_values_come_back_as_fake_tensors_of_the_same_layout() -> None:
     """AOTAutograd's cache keeps a graph's node values as descriptions; each comes back a fake tensor of the one
-    fake mode given, with the dtype, shape, strides, storage offset and device of the traced value."""
+    fake mode given, with the dtype, shape, strides, storage offset and device of the traced value; values of one
+    description share one fake tensor."""
     from torch_pjrt import _torch_private
     from torch_pjrt.compile import warm_start
 
@@ -412,16 +413,20 @@ def test_a_stored_graphs_values_come_back_as_fake_tensors_of_the_same_layout() -
               torch.ones((), dtype=torch.bfloat16)]
     mode = _torch_private.fake_mode()
     for value in values:
-        rebuilt = warm_start._rebuilt(warm_start._described(value), mode)
+        rebuilt = warm_start._rebuilt(warm_start._described(value), mode, {})
         assert rebuilt.fake_mode is mode
         assert (rebuilt.dtype, rebuilt.shape, rebuilt.stride(), rebuilt.storage_offset(), rebuilt.device) == (
             value.dtype, value.shape, value.stride(), value.storage_offset(), value.device)
     items = [base[1:3], (3, None, torch.float16, [base.t()])]
-    rebuilt = warm_start._rebuilt(warm_start._described(items), mode)
+    rebuilt = warm_start._rebuilt(warm_start._described(items), mode, {})
     assert isinstance(rebuilt, list) and isinstance(rebuilt[1], tuple) and rebuilt[1][:3] == (3, None, torch.float16)
     assert rebuilt[0].storage_offset() == 9 and rebuilt[1][3][0].stride() == (1, 9)
     with mode:  # the fake mode computes with them as with its own tensors
         assert (rebuilt[0] @ rebuilt[1][3][0]).shape == (2, 7)
+    made: dict = {}
+    first, same, other = (warm_start._rebuilt(warm_start._described(value), mode, made)
+                          for value in (base, base.clone(), base.t()))
+    assert first is same and other is not first and len(made) == 2
 
 
 def test_a_stored_graph_comes_back_with_the_same_nodes_code_and_results() -> None:
