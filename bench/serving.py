@@ -11,9 +11,9 @@ leaves vLLM's CPU platform); after one warm-up batch (the compiles), the best of
 and the time to first token: the same N requests with prompts not seen before and one new token each
 (the batch's prefill and first sampling). "compiled" rows pass enforce_eager=False: vLLM's compile path, the
 model's graph (attention inside it) one program a step, compiled by the pjrt backend per (token, context)
-bucket; the rest of the step (sampling) runs in the eager mode named. Both platforms turn vLLM's async
-scheduling off; "compiled-async" keeps it (TORCH_PJRT_VLLM_ASYNC_SCHEDULING=1: the engine schedules step
-N+1 while the device runs step N).
+bucket; the rest of the step (sampling) runs in the eager mode named. vLLM's CPU platform turns vLLM's
+async scheduling off, and so do the pjrt rows (TORCH_PJRT_VLLM_ASYNC_SCHEDULING=0), like for like, except
+"compiled-async", the pjrt platform's default (the engine schedules step N+1 while the device runs step N).
 The rows run interleaved, `--rounds` times (a fresh process each), and each row keeps its best round, so a
 busy spell on a shared machine hits every row alike. Output tokens must equal across rows and rounds. Needs
 the vLLM environment: `make test-serving` builds it.
@@ -212,7 +212,7 @@ def main() -> None:
                         help="time one more batch's engine steps phase by phase (wall ms per step) in every row")
     parser.add_argument("--sampling", choices=["auto", "device", "host"], default="auto",
                         help="where the pjrt rows run vLLM's sampler (TORCH_PJRT_VLLM_SAMPLING)")
-    parser.add_argument("--rows", default="cpu,strict,fused,compiled,compiled-fused",
+    parser.add_argument("--rows", default="cpu,strict,fused,compiled,compiled-fused,compiled-async",
                         help="the rows to run, comma-separated, of: cpu (vLLM's CPU platform, always run: the "
                              "reference), strict, fused, compiled, compiled-fused, compiled-async")
     args = parser.parse_args()

@@ -88,15 +88,18 @@ def _save_character_tokenizer(folder: Path, vocab_size: int) -> None:
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama: Path) -> Any:
-    return LLM(
-        model=str(tiny_llama),
-        skip_tokenizer_init=True,
-        enforce_eager=True,
-        dtype="float32",
-        max_model_len=MAX_MODEL_LEN,
-        max_num_seqs=4,
-        kv_cache_memory_bytes=1 << 24,
-    )
+    """An engine with the platform's defaults (async scheduling among them, whatever this shell sets)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.delenv("TORCH_PJRT_VLLM_ASYNC_SCHEDULING", raising=False)
+        return LLM(
+            model=str(tiny_llama),
+            skip_tokenizer_init=True,
+            enforce_eager=True,
+            dtype="float32",
+            max_model_len=MAX_MODEL_LEN,
+            max_num_seqs=4,
+            kv_cache_memory_bytes=1 << 24,
+        )
 
 
 def _prompts() -> list[list[int]]:
@@ -170,6 +173,44 @@ def test_kv_cache_views_share_one_buffer_of_their_own_dtype(llm: Any) -> None:
     assert all(storage_of(cache).dtype == cache.dtype == torch.float32 for cache in caches)
 
 
+def test_a_default_engine_schedules_asynchronously_and_gives_hugging_faces_tokens(
+    llm: Any, reference_tokens: list[list[int]]
+) -> None:
+    """vLLM's async scheduling is the platform's default (as vLLM's on GPUs): the engine schedules step N+1
+    before step N's tokens reach the host, and the tokens are Hugging Face's."""
+    assert llm.llm_engine.vllm_config.scheduler_config.async_scheduling
+    assert _worker(llm).model_runner.use_async_scheduling
+    assert _serve(llm, _prompts()) == reference_tokens
+
+
+@pytest.mark.parametrize("variable", [None, "1", "0"])
+@pytest.mark.parametrize("speculative", [False, True])
+def test_async_scheduling_falls_back_for_speculative_decoding_warning_only_when_asked(
+    monkeypatch: pytest.MonkeyPatch, variable: str | None, speculative: bool
+) -> None:
+    """The platform keeps vLLM's async scheduling unless TORCH_PJRT_VLLM_ASYNC_SCHEDULING=0 or speculative
+    decoding needs the synchronous scheduler; that fallback warns only when the variable asked for it."""
+    from types import SimpleNamespace
+
+    from torch_pjrt.serving.vllm import platform
+
+    if variable is None:
+        monkeypatch.delenv("TORCH_PJRT_VLLM_ASYNC_SCHEDULING", raising=False)
+    else:
+        monkeypatch.setenv("TORCH_PJRT_VLLM_ASYNC_SCHEDULING", variable)
+    logged: list[str] = []
+    monkeypatch.setattr(platform.logger, "warning", lambda *args: logged.append("warning"))
+    monkeypatch.setattr(platform.logger, "info", lambda *args: logged.append("info"))
+    for vllms in (True, False):  # vLLM's own choice, after its checks (a user's async_scheduling=False among them)
+        logged.clear()
+        config = SimpleNamespace(scheduler_config=SimpleNamespace(async_scheduling=vllms),
+                                 speculative_config=SimpleNamespace(method="draft_model") if speculative else None)
+        kept = platform._async_scheduling(config)
+        assert kept == (vllms and variable != "0" and not speculative)
+        fell_back = vllms and variable != "0" and speculative
+        assert logged == ([("warning" if variable == "1" else "info")] if fell_back else [])
+
+
 def test_greedy_tokens_equal_hugging_face_on_cpu_strict(llm: Any, reference_tokens: list[list[int]]) -> None:
     # One batch holds prompts of four lengths: prefills and decodes share steps.
     assert _serve(llm, _prompts()) == reference_tokens
@@ -222,7 +263,9 @@ def test_greedy_steps_take_the_argmax_in_one_program_and_bring_back_only_token_i
     one program after the forward's and only the token ids come back; with logprobs asked, the sampled rows'
     logits come back instead (vLLM's sampler needs them), the same tokens either way."""
     runner = _worker(llm).model_runner
-    assert not runner.use_async_scheduling  # vLLM's default, turned off by the platform
+    # under async scheduling (the default) the tokens stay on the device until the engine asks for the step's
+    # output (TokensCopiedLater copies just them); synchronously they come back at once
+    tokens_on = "pjrt" if runner.use_async_scheduling else "cpu"
     sample_in_program = runner._sample_in_program
     kinds: list[str] = []
 
@@ -230,7 +273,8 @@ def test_greedy_steps_take_the_argmax_in_one_program_and_bring_back_only_token_i
         sampled = sample_in_program(*args)
         kinds.append("none" if sampled is None else "tokens" if sampled.tokens is not None else "logits")
         if sampled is not None and sampled.tokens is not None:
-            assert sampled.tokens.device.type == "cpu" and sampled.tokens.dim() == 1
+            assert sampled.tokens.device.type == tokens_on and sampled.tokens.dim() == 1
+            assert sampled.tokens.dtype == torch.int32
         return sampled
 
     monkeypatch.setattr(runner, "_sample_in_program", recorded)
@@ -872,7 +916,8 @@ def counted_compiled_callable(*args, **kwargs):
     return through_torch_compile(*args, **kwargs)
 program._compiled_callable = counted_compiled_callable
 prompts = [TokensPrompt(prompt_token_ids=p) for p in json.loads(sys.argv[2])]
-results = {"dynamo_code_of": getattr(getattr(program, "_compiled_bytecode", None), "co_name", None)}
+results = {"dynamo_code_of": getattr(getattr(program, "_compiled_bytecode", None), "co_name", None),
+           "async": runner.use_async_scheduling}
 for logprobs in (None, 2):
     calls.update(steps=0, fused=0, back=[], through_torch_compile=0)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=logprobs, detokenize=False)
@@ -888,7 +933,8 @@ def test_greedy_steps_on_the_compile_path_run_one_program_and_bring_back_only_to
     head, argmax) and no fused program runs after it; greedy steps bring back only the sampled rows' int32
     token ids, one per request; with logprobs asked, the sampled rows' logits come back for vLLM's sampler;
     Hugging Face's greedy tokens either way. The step runs the code Dynamo made of StepProgram.forward's own
-    frame directly (vLLM's bytecode hook), never through torch.compile's call after the warm-up's trace."""
+    frame directly (vLLM's bytecode hook), never through torch.compile's call after the warm-up's trace. Under
+    async scheduling (the default) the greedy tokens stay on the device until the engine asks for them."""
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
     done = subprocess.run([sys.executable, "-c", STEP_PROGRAM_IN_A_NEW_PROCESS, str(tiny_llama),
                            json.dumps(_prompts())], env=env, capture_output=True, text=True, timeout=600)
@@ -902,7 +948,8 @@ def test_greedy_steps_on_the_compile_path_run_one_program_and_bring_back_only_to
         assert run["tokens"] == expected
         assert run["steps"] >= NEW_TOKENS and run["fused"] == 0 and run["through_torch_compile"] == 0
         assert len(run["back"]) == run["steps"]
-        assert {(what, device) for what, device, _, _ in run["back"]} == {(kind, "cpu")}
+        on = "pjrt" if result["async"] and kind == "tokens" else "cpu"
+        assert {(what, device) for what, device, _, _ in run["back"]} == {(kind, on)}
         assert run["logprobs"] == [logprobs != "None"] * len(expected)
     # one int32 token per request a greedy step (a step's requests: at most the prompts')
     assert all(is_int32 and len(shape) == 1 and 1 <= shape[0] <= len(expected)

@@ -54,9 +54,10 @@ VARIABLES: dict[str, Variable] = {
     "TORCH_PJRT_VLLM_SAMPLING": Variable("auto", "where the vLLM plugin runs vLLM's sampler: device, host, or auto "
                                                  "(host on jaxlib's CPU client, whose sorts and argmax are slower than "
                                                  "torch's on the same cores; the device elsewhere)"),
-    "TORCH_PJRT_VLLM_ASYNC_SCHEDULING": Variable("0", "1: the vLLM plugin keeps vLLM's async scheduling (the engine "
-                                                      "schedules step N+1 while the device runs step N); off by "
-                                                      "default, as on vLLM's CPU platform"),
+    "TORCH_PJRT_VLLM_ASYNC_SCHEDULING": Variable("1", "0: the vLLM plugin turns vLLM's async scheduling off (by "
+                                                      "default it keeps it where vLLM does, as on GPUs: the engine "
+                                                      "schedules step N+1 while the device runs step N; "
+                                                      "speculative decoding turns it off)"),
 }
 
 

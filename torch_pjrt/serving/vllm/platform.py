@@ -123,13 +123,7 @@ class PjrtPlatform(Platform):
         if not cache_config.user_specified_block_size:
             cache_config.block_size = DEFAULT_BLOCK_SIZE
         scheduler_config = vllm_config.scheduler_config
-        asked = envvars.flag("TORCH_PJRT_VLLM_ASYNC_SCHEDULING")
-        if asked and vllm_config.speculative_config is not None:
-            logger.warning("TORCH_PJRT_VLLM_ASYNC_SCHEDULING=1 is not honoured with speculative decoding: the pjrt "
-                           "runner carries no draft tokens on the device.")
-        # vLLM turns it on unless something rules it out; the pjrt runner supports it without drafts
-        scheduler_config.async_scheduling = bool(scheduler_config.async_scheduling and asked
-                                                 and vllm_config.speculative_config is None)
+        scheduler_config.async_scheduling = _async_scheduling(vllm_config)
         parallel_config = vllm_config.parallel_config
         if parallel_config.worker_cls == "auto":
             parallel_config.worker_cls = WORKER_CLASS
@@ -154,6 +148,25 @@ class PjrtPlatform(Platform):
                 compilation_config.compile_sizes = []  # one piece per range of token counts, none per size
             _split_at_eager_ops(compilation_config)
             _no_fusion_passes(compilation_config.pass_config)
+
+
+def _async_scheduling(vllm_config: Any) -> bool:
+    """Whether vLLM's async scheduling stays on: where vLLM turned it on (its default, unless the user or a
+    feature ruled it out) and TORCH_PJRT_VLLM_ASYNC_SCHEDULING is not 0, except with speculative decoding,
+    whose draft tokens the pjrt runner does not carry on the device. Turned off for that, it warns only when
+    the variable asked for async scheduling explicitly; else the log says so at info level."""
+    if not vllm_config.scheduler_config.async_scheduling or not envvars.flag("TORCH_PJRT_VLLM_ASYNC_SCHEDULING"):
+        return False
+    if vllm_config.speculative_config is None:
+        return True
+    reason = ("vLLM's async scheduling is off with speculative decoding on pjrt: the pjrt runner carries no draft "
+              "tokens on the device, so steps are scheduled synchronously.")
+    if "TORCH_PJRT_VLLM_ASYNC_SCHEDULING" in os.environ:
+        logger.warning("TORCH_PJRT_VLLM_ASYNC_SCHEDULING=%s is not honoured: %s",
+                       os.environ["TORCH_PJRT_VLLM_ASYNC_SCHEDULING"], reason)
+    else:
+        logger.info(reason)
+    return False
 
 
 def _split_at_eager_ops(compilation_config: Any) -> None:

@@ -11,9 +11,9 @@ processors) only the token ids the program took come back;
 otherwise vLLM's sampler runs where TORCH_PJRT_VLLM_SAMPLING says: on the device (its per-request tensors
 copied there once per change of the batch) or on the host, as on vLLM's CPU platform, with the sampled
 rows' logits brought back.
-With TORCH_PJRT_VLLM_ASYNC_SCHEDULING=1 vLLM's async scheduling is kept: a step returns before its tokens
-reach the host (TokensCopiedLater), and the next step takes the ids of the requests it continues from the
-previous step's tokens on the device (the attention metadata names their rows).
+Under vLLM's async scheduling (the platform's default; TORCH_PJRT_VLLM_ASYNC_SCHEDULING=0 turns it off) a
+step returns before its tokens reach the host (TokensCopiedLater), and the next step takes the ids of the
+requests it continues from the previous step's tokens on the device (the attention metadata names their rows).
 """
 
 from __future__ import annotations
