@@ -14,6 +14,7 @@ from torch import nn
 
 import torch_pjrt
 from torch_pjrt.eager import fusion
+from torch_pjrt.runtime import client
 
 sys.path.insert(0, os.path.dirname(__file__))
 
@@ -232,6 +233,37 @@ def test_a_graphs_ints_are_passed_packed(monkeypatch: pytest.MonkeyPatch, fused:
     assert kinds.get(np.dtype(np.int64), 0) >= 9, kinds  # the shifts twice and the bound
     assert compiles[-1] == compiles[0], compiles
 
+
+
+def test_a_jax_without_weak_scalars_passes_numbers_one_by_one(monkeypatch: pytest.MonkeyPatch, fused: None) -> None:
+    """Where jax's private conversion to a weakly typed scalar is missing (client.weak_scalar_maker() is None),
+    a graph with PACK_MIN or more floats and ints packs none of them and passes each as before: CPU's values and
+    dtypes (float32 times a float stays float32, int32 plus an int stays int32); a graph of the same ops met
+    with packing on is another program, not the packed one called with unpacked arguments."""
+    monkeypatch.setattr(fusion, "PACK_MIN", 3)
+    torch.manual_seed(13)
+    x = torch.randn(5, 3)
+    n = torch.randint(-50, 50, (5, 3), dtype=torch.int32)
+
+    def step(k: int) -> None:
+        got, want = x.to("pjrt"), x
+        got_n, want_n = n.to("pjrt"), n
+        for j in range(4):
+            factor = 0.5 + 0.1 * (k + j)
+            got, want = got * factor, want * factor
+            got_n, want_n = got_n + (k + j), want_n + (k + j)
+        got, got_n = got.cpu(), got_n.cpu()
+        assert got.dtype == torch.float32 and got_n.dtype == torch.int32
+        torch.testing.assert_close(got, want)
+        assert torch.equal(got_n, want_n)
+
+    for k in (1, 2):
+        step(k)
+        assert fusion.graph().replay.packed, "packing on: the floats and ints are packed"
+    monkeypatch.setattr(client, "weak_scalar_maker", lambda: None)
+    for k in (1, 2, 3):
+        step(k)
+        assert fusion.graph().replay.packed == (), fusion.graph().replay.packed
 
 def test_sync_points_flush(fused: None) -> None:
     x = torch.randn(4, device="pjrt")

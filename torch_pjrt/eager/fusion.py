@@ -155,9 +155,9 @@ class PendingGraph:
                 if replay is not None and replay.matches(nodes, wanted, donated, mesh):
                     metrics.bump("cache_hits")
                 else:
-                    structure = (tuple([(id(entry), refs) for entry, refs in nodes]), wanted, donated,
-                                 self.device_index, mesh)
                     count, numbers, packed = _traced_numbers(nodes, packing=mesh is None)
+                    structure = (tuple([(id(entry), refs) for entry, refs in nodes]), wanted, donated,
+                                 self.device_index, mesh, packed)
                     program = _programs.get(structure)
                     if program is None:  # (a stored program is compiled here, before its first call)
                         metrics.bump("fused_compiles")
