@@ -10,7 +10,8 @@ with one thread: on a loaded machine torch's worker threads wait on each other, 
 times over, which the one-thread column leaves out. --breakdown then splits one more generate's
 main-thread CPU time per token in each native row into the fused graph's flush (outside its program
 call), the program call, reads to the host, and the rest (Hugging Face's Python, PyTorch's dispatcher and
-our native per-op path), with ops, fused programs and native misses per token; and its wall time per token, of
+our native per-op path), with ops, fused programs and native misses per token, our flush split (the numbers passed,
+the replay match, the donation scan, the device-side checks issued, the rest); and its wall time per token, of
 which the reads to the host wait (off the CPU) for the program to finish: the device time the host does not
 overlap, as each token's read needs that token's program.
 Run: .venv/bin/python bench/generate_tokens.py [--repeats N] [--breakdown]
@@ -64,8 +65,15 @@ BREAKDOWN = textwrap.dedent(
     """
     from generate_compiled import CpuTimer
     from torch_pjrt.eager import dispatch, fusion
-    from torch_pjrt.runtime import client, programs
+    from torch_pjrt.runtime import checks, client, programs
     timers = dict(flush=CpuTimer(), program=CpuTimer(), read=CpuTimer(), miss=CpuTimer())
+    # our flush's parts (bench/step_breakdown.py --fused-host splits the training step's the same way)
+    flush_parts = {"numbers": (fusion.Replay, "arguments"), "replay match": (fusion.Replay, "matches"),
+                   "donation scan": (fusion, "_unreferenced"), "checks issued": (checks, "issued")}
+    part_timers = {name: CpuTimer() for name in flush_parts}
+    part_originals = {name: getattr(owner, attribute) for name, (owner, attribute) in flush_parts.items()}
+    for name, (owner, attribute) in flush_parts.items():
+        setattr(owner, attribute, part_timers[name].wrap(part_originals[name]))
     originals = (fusion.PendingGraph.flush, programs.Program.call, client.to_host_many, dispatch.native_miss)
     read_wall = [0.0]
 
@@ -85,12 +93,17 @@ BREAKDOWN = textwrap.dedent(
     generate(pjrt, "pjrt")
     total, wall = time.thread_time() - start, time.perf_counter() - wall
     (fusion.PendingGraph.flush, programs.Program.call, client.to_host_many, dispatch.native_miss) = originals
+    for name, (owner, attribute) in flush_parts.items():
+        setattr(owner, attribute, part_originals[name])
     after = torch_pjrt.metrics.counters()
     flush, program, read = (timers[name].seconds for name in ("flush", "program", "read"))
     # (a fused program is called inside its flush; the flush runs before a read, not inside it)
     parts = dict(all=total, flush_outside_program_call=flush - program, program_calls=program, reads_to_host=read,
                  rest=total - flush - read)
     result["breakdown_ms_per_token"] = {name: seconds * 1000 / 64 for name, seconds in parts.items()}
+    ours = {name: timer.seconds for name, timer in part_timers.items()}
+    ours["the rest"] = flush - program - sum(ours.values())
+    result["flush_parts_ms_per_token"] = {name: seconds * 1000 / 64 for name, seconds in ours.items()}
     result["wall_ms_per_token"] = dict(all=wall * 1000 / 64, reads_waiting=(read_wall[0] - read) * 1000 / 64)
     result["per_token"] = dict(ops=(after["ops_executed"] - before["ops_executed"]) / 64,
                                fused_programs=(after["fused_programs"] - before["fused_programs"]) / 64,
@@ -137,6 +150,9 @@ def main() -> None:
                   f"the rest {parts['rest']:.3f}; per token: ops {row['per_token']['ops']:.1f}, fused programs "
                   f"{row['per_token']['fused_programs']:.2f}, native misses {row['per_token']['native_misses']:.2f}",
                   flush=True)
+            if row["per_token"]["fused_programs"]:
+                print("    our flush per token (ms): " + ", ".join(
+                    f"{name} {ms:.3f}" for name, ms in row["flush_parts_ms_per_token"].items()), flush=True)
             wall = row["wall_ms_per_token"]
             print(f"    wall ms per token: {wall['all']:.3f}, of which reads to host waiting off the CPU (for the "
                   f"program, or for the CPU) {wall['reads_waiting']:.3f}", flush=True)
