@@ -270,10 +270,14 @@ def clear() -> None:
 
 
 def _read(codes: list[Any]) -> list[Any]:
+    """Codes to the host: waited for first (a failed program's array raises in the wait, where converting it
+    would abort the process), then each read as it is. Not jax.device_get: its copy started per array waits on
+    another thread on CPU (a ready code read at a fused flush: 158-167 us CPU against 32-36 us this way)."""
     import jax
 
     metrics.bump("device_check_reads")
-    return jax.device_get(codes)
+    jax.block_until_ready(codes)
+    return [np.asarray(code) for code in codes]
 
 
 def _raise_first(items: Sequence[Issued], values: Sequence[Any], cpu_style: bool = False) -> None:
