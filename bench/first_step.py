@@ -9,8 +9,9 @@ folder); the best of each is kept. Both start from Python bytecode compiled befo
 does (this machine sets PYTHONDONTWRITEBYTECODE, which would make every process compile our sources).
 
 The phases are self times (a nested phase is not counted in the one around it): imports (every
-module loaded, at start or lazily), Dynamo tracing, AOTAutograd, jax's tracing and lowering of our
-programs (the lowering table running), XLA compile or persistent-cache load, the main thread's time
+module loaded, at start or lazily, Dynamo's at the device start on a thread of its own included),
+Dynamo tracing, AOTAutograd, jax's tracing and lowering of our programs (the lowering table running),
+XLA compile or persistent-cache load, the main thread's time
 getting the executables our store keeps (strict ops, fused programs, compiled graphs: deserializing
 them, or waiting for the background thread that preloads them), Python's cyclic garbage collections
 (wherever they fall), and the rest (building the model, the first run of the programs, Python around
@@ -77,6 +78,9 @@ CHILD = textwrap.dedent(
     bootstrap._find_and_load = find_and_load
 
     import torch
+    from torch_pjrt import _registration
+    # the device start imports Dynamo on a thread of its own while the main thread waits: an import all the same
+    _registration._import_on_a_thread_of_its_own = timed("imports", _registration._import_on_a_thread_of_its_own)
     if not PRELOAD:
         from torch_pjrt.runtime import programs
         programs.start_preload = lambda: None
