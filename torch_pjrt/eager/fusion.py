@@ -19,7 +19,6 @@ state updated in place) are donated to it.
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 import traceback
@@ -29,15 +28,15 @@ from typing import Any
 
 import numpy as np
 
-from torch_pjrt import storage
+from torch_pjrt import envvars, storage
 from torch_pjrt.runtime import checks, client, disk_store, metrics, programs, spmd
 
-MAX_NODES = int(os.environ.get("TORCH_PJRT_FUSE_MAX_NODES", "1000"))
+MAX_NODES = int(envvars.value("TORCH_PJRT_FUSE_MAX_NODES"))
 # A graph's float inputs, and its int inputs, at least this many of a kind, are passed packed in one host array of
 # that kind (float64, int64): jax converts each Python number it is passed (~2-3 us) and checks each device array
 # (~1 us), one host array ~6 us (Replay.arguments).
 PACK_MIN = 8
-DEBUG_RECOMPILE = os.environ.get("TORCH_PJRT_DEBUG_RECOMPILE", "") not in ("", "0")
+DEBUG_RECOMPILE = envvars.flag("TORCH_PJRT_DEBUG_RECOMPILE")
 
 flush_reasons: Counter = Counter()
 
