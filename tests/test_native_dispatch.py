@@ -332,6 +332,11 @@ def test_native_padded_results_keep_their_lengths_live_as_python_does() -> None:
     bound, seen_at, owner = live[12]
     assert (bound, seen_at, owner()) == (64, executed, storage.storage_of(grown[0]))
     torch.testing.assert_close(grown[0].cpu(), torch.cat([host, new.cpu()], dim=2))
+    for size in range(20, 20 + dynamic.live_limit()):  # 12 pushed out, the table full (the limit configure has)
+        dynamic.note_length(size, 64, new)
+    assert python_calls_of_ours(lambda: grown.append(torch.cat([cache, new], dim=2))) == [
+        f"{storage.__file__}:holding", f"{storage.__file__}:__init__"]
+    assert list(live)[-1] == 12 and len(live) == dynamic.live_limit() and 20 not in live  # the oldest dropped
     grown.clear()
     assert dynamic.live_bound(12) is None  # (its owner gone)
 
@@ -561,3 +566,4 @@ def test_an_entry_first_met_while_fusing_makes_its_jit_only_when_strict_eager_ru
     assert python_calls_of_ours(lambda: strict.append(torch.atan2(a, b))) == []
     for result in fused + strict:
         torch.testing.assert_close(result.cpu(), torch.atan2(a_host, b_host))
+

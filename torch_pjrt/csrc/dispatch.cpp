@@ -70,7 +70,6 @@ struct Runtime {
   PyObject* last_output = nullptr;  // device._last_output
   PyObject* random_key = nullptr;  // random_key(device_index) -> key data
   PyObject* padded_type = nullptr;  // storage.Padded: a storage's array held at bucket sizes
-  PyObject* note_padded = nullptr;  // dynamic.note_padded(device_storage): a new padded result's lengths are live
   PyObject* checks_issued = nullptr;  // dispatch.native_checks_issued(code, checks): a checked program ran
   PyObject* fusion = nullptr;  // eager.fusion: its graph(index), a device's PendingGraph made on first use
   PyObject* fusion_globals = nullptr;  // eager.fusion's __dict__: MAX_NODES and DEBUG_RECOMPILE, read at every recorded call
@@ -78,7 +77,7 @@ struct Runtime {
   PyObject* deferred_type = nullptr;  // fusion.Deferred: one result of a recorded op
   PyObject* check_caller = nullptr;  // checks.caller(): the user line a recorded checked op reports
   PyObject* live_lengths = nullptr;  // dynamic.live_lengths(): a dict keyed by the lengths marked lately
-  PyObject* python_counts = nullptr;  // metrics' own counters (ops_executed: those Python ran), or nullptr
+  PyObject* python_counts = nullptr;  // metrics' own counters (ops_executed: those Python ran)
   Py_ssize_t live_limit = 0;  // how many lengths live_lengths keeps, the newest (dynamic._LIVE_LIMIT)
   PyObject* scalar_array = nullptr;  // client.scalar_array(number, device_index): its weakly typed device array
   // where DeviceStorage's slots are in its objects (read and written without attribute lookups)
@@ -209,8 +208,10 @@ struct Entry {
   mutable std::vector<std::pair<std::vector<intptr_t>, PyObject*>> by_avals;
 };
 
+// A call's words live inline, so a hit allocates nothing from the C heap for its key (nor for its
+// Signature's slots and numbers); a key kept in the cache is as large.
 struct Key {
-  std::vector<int64_t> words;
+  c10::SmallVector<int64_t, 64> words;
   size_t hash = 0;
   bool operator==(const Key& other) const {
     return hash == other.hash && words == other.words;
@@ -242,16 +243,11 @@ struct Number {
 // One call's signature, as the arguments are read.
 struct Signature {
   Key key;
-  std::vector<Slot> slots;
-  std::vector<py::object> traced;
-  std::vector<Number> numbers;
+  c10::SmallVector<Slot, 4> slots;
+  c10::SmallVector<py::object, 4> traced;
+  c10::SmallVector<Number, 4> numbers;
   c10::DeviceIndex device = -1;
   bool fusing = false;  // recording into the pending graph: storages may hold unresolved fused results
-
-  Signature() {
-    key.words.reserve(64);  // (a key grows word by word: one allocation, not one per doubling)
-    slots.reserve(4);
-  }
 };
 
 int64_t double_bits(double value) {
@@ -383,7 +379,7 @@ bool usable_array(py::object& array, bool fusing) {
 }
 
 // A tuple of ints into the key, its length first; false if it holds anything else.
-bool add_ints(PyObject* items, std::vector<int64_t>& words) {
+bool add_ints(PyObject* items, c10::SmallVectorImpl<int64_t>& words) {
   if (items == nullptr || !PyTuple_Check(items)) {
     return false;
   }
@@ -401,7 +397,7 @@ bool add_ints(PyObject* items, std::vector<int64_t>& words) {
 
 // A padded storage's layout into the key (its true and bucket shapes, each dim's bound: None, an
 // int, or a ladder of sizes), and its bucket-size array; false when that array cannot be used yet.
-bool add_layout(PyObject* layout, std::vector<int64_t>& words, py::object& inner, bool fusing) {
+bool add_layout(PyObject* layout, c10::SmallVectorImpl<int64_t>& words, py::object& inner, bool fusing) {
   auto& rt = runtime();
   py::object shape = attribute_of(layout, rt.s_shape);
   py::object padded = attribute_of(layout, rt.s_padded);
@@ -512,7 +508,7 @@ bool add_tensor(const at::Tensor& tensor, Signature& sig, const OpState& op) {
 }
 
 // A static argument by value (it is part of the program).
-bool add_static(const c10::IValue& value, std::vector<int64_t>& words) {
+bool add_static(const c10::IValue& value, c10::SmallVectorImpl<int64_t>& words) {
   if (value.isNone()) {
     words.push_back(0);
   } else if (value.isBool()) {
@@ -765,13 +761,9 @@ py::object random_key(c10::DeviceIndex device) {
 
 // dynamic.note_padded(device_storage) natively: each dynamic length of a new padded result becomes the newest
 // live length, as (bound, ops executed so far, a weak reference to the storage); the oldest beyond the limit
-// are dropped. Python's function runs where set_live_lengths was not called.
+// are dropped.
 void note_padded(const OutSpec& spec, PyObject* device_storage) {
   auto& rt = runtime();
-  if (rt.python_counts == nullptr) {
-    call_python(rt.note_padded, {device_storage});
-    return;
-  }
   if (spec.lengths.empty()) {
     return;
   }
@@ -869,7 +861,7 @@ bool program_compiled(Entry& entry) {
 
 // The key StoredOp.load picks an executable by, read natively: each jax array's aval (shape, dtype,
 // weak type), each Python bool, int or float by its type. False for any other input (Python picks then).
-bool avals_key(const c10::SmallVector<PyObject*, 8>& inputs, std::vector<intptr_t>& words) {
+bool avals_key(const c10::SmallVector<PyObject*, 8>& inputs, c10::SmallVectorImpl<intptr_t>& words) {
   auto& rt = runtime();
   for (PyObject* input : inputs) {
     if (PyBool_Check(input) || PyLong_CheckExact(input) || PyFloat_CheckExact(input)) {
@@ -906,27 +898,29 @@ bool avals_key(const c10::SmallVector<PyObject*, 8>& inputs, std::vector<intptr_
 // a set not met here yet (it picks and runs; `call_for` then hands over the executable's C++ call).
 constexpr size_t kAvalsKept = 16;
 
-PyObject* stored_call(const Entry& entry, const c10::SmallVector<PyObject*, 8>& inputs, bool& ask_after) {
-  std::vector<intptr_t> words;
-  words.reserve(inputs.size() * 4);
-  ask_after = false;
+// `words` is left holding the inputs' key where the call is one to keep (keep_stored_call), empty otherwise
+// (inline: a hit allocates nothing for it).
+using AvalsKey = c10::SmallVector<intptr_t, 32>;
+
+PyObject* stored_call(const Entry& entry, const c10::SmallVector<PyObject*, 8>& inputs, AvalsKey& words) {
   if (!avals_key(inputs, words)) {
+    words.clear();
     return entry.stored;
   }
   for (const auto& [key, call] : entry.by_avals) {
-    if (key == words) {
+    if (std::equal(key.begin(), key.end(), words.begin(), words.end())) {
+      words.clear();
       return call;
     }
   }
-  ask_after = entry.by_avals.size() < kAvalsKept;
+  if (entry.by_avals.size() >= kAvalsKept) {
+    words.clear();
+  }
   return entry.stored;
 }
 
-void keep_stored_call(const Entry& entry, const c10::SmallVector<PyObject*, 8>& inputs) {
-  std::vector<intptr_t> words;
-  if (!avals_key(inputs, words)) {
-    return;
-  }
+// Keeps the executable StoredOp picked for these inputs under their key, `words` (stored_call's).
+void keep_stored_call(const Entry& entry, const c10::SmallVector<PyObject*, 8>& inputs, const AvalsKey& words) {
   py::tuple arguments(inputs.size());
   for (size_t i = 0; i < inputs.size(); ++i) {
     arguments[i] = py::reinterpret_borrow<py::object>(inputs[i]);
@@ -937,7 +931,7 @@ void keep_stored_call(const Entry& entry, const c10::SmallVector<PyObject*, 8>& 
       attribute_of(attribute_of(input, runtime().s_aval).ptr(), runtime().s_dtype).release();
     }
   }
-  entry.by_avals.emplace_back(std::move(words), call.release().ptr());
+  entry.by_avals.emplace_back(std::vector<intptr_t>(words.begin(), words.end()), call.release().ptr());
 }
 
 // The strict hit: run the cached program; its results (the check code, when it makes one, handed
@@ -962,13 +956,13 @@ py::object run_program(const Entry& entry, Signature& sig) {
   for (Py_ssize_t i = 0; i < n_lengths; ++i) {
     inputs.push_back(PyTuple_GET_ITEM(entry.lengths, i));
   }
-  bool keep_after = false;
-  PyObject* target = entry.stored != nullptr && entry.jitted == entry.stored ? stored_call(entry, inputs, keep_after)
+  AvalsKey keep_words;
+  PyObject* target = entry.stored != nullptr && entry.jitted == entry.stored ? stored_call(entry, inputs, keep_words)
                                                                            : entry.jitted;
   PyObject* called = PyObject_Vectorcall(target, inputs.data(), inputs.size(), nullptr);
-  if (called != nullptr && keep_after) {
+  if (called != nullptr && !keep_words.empty()) {
     py::object held = py::reinterpret_steal<py::object>(called);
-    keep_stored_call(entry, inputs);
+    keep_stored_call(entry, inputs, keep_words);
     called = held.release().ptr();
   }
   if (called == nullptr && target == entry.jitted && entry.stored != nullptr &&
@@ -1085,7 +1079,8 @@ bool same_ref(PyObject* recorded, const GraphRef& ref) {
 // The last flush's node at `position` (fusion.Replay.nodes[position]) where it is this op wired as `refs`,
 // else nullptr: a decode or training loop records the same graph again and again, and appending that
 // node object again spares making its tuples and lets the flush compare the graphs by identity.
-PyObject* replayed_node(PyObject* graph, Py_ssize_t position, PyObject* recorded, const std::vector<GraphRef>& refs) {
+PyObject* replayed_node(PyObject* graph, Py_ssize_t position, PyObject* recorded,
+                        const c10::SmallVectorImpl<GraphRef>& refs) {
   auto& rt = runtime();
   py::object replay = attribute_of(graph, rt.s_replay);
   if (replay.is_none()) {
@@ -1186,8 +1181,8 @@ py::object record_call(const Entry& entry, Signature& sig) {
       return results;
     }
     // the inputs in dispatch._inputs' order, fused results of this graph as refs to their node
-    std::vector<py::object> values;
-    std::vector<GraphRef> refs;  // (a kind of nullptr until the value's input ref is made)
+    c10::SmallVector<py::object, 8> values;
+    c10::SmallVector<GraphRef, 8> refs;  // (a kind of nullptr until the value's input ref is made)
     for (const int slot : entry.passed) {
       py::object value = sig.slots[slot].array;
       GraphRef ref;
@@ -1290,8 +1285,7 @@ void finish_hit(const OpState& op, const Entry& entry, Signature& sig, PyObject*
                                                 : py::reinterpret_borrow<py::object>(array);
     set_slot(slot.device_storage.ptr(), rt.storage_slots.array, holder.ptr());
   }
-  std::vector<c10::IValue> results;
-  results.reserve(entry.returns.size());
+  c10::SmallVector<c10::IValue, 4> results;
   const c10::IValue* arguments = &(*stack)[stack->size() - n_arguments];
   size_t next = 0;
   for (const Return& ret : entry.returns) {
@@ -1702,13 +1696,6 @@ struct EmptyKernel final : public c10::OperatorKernel {
   EmptyState* state_;  // never freed: it holds Python objects
 };
 
-// Hands over what note_padded reads: metrics' own counters and how many live lengths dynamic keeps.
-void set_live_lengths(py::object python_counts, Py_ssize_t limit) {
-  auto& rt = runtime();
-  rt.python_counts = python_counts.inc_ref().ptr();
-  rt.live_limit = limit;
-}
-
 // Registers aten::empty.memory_format's native kernel in front of its Python kernel `kernel`.
 void register_empty(py::object kernel, py::object unchecked_bytes) {
   const auto handle = c10::Dispatcher::singleton().findSchemaOrThrow("aten::empty", "memory_format");
@@ -1725,9 +1712,9 @@ PyObject* interned(const char* text) {
 
 void configure(py::object miss, py::object storage_type, py::object array_type,
                py::object op_counts, py::object last_output, py::object random_key,
-               py::object padded_type, py::object note_padded, py::object checks_issued, py::object fusion,
-               py::object deferred_type, py::object check_caller, py::object live_lengths,
-               py::object scalar_array) {
+               py::object padded_type, py::object checks_issued, py::object fusion,
+               py::object deferred_type, py::object check_caller, py::object live_lengths, Py_ssize_t live_limit,
+               py::object python_counts, py::object scalar_array) {
   auto& rt = runtime();
   rt.miss = miss.inc_ref().ptr();
   rt.storage_type = storage_type.inc_ref().ptr();
@@ -1736,7 +1723,6 @@ void configure(py::object miss, py::object storage_type, py::object array_type,
   rt.last_output = last_output.inc_ref().ptr();
   rt.random_key = random_key.inc_ref().ptr();
   rt.padded_type = padded_type.inc_ref().ptr();
-  rt.note_padded = note_padded.inc_ref().ptr();
   rt.checks_issued = checks_issued.inc_ref().ptr();
   rt.fusion = fusion.inc_ref().ptr();
   rt.fusion_globals = py::object(fusion.attr("__dict__")).release().ptr();
@@ -1744,6 +1730,8 @@ void configure(py::object miss, py::object storage_type, py::object array_type,
   rt.deferred_type = deferred_type.inc_ref().ptr();
   rt.check_caller = check_caller.inc_ref().ptr();
   rt.live_lengths = live_lengths.inc_ref().ptr();
+  rt.live_limit = live_limit;
+  rt.python_counts = python_counts.inc_ref().ptr();
   rt.scalar_array = scalar_array.inc_ref().ptr();
   rt.storage_slots = DeviceStorageSlots(rt.storage_type);
   rt.at_graph = slot_offset(rt.deferred_type, "graph");
@@ -1920,8 +1908,9 @@ void init_dispatch(py::module& m) {
         "The eager mode's flags, which every native call reads (eager.modes hands them over at each change).");
   m.def("configure_dispatch", &configure, py::arg("miss"), py::arg("storage_type"), py::arg("array_type"),
         py::arg("op_counts"), py::arg("last_output"), py::arg("random_key"),
-        py::arg("padded_type"), py::arg("note_padded"), py::arg("checks_issued"), py::arg("fusion"),
-        py::arg("deferred_type"), py::arg("check_caller"), py::arg("live_lengths"), py::arg("scalar_array"),
+        py::arg("padded_type"), py::arg("checks_issued"), py::arg("fusion"), py::arg("deferred_type"),
+        py::arg("check_caller"), py::arg("live_lengths"), py::arg("live_limit"), py::arg("python_counts"),
+        py::arg("scalar_array"),
         "Hand the native dispatch the Python objects it reads and calls, and turn it on.");
   m.def("register_kernel", &register_kernel, py::arg("name"), py::arg("overload"), py::arg("plan"),
         py::arg("kinds"), py::arg("static_scalars"), py::arg("allow_cpu"), py::arg("length_args"),
@@ -1931,9 +1920,6 @@ void init_dispatch(py::module& m) {
   m.def("register_empty", &register_empty, py::arg("kernel"), py::arg("unchecked_bytes"),
         "Register aten::empty.memory_format's native kernel, which repeats what the Python `kernel` made for calls "
         "of the kind it answered (the allocations below unchecked_bytes(index) of a dtype it made).");
-  m.def("set_live_lengths", &set_live_lengths, py::arg("python_counts"), py::arg("limit"),
-        "Keep a new padded result's lengths live natively (dynamic.note_padded): metrics' own counters and "
-        "how many lengths dynamic.live_lengths() keeps.");
   m.def("set_dispatch_enabled", [](bool on) { runtime().enabled = on && runtime().miss != nullptr; },
         py::arg("on"), "Turn the native hit path on or off (off: every call goes to Python).");
   m.def("dispatch_enabled", []() { return runtime().enabled; });
