@@ -391,3 +391,14 @@ def test_the_readme_names_every_registered_environment_variable() -> None:
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     table = readme[readme.index("## Environment variables") :].split("\n## ")[0]
     assert [name for name in envvars.VARIABLES if f"`{name}" not in table] == []
+
+
+def test_an_empty_environment_variable_reads_as_its_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch_pjrt import envvars
+
+    monkeypatch.setenv("TORCH_PJRT_VLLM_ASYNC_SCHEDULING", "")
+    monkeypatch.setenv("TORCH_PJRT_FUSE_MAX_NODES", "")
+    assert envvars.flag("TORCH_PJRT_VLLM_ASYNC_SCHEDULING")
+    assert envvars.value("TORCH_PJRT_FUSE_MAX_NODES") == "1000"
+    monkeypatch.setenv("TORCH_PJRT_VLLM_ASYNC_SCHEDULING", "0")
+    assert not envvars.flag("TORCH_PJRT_VLLM_ASYNC_SCHEDULING")

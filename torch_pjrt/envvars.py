@@ -62,8 +62,8 @@ VARIABLES: dict[str, Variable] = {
 
 
 def value(name: str) -> str:
-    """The variable's value, or its registered default."""
-    return os.environ.get(name, VARIABLES[name].default)
+    """The variable's value, or its registered default where it is unset or empty (as `VAR= cmd` leaves it)."""
+    return os.environ.get(name) or VARIABLES[name].default
 
 
 def flag(name: str) -> bool:
