@@ -623,3 +623,25 @@ def test_an_op_with_no_lowering_inside_a_compiled_graph_is_named_with_what_to_do
     torch._dynamo.reset()
     with torch_pjrt.cpu_fallback():  # the remedy it names: the same code eagerly
         torch.testing.assert_close(distinct_doubled(x.to("pjrt")).cpu(), distinct_doubled(x))
+
+
+def test_an_event_recorded_after_a_compiled_graph_waits_for_its_program() -> None:
+    from torch_pjrt import storage
+
+    def chain(x: torch.Tensor) -> torch.Tensor:
+        for _ in range(8):
+            x = torch.tanh(x @ x)
+        return x
+
+    graph = torch.compile(chain, backend="pjrt")
+    x = torch.randn(600, 600) / 30
+    graph(x.to("pjrt")).cpu()
+    start, end = torch.pjrt.Event(enable_timing=True), torch.pjrt.Event(enable_timing=True)
+    start.record()
+    out = graph(x.to("pjrt"))
+    end.record()
+    end.synchronize()
+    # the event waited for the graph's program, not for the newest eager op before it
+    assert storage.storage_of(out).array.is_ready()
+    assert start.elapsed_time(end) > 0.0
+    torch.testing.assert_close(out.cpu(), chain(x), rtol=1e-4, atol=1e-5)

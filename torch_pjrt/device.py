@@ -307,6 +307,8 @@ def _is_ready(outputs: Any) -> bool:
 
     if outputs is None:
         return True
+    if isinstance(outputs, startup.WeakResults):
+        outputs = outputs.live()
     for leaf in _client().jax_module().tree_util.tree_leaves(outputs):
         if isinstance(leaf, storage.PendingArray):
             leaf = getattr(leaf, "value", None)
@@ -367,6 +369,8 @@ class Event:
         fusion.flush("event")
         index = stream.device.index if stream is not None else current_device()
         self.outputs = startup.newest_outputs().get(index)
+        if isinstance(self.outputs, startup.WeakResults):  # held until done, as a CUDA event holds its stream's work
+            self.outputs = self.outputs.live()
         self.completed_at = None
         if _is_ready(self.outputs):
             self.completed_at = time.perf_counter()

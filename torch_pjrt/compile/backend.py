@@ -30,7 +30,7 @@ from torch_pjrt import _torch_private, storage
 from torch_pjrt.compile import native_call, padding, warm_start
 from torch_pjrt.eager import dynamic, fallback, modes
 from torch_pjrt.ops import arguments, graph, linalg, registry
-from torch_pjrt.runtime import checks, client, disk_store, metrics, programs, rng, spmd
+from torch_pjrt.runtime import checks, client, disk_store, metrics, programs, rng, spmd, startup
 
 aten = torch.ops.aten
 # Imported when torch.compile looks this backend up, before Dynamo traces a user's optimizer step.
@@ -486,7 +486,8 @@ class CompiledGraph:
                 for slot, flat in zip(found.written, donated):
                     arrays[slot] = flat
                 slot_shapes = [tuple(array.shape) for array in arrays]
-            tensors, written, host_updates, code = found.program.call(flats, donated, hosts, key, true)
+            tensors, written, host_updates, code = _call_program(found.program, device.index, flats, donated, hosts,
+                                                                 key, true)
         except registry.MissingLowering as missing:
             raise NotImplementedError(fallback.missing_message(missing.op, compiled=True)) from None
         if code is not None:
@@ -512,7 +513,7 @@ class CompiledGraph:
             return None
         return native_call.plan(
             signature, slot_shapes, [st.dtype for st in stores], found.written, self.outputs, found.layouts, device,
-            functools.partial(_call_program, found.program),
+            functools.partial(_call_program, found.program, device.index),
             functools.partial(_next_key, device.index) if self.random else None,
             self.eager_part.forward if self.eager_part is not None else None,
             functools.partial(_issue_checks, tuple(found.checks)))
@@ -573,10 +574,14 @@ class CompiledGraph:
         return results
 
 
-def _call_program(program: programs.Program, *args: Any) -> Any:
-    """A native plan's program call: Program.call looked up at each call, as the Python path does (benchmarks
-    and tools that wrap it see native calls too)."""
-    return program.call(*args)
+def _call_program(program: programs.Program, device_index: int, *args: Any) -> Any:
+    """A graph's program call, from the Python path and from its native plan: Program.call looked up at each
+    call (benchmarks and tools that wrap it see native calls too), and the results noted as the device's
+    newest, held weakly (what a torch.pjrt.Event recorded after the call waits for)."""
+    results = program.call(*args)
+    tensors, written = results[0], results[1]
+    startup.note_output(device_index, startup.WeakResults([*tensors[:1], *written[:1]]))
+    return results
 
 
 def _next_key(index: int) -> Any:

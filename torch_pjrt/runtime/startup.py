@@ -13,6 +13,7 @@ module, which sits above it.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -72,6 +73,21 @@ def newest_outputs() -> dict[int, Any]:
 def note_output(index: int, outputs: Any) -> None:
     """Remember the newest program's results on a device (what an Event waits for)."""
     _newest_outputs[index] = outputs
+
+
+class WeakResults:
+    """A program's results held weakly, for the table `note_output` fills: a compiled graph's results are
+    donated to the next graph that writes them, and a strong hold here would turn each donation into a copy.
+    All results of one program are ready together (one execution), so one live result stands for all."""
+
+    __slots__ = ("refs",)
+
+    def __init__(self, arrays: list[Any]) -> None:
+        self.refs = [weakref.ref(array) for array in arrays]
+
+    def live(self) -> list[Any]:
+        """The results still alive (empty where all were freed or donated to later programs)."""
+        return [array for array in (ref() for ref in self.refs) if array is not None]
 
 
 def generator_key(generator: torch.Generator) -> Any:
