@@ -183,7 +183,7 @@ def test_a_default_engine_schedules_asynchronously_and_gives_hugging_faces_token
     assert _serve(llm, _prompts()) == reference_tokens
 
 
-@pytest.mark.parametrize("variable", [None, "1", "0"])
+@pytest.mark.parametrize("variable", [None, "", "1", "0"])
 @pytest.mark.parametrize("speculative", [False, True])
 def test_async_scheduling_falls_back_for_speculative_decoding_warning_only_when_asked(
     monkeypatch: pytest.MonkeyPatch, variable: str | None, speculative: bool

@@ -161,7 +161,7 @@ def _async_scheduling(vllm_config: Any) -> bool:
         return True
     reason = ("vLLM's async scheduling is off with speculative decoding on pjrt: the pjrt runner carries no draft "
               "tokens on the device, so steps are scheduled synchronously.")
-    if "TORCH_PJRT_VLLM_ASYNC_SCHEDULING" in os.environ:
+    if os.environ.get("TORCH_PJRT_VLLM_ASYNC_SCHEDULING"):  # set, and not empty (empty reads as the default)
         logger.warning("TORCH_PJRT_VLLM_ASYNC_SCHEDULING=%s is not honoured: %s",
                        os.environ["TORCH_PJRT_VLLM_ASYNC_SCHEDULING"], reason)
     else:
