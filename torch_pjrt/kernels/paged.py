@@ -167,9 +167,10 @@ def gathered_attention(query: torch.Tensor, cache: torch.Tensor, block_tables: t
     keys = cache[..., :size][at].reshape(tokens, kv_heads, context, size).float()
     values = cache[..., size:][at].reshape(tokens, kv_heads, context, size).float()
     grouped = query.view(tokens, kv_heads, heads // kv_heads, size).float()
-    # scores as (token, kv head, position, group): the keys are the product's left operand as gathered
-    scores = torch.einsum("tksd,tkgd->tksg", keys, grouped) * scale
+    # the keys are the product's left operand as gathered; the (small) scores are then turned to (token, kv
+    # head, group, position), so that the mask and the softmax run along their rows' last dimension
+    scores = torch.einsum("tksd,tkgd->tksg", keys, grouped).transpose(-1, -2) * scale
     if soft_cap:
         scores = soft_cap * torch.tanh(scores / soft_cap)
-    scores = scores.masked_fill(~visible[:, None, :, None], float("-inf"))
-    return torch.einsum("tksg,tksd->tkgd", scores.softmax(-2), values).reshape(tokens, heads, size)
+    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+    return torch.einsum("tkgs,tksd->tkgd", scores.softmax(-1), values).reshape(tokens, heads, size)
