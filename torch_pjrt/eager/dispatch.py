@@ -1348,12 +1348,12 @@ def register_native(module: Any, op: OpOverload, plan: OpPlan,
 def configure_native(module: Any) -> None:
     """Hand the native dispatch what its hit path reads: the storage class, jax's array type, the mode's
     flags, the op counts it bumps (its other counters it keeps: metrics adds them), the device's newest
-    outputs, the default random key source, for padded storages their layout class (the holder of
-    padded results, where a program's device-check code goes, for DEFER_AND_FUSE the fusion module (its
-    pending graph, its size cap and debug switch), the fused result type and the source of a checked op's
-    user line, the table of live lengths (a factory of such a size is padded here; a new padded result's
-    lengths become live, as dynamic.note_padded does), how many it keeps and metrics' own counters (their
-    ops count) and the device arrays of traced numbers."""
+    outputs, the default random key source, the padded storages' layout class, where a program's
+    device-check code goes, for DEFER_AND_FUSE the fusion module (its pending graph, its size cap and debug
+    switch), the fused result type and the source of a checked op's user line, the table of live lengths
+    with how many it keeps and metrics' own counters (a factory of a live size is padded here, and a new
+    padded result's lengths become live natively, as dynamic.note_padded does in Python), and the device
+    arrays of traced numbers."""
     module.configure_dispatch(native_miss, storage.DeviceStorage, client.array_type(), metrics.op_counts,
                               startup.newest_outputs(), lambda index: rng.state(index).next_key(), storage.Padded,
                               native_checks_issued, fusion, fusion.Deferred, checks.caller,
