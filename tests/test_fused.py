@@ -234,7 +234,6 @@ def test_a_graphs_ints_are_passed_packed(monkeypatch: pytest.MonkeyPatch, fused:
     assert compiles[-1] == compiles[0], compiles
 
 
-
 def test_a_jax_without_weak_scalars_passes_numbers_one_by_one(monkeypatch: pytest.MonkeyPatch, fused: None) -> None:
     """Where jax's private conversion to a weakly typed scalar is missing (client.weak_scalar_maker() is None),
     a graph with PACK_MIN or more floats and ints packs none of them and passes each as before: CPU's values and
@@ -264,6 +263,7 @@ def test_a_jax_without_weak_scalars_passes_numbers_one_by_one(monkeypatch: pytes
     for k in (1, 2, 3):
         step(k)
         assert fusion.graph().replay.packed == (), fusion.graph().replay.packed
+
 
 def test_sync_points_flush(fused: None) -> None:
     x = torch.randn(4, device="pjrt")

@@ -566,4 +566,3 @@ def test_an_entry_first_met_while_fusing_makes_its_jit_only_when_strict_eager_ru
     assert python_calls_of_ours(lambda: strict.append(torch.atan2(a, b))) == []
     for result in fused + strict:
         torch.testing.assert_close(result.cpu(), torch.atan2(a_host, b_host))
-
