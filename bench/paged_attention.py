@@ -9,12 +9,17 @@ request); the cache holds exactly the requests' blocks. Both run
 in one process in interleaved rounds; shown are each one's best round (the fastest of --repeats calls) and
 the ratio kernel / torch ops (below 1: the kernel is faster). On CPU the kernel runs in Pallas's interpret
 mode, so it is expected to be slower there; the GPU ratio (`bash bench/accelerator.sh`) is the one that counts.
+A second table times the torch-op path's page gathers alone (`page_gather.gather_pages`'s lowering, one
+layer's keys and values, jitted): the CPU custom call (torch_pjrt._xla_cpu_kernels) against XLA's gathers (its
+fallback on other platforms), at these cases' shapes and at the vLLM serving bench's decode step (32 requests,
+2 kv heads, head size 32, 8 pages of 16: bench/serving.py's tiny Llama); below 1: the custom call is faster.
 Run: .venv/bin/python bench/paged_attention.py [--rounds N] [--repeats K] [--mode strict|fused]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 from collections.abc import Callable
 
@@ -22,13 +27,15 @@ import torch
 
 import torch_pjrt
 from torch_pjrt import kernels
-from torch_pjrt.kernels import paged
+from torch_pjrt.kernels import page_gather, paged
 from torch_pjrt.runtime import client
 
 HEADS, KV_HEADS, SIZE, BLOCK, LAYERS = 8, 2, 64, 16, 2
 # (name, query tokens, requests, context positions per request)
 # (the cache holds every request's context: requests x context / 16 blocks, plus vLLM's null block)
 CASES = (("decode", 16, 16, 64), ("decode", 16, 16, 1024), ("prefill chunk", 128, 1, 256))
+# (name, query tokens, kv heads, head size, pages of BLOCK per token) of the gathers' table, besides CASES
+SERVING_STEP = ("serving decode", 32, 2, 32, 8)
 
 
 def inputs(tokens: int, requests: int, context: int) -> dict[str, torch.Tensor]:
@@ -65,6 +72,39 @@ def timed(fn: Callable[[], torch.Tensor], repeats: int) -> float:
     return best
 
 
+def gather_shapes() -> list[tuple[str, int, int, int, int]]:
+    """The gathers' cases: CASES's shapes (each token its own pages) and the serving bench's decode step."""
+    return [(name, tokens, KV_HEADS, SIZE, context // BLOCK) for name, tokens, _, context in CASES] + [SERVING_STEP]
+
+
+def time_gathers(rounds: int, repeats: int) -> None:
+    """One layer's keys and values by the custom call and by XLA's gathers, alternated; equal results first."""
+    jax = client.jax_module()
+    if page_gather.native_target() is None:
+        print("page gathers: torch_pjrt._xla_cpu_kernels is not built; nothing to compare")
+        return
+    print(f"page gathers, one layer of {LAYERS}, float32, blocks of {BLOCK}, jitted")
+    print(f"{'case':<16}{'tokens':>8}{'kv heads':>10}{'head size':>11}{'context':>9}{'custom call us':>16}"
+          f"{'XLA gathers us':>16}{'custom/XLA':>12}")
+    for name, tokens, kv_heads, size, pages in gather_shapes():
+        blocks = tokens * pages + 1
+        cache = jax.numpy.asarray(torch.randn(LAYERS, blocks, kv_heads, BLOCK, 2 * size).numpy())
+        tables = jax.numpy.asarray((torch.randperm(blocks - 1)[: tokens * pages].view(tokens, pages) + 1).numpy())
+        arguments = (cache, tables, jax.numpy.asarray([1]))
+        runs = {flag: jax.jit(functools.partial(page_gather._gather_pages, native=flag)) for flag in (True, False)}
+        if not all(bool((mine == xla).all()) for mine, xla in zip(*(runs[f](*arguments) for f in (True, False)))):
+            raise RuntimeError(f"{name}: the custom call's pages differ from XLA's gathers")
+        best = {True: float("inf"), False: float("inf")}
+        for round_index in range(rounds):
+            for flag in (True, False) if round_index % 2 == 0 else (False, True):
+                for _ in range(repeats):
+                    start = time.perf_counter()
+                    jax.block_until_ready(runs[flag](*arguments))
+                    best[flag] = min(best[flag], time.perf_counter() - start)
+        print(f"{name:<16}{tokens:>8}{kv_heads:>10}{size:>11}{pages * BLOCK:>9}{best[True] * 1e6:>16.1f}"
+              f"{best[False] * 1e6:>16.1f}{best[True] / best[False]:>12.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
@@ -90,6 +130,8 @@ def main() -> None:
             blocks = a["cache"].shape[1]
             print(f"{name:<16}{tokens:>8}{context:>9}{blocks:>8}{best['kernel'] * 1e3:>11.2f}"
                   f"{best['torch'] * 1e3:>14.2f}{best['kernel'] / best['torch']:>14.2f}")
+
+    time_gathers(args.rounds, 20 * args.repeats)
 
 
 if __name__ == "__main__":

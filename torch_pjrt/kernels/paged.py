@@ -25,7 +25,7 @@ import torch
 from jax.experimental import pallas as pl
 
 from torch_pjrt import envvars
-from torch_pjrt.kernels import jax_ops
+from torch_pjrt.kernels import jax_ops, page_gather
 
 # cached positions one kernel step reads at most (its pages' rows)
 STEP_POSITIONS = 128
@@ -153,19 +153,12 @@ def gathered_attention(query: torch.Tensor, cache: torch.Tensor, block_tables: t
     1-element index tensor) the cache is the whole buffer (layers, blocks, ...) and the gathers read that
     layer's pages from it: a compiled program then never copies the layer's part out of the buffer.
 
-    Keys and values are gathered a whole page (block_size rows of one kv head) at a time, in the (token, kv
-    head, position, head_size) layout the batched products read, and the keys are the scores' left operand:
-    gathered row by row in (position, kv head) order, and the keys the right operand, XLA's CPU program
-    transposed each gathered context before its products (jax's profiler, the vLLM plugin's 32-token decode
-    step over 128 positions, 2 layers: gathers and transposes 861 us a step, these four gathers 160 us)."""
+    Keys and values come from page_gather.gather_pages, in the (token, kv head, position, head_size) layout
+    the batched products read (on jaxlib's CPU client a custom call copying whole rows, where XLA's gathers
+    took 778 us of a 2.69 ms vLLM decode step at 32 requests), and the keys are the scores' left operand."""
     tokens, heads, size = query.shape
-    kv_heads, block_size = cache.shape[-3], cache.shape[-2]
-    pages = (block_tables[:, None, :], torch.arange(kv_heads, device=cache.device)[None, :, None])
-    at = pages if layer is None else (layer, *pages)
-    context = block_tables.shape[1] * block_size
-    # (tokens, kv_heads, pages, block_size, size) -> (tokens, kv_heads, context, size)
-    keys = cache[..., :size][at].reshape(tokens, kv_heads, context, size).float()
-    values = cache[..., size:][at].reshape(tokens, kv_heads, context, size).float()
+    kv_heads = cache.shape[-3]
+    keys, values = (half.float() for half in page_gather.gather_pages(cache, block_tables, layer))
     grouped = query.view(tokens, kv_heads, heads // kv_heads, size).float()
     # the keys are the product's left operand as gathered; the (small) scores are then turned to (token, kv
     # head, group, position), so that the mask and the softmax run along their rows' last dimension

@@ -23,6 +23,9 @@ from torch_pjrt.runtime import checks, client, metrics
 
 _DIGEST = 32
 _counting = threading.local()
+# XLA custom calls that stored programs may call (jax.export refuses others): targets torch_pjrt registers with
+# jax when it defines the op that calls them (kernels/page_gather.py), so a process loading such a program has them
+STORABLE_CUSTOM_CALLS: set[str] = set()
 
 
 @contextlib.contextmanager
