@@ -43,7 +43,7 @@ def to_pjrt(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype | Non
         return result
     if order is None:
         strides, order = storage.contiguous_strides(sizes), tuple(range(len(sizes)))
-    physical = storage.host_array(tensor.permute(order))
+    physical = storage.host_array(tensor if order == tuple(range(len(sizes))) else tensor.permute(order))
     return storage.new_tensor(client.to_device(physical, device.index), tensor.dtype, device, sizes, strides)
 
 
