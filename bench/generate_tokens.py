@@ -63,17 +63,12 @@ GENERATE = textwrap.dedent(
 # Appended to GENERATE with --breakdown (not formatted): one more pjrt generate, its main-thread CPU split.
 BREAKDOWN = textwrap.dedent(
     """
+    from fused_parts import FLUSH_PARTS, timed_flush_parts
     from generate_compiled import CpuTimer
     from torch_pjrt.eager import dispatch, fusion
-    from torch_pjrt.runtime import checks, client, programs
+    from torch_pjrt.runtime import client, programs
     timers = dict(flush=CpuTimer(), program=CpuTimer(), read=CpuTimer(), miss=CpuTimer())
-    # our flush's parts (bench/step_breakdown.py --fused-host splits the training step's the same way)
-    flush_parts = {"numbers": (fusion.Replay, "arguments"), "replay match": (fusion.Replay, "matches"),
-                   "donation scan": (fusion, "_unreferenced"), "checks issued": (checks, "issued")}
-    part_timers = {name: CpuTimer() for name in flush_parts}
-    part_originals = {name: getattr(owner, attribute) for name, (owner, attribute) in flush_parts.items()}
-    for name, (owner, attribute) in flush_parts.items():
-        setattr(owner, attribute, part_timers[name].wrap(part_originals[name]))
+    part_timers = {name: CpuTimer() for name in FLUSH_PARTS}  # our flush's parts (bench/fused_parts.py)
     originals = (fusion.PendingGraph.flush, programs.Program.call, client.to_host_many, dispatch.native_miss)
     read_wall = [0.0]
 
@@ -89,12 +84,11 @@ BREAKDOWN = textwrap.dedent(
     client.to_host_many = timers["read"].wrap(read_timed)
     dispatch.native_miss = timers["miss"].wrap(originals[3])
     before = torch_pjrt.metrics.counters()
-    start, wall = time.thread_time(), time.perf_counter()
-    generate(pjrt, "pjrt")
-    total, wall = time.thread_time() - start, time.perf_counter() - wall
+    with timed_flush_parts(lambda name, fn: part_timers[name].wrap(fn)):
+        start, wall = time.thread_time(), time.perf_counter()
+        generate(pjrt, "pjrt")
+        total, wall = time.thread_time() - start, time.perf_counter() - wall
     (fusion.PendingGraph.flush, programs.Program.call, client.to_host_many, dispatch.native_miss) = originals
-    for name, (owner, attribute) in flush_parts.items():
-        setattr(owner, attribute, part_originals[name])
     after = torch_pjrt.metrics.counters()
     flush, program, read = (timers[name].seconds for name in ("flush", "program", "read"))
     # (a fused program is called inside its flush; the flush runs before a read, not inside it)

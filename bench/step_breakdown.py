@@ -190,9 +190,10 @@ def fused_host_split(model: torch.nn.Module, data: list) -> None:
     With the graph's size: ops, inputs (Python numbers among them, and those passed packed) and outputs, and what
     holds the outputs when the program runs (each costs jax ~2 us a call): parameters, their gradients (which
     zero_grad(set_to_none=True) drops unread at the next step), optimizer state, or other tensors."""
+    from fused_parts import FLUSH_PARTS, timed_flush_parts
+
     from torch_pjrt import storage
     from torch_pjrt.eager import fusion
-    from torch_pjrt.runtime import checks
 
     main_thread = threading.get_ident()
     times: dict[str, float] = {}
@@ -213,9 +214,6 @@ def fused_host_split(model: torch.nn.Module, data: list) -> None:
         return run
 
     flush, program_call = fusion.PendingGraph.flush, programs.Program.call
-    flush_parts = {"flush: donation scan": (fusion, "_unreferenced"), "flush: replay match": (fusion.Replay, "matches"),
-                   "flush: numbers": (fusion.Replay, "arguments"), "flush: checks issued": (checks, "issued")}
-    originals = {name: getattr(owner, attribute) for name, (owner, attribute) in flush_parts.items()}
 
     def sized_flush(self: fusion.PendingGraph, reason: str) -> None:
         if self.nodes and "ops" not in sizes:  # (counted once: the count would be timed as our flush's)
@@ -250,23 +248,21 @@ def fused_host_split(model: torch.nn.Module, data: list) -> None:
     torch.Tensor.backward = timed("backward", backward, wall="backward (wall)")
     fusion.PendingGraph.flush = timed("flush", sized_flush)
     programs.Program.call = timed("program call", counted_call)
-    for name, (owner, attribute) in flush_parts.items():
-        setattr(owner, attribute, timed(name, originals[name]))
     parts: dict[str, list[float]] = {}
     try:
-        with torch.pjrt.set_eager_mode("defer_and_fuse"):
+        with torch.pjrt.set_eager_mode("defer_and_fuse"), timed_flush_parts(timed):
             for tokens, targets in data[3:]:
                 times.clear()
                 transfers, step, item = step_phases(row, tokens, targets)
                 flush_rest = times.get("flush", 0.0) - times.get("program call", 0.0)
-                split = {name: times.get(name, 0.0) for name in flush_parts}
+                split = {name: times.get(name, 0.0) for name in FLUSH_PARTS}
                 found = {
                     "transfers": transfers, "zero_grad": times.get("zero_grad", 0.0),
                     "forward and loss": step - sum(times.get(name, 0.0) for name in (
                         "zero_grad", "backward", "clip", "AdamW step")),
                     "backward": times.get("backward", 0.0), "clip": times.get("clip", 0.0),
                     "AdamW step": times.get("AdamW step", 0.0), "flush (ours)": flush_rest,
-                    **{f"  {name[len('flush: '):]}": seconds for name, seconds in split.items()},
+                    **{f"  {name}": seconds for name, seconds in split.items()},
                     "  the rest": flush_rest - sum(split.values()),
                     "program call": times.get("program call", 0.0),
                     "wait and read": item - times.get("flush", 0.0),
@@ -277,8 +273,6 @@ def fused_host_split(model: torch.nn.Module, data: list) -> None:
     finally:
         torch.nn.utils.clip_grad_norm_, torch.Tensor.backward = clip, backward
         fusion.PendingGraph.flush, programs.Program.call = flush, program_call
-        for name, (owner, attribute) in flush_parts.items():
-            setattr(owner, attribute, originals[name])
     medians = {name: statistics.median(values) * 1e3 for name, values in parts.items()}
     packed = sum(len(positions) for _, positions in getattr(fusion.graph().replay, "packed", ()))
     print(f"DEFER_AND_FUSE step, main-thread CPU ms per step (median of {len(data) - 3} steps, load "
