@@ -9,7 +9,9 @@ The pjrt run twice: its eager ops between forwards (HF's loop: argmax, masks, st
 one program each, and in DEFER_AND_FUSE, fused into a few programs per token.
 --breakdown then splits one more pjrt generate's main-thread CPU time per token into Hugging Face's loop (its
 Python and the eager pjrt ops it runs between forwards), Dynamo's frame (guards and AOTAutograd's wrappers), our
-graph call and the program call within it, and counts graphs, graph breaks, recompiles and eager ops per token.
+graph call and the program call within it, and counts graphs, graph breaks, recompiles and eager ops per token;
+it also times the decode program alone (each call on ready inputs, waited for) against torch CPU eager's whole
+forward per token, and names the eager pjrt ops HF's loop runs per token (their top-level ATen ops).
 Run: .venv/bin/python bench/generate_compiled.py [--rounds 5] [--new-tokens 64] [--breakdown]
 """
 
@@ -27,7 +29,7 @@ import torch
 
 import torch_pjrt
 from torch_pjrt.compile import backend
-from torch_pjrt.runtime import programs
+from torch_pjrt.runtime import client, programs
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -130,6 +132,63 @@ def breakdown(pjrt: torch.nn.Module, run: Callable[[], torch.Tensor], new_tokens
           f"{sum(counters['graph_break'].values())}, recompiles {sum(counters['recompiles'].values())}")
 
 
+def median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
+
+
+def device_side(pjrt_run: Callable[[], torch.Tensor], cpu: torch.nn.Module, cpu_run: Callable[[], torch.Tensor],
+                new_tokens: int) -> None:
+    """Print the decode program's own time per call (its inputs ready before, its results waited for: what the
+    device spends, our host path excluded) beside torch CPU eager's forward per token, and the eager pjrt ops per
+    token by name (ATen ops the profiler sees outside the compiled region and outside other ATen ops)."""
+    jax = client.jax_module()
+    program_wall: list[float] = []
+    program_call = programs.Program.call
+
+    def waited(self: programs.Program, *args: object) -> object:
+        if self.name != "compiled_graph":
+            return program_call(self, *args)
+        jax.block_until_ready(args)
+        start = time.perf_counter()
+        results = program_call(self, *args)
+        jax.block_until_ready(results)
+        program_wall.append(time.perf_counter() - start)
+        return results
+
+    forward_wall: list[float] = []
+    cpu_forward = cpu.forward
+
+    @functools.wraps(cpu_forward)
+    def timed_forward(*args: object, **kwargs: object) -> object:
+        start = time.perf_counter()
+        try:
+            return cpu_forward(*args, **kwargs)
+        finally:
+            forward_wall.append(time.perf_counter() - start)
+
+    programs.Program.call, cpu.forward = waited, timed_forward
+    try:
+        pjrt_run()
+        cpu_run()
+    finally:
+        programs.Program.call, cpu.forward = program_call, cpu_forward
+    print(f"per token, wall ms (medians): the decode program alone {median(program_wall) * 1000:.3f}, torch CPU "
+          f"eager's forward {median(forward_wall) * 1000:.3f}")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        pjrt_run()
+    ops: dict[str, int] = {}
+    for event in profile.events():
+        parent, inside = event.cpu_parent, False
+        while parent is not None and not inside:
+            inside = parent.name.startswith(("aten::", "Torch-Compiled Region"))
+            parent = parent.cpu_parent
+        if event.name.startswith("aten::") and not inside:
+            ops[event.name] = ops.get(event.name, 0) + 1
+    listed = ", ".join(f"{name.removeprefix('aten::')} {count / new_tokens:.2f}"
+                       for name, count in sorted(ops.items(), key=lambda item: -item[1]))
+    print(f"eager ATen ops per token outside the compiled forward ({sum(ops.values()) / new_tokens:.1f}): {listed}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
@@ -180,6 +239,9 @@ def main() -> None:
         for name in COMPILED_ROWS:
             print(f"{name}:")
             breakdown(pjrt, rows[name], args.new_tokens)
+        faster = min(rows, key=lambda name: best[name] if name not in COMPILED_ROWS else float("inf"))
+        print(f"{COMPILED_ROWS[0]}, beside {faster}:")
+        device_side(rows[COMPILED_ROWS[0]], cpu, rows[faster], args.new_tokens)
 
 
 if __name__ == "__main__":
