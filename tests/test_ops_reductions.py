@@ -93,6 +93,27 @@ def test_nan_propagation_and_ties() -> None:
     check(lambda a: (a.argmax(1), a.argmin(1), a.max(1), a.min(1), torch.cummax(a, 1), torch.cummin(a, 1)), ties)
 
 
+
+@pytest.mark.parametrize("shape", [(32, 256), (5, 7, 9), (3, 1 << 19)])
+def test_arg_extremes_first_index_with_ties_and_nans_both_sides_of_the_two_pass_size(shape: tuple[int, ...]) -> None:
+    """argmax/argmin take two passes up to TWO_PASS_ARG_EXTREME_ELEMENTS elements and XLA's variadic reduce above:
+    both give PyTorch's first index of the extreme, NaN counting as it, over every dim, keepdim or not."""
+    from torch_pjrt.ops.reductions import TWO_PASS_ARG_EXTREME_ELEMENTS
+
+    x = randn(*shape)
+    assert (x.numel() > TWO_PASS_ARG_EXTREME_ELEMENTS) == (shape[-1] == 1 << 19)
+    rows = x.view(-1, shape[-1])
+    rows[::3, 1] = rows[::3].amax(1) + 1.0  # ties for the maximum, the first of them at index 1
+    rows[::3, -1] = rows[::3, 1]
+    rows[1::3, 0] = rows[1::3].amin(1) - 1.0  # and for the minimum
+    rows[1::3, -2] = rows[1::3, 0]
+    rows[2::5, 3] = rows[2::5, 2] = NAN  # NaN wins both, the first of them
+    check(lambda a: (a.argmax(-1), a.argmin(-1), a.argmax(0), a.argmin(0, keepdim=True), a.argmax(), a.argmin(),
+                     a.argmax(1, keepdim=True), a.max(-1), a.min(0)), x, equal_nan=True)
+    exact = torch.randint(-3, 4, shape)  # many ties in integers
+    check(lambda a: (a.argmax(-1), a.argmin(0), a.argmax(), a.argmax(1, keepdim=True)), exact)
+    check(lambda a: (a.argmax(-1), a.argmin(-1), a.max(0)), randn(*shape, dtype=torch.bfloat16))  # ties in bfloat16
+
 def test_edge_shapes() -> None:
     check(lambda a: (a.sum(0), a.max(0), a.argmax(0), a.cumsum(0), a.softmax(0), torch.cummax(a, 0),
                      a.logsumexp(0), a.var(0, correction=0), a.norm()), torch.tensor(1.5))
