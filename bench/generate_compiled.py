@@ -11,7 +11,8 @@ one program each, and in DEFER_AND_FUSE, fused into a few programs per token.
 Python and the eager pjrt ops it runs between forwards), Dynamo's frame (guards and AOTAutograd's wrappers), our
 graph call and the program call within it, and counts graphs, graph breaks, recompiles and eager ops per token;
 it also times the decode program alone (each call on ready inputs, waited for) against torch CPU eager's whole
-forward per token, and names the eager pjrt ops HF's loop runs per token (their top-level ATen ops).
+forward per token, splits CPU eager's token the same way (HF's loop runs on every device), and names the eager
+pjrt ops HF's loop runs per token (their top-level ATen ops).
 Run: .venv/bin/python bench/generate_compiled.py [--rounds 5] [--new-tokens 64] [--breakdown]
 """
 
@@ -156,7 +157,7 @@ def device_side(pjrt_run: Callable[[], torch.Tensor], cpu: torch.nn.Module, cpu_
         return results
 
     forward_wall: list[float] = []
-    cpu_forward = cpu.forward
+    cpu_forward, cpu_timer = cpu.forward, CpuTimer()
 
     @functools.wraps(cpu_forward)
     def timed_forward(*args: object, **kwargs: object) -> object:
@@ -166,14 +167,19 @@ def device_side(pjrt_run: Callable[[], torch.Tensor], cpu: torch.nn.Module, cpu_
         finally:
             forward_wall.append(time.perf_counter() - start)
 
-    programs.Program.call, cpu.forward = waited, timed_forward
+    programs.Program.call, cpu.forward = waited, cpu_timer.wrap(timed_forward)
     try:
         pjrt_run()
+        start = time.thread_time()
         cpu_run()
+        cpu_total = time.thread_time() - start
     finally:
         programs.Program.call, cpu.forward = program_call, cpu_forward
+    ms = 1000 / new_tokens
     print(f"per token, wall ms (medians): the decode program alone {median(program_wall) * 1000:.3f}, torch CPU "
-          f"eager's forward {median(forward_wall) * 1000:.3f}")
+          f"eager's forward {median(forward_wall) * 1000:.3f}; torch CPU eager's main-thread CPU ms per token: all "
+          f"{cpu_total * ms:.3f} = Hugging Face's loop and its CPU ops {(cpu_total - cpu_timer.seconds) * ms:.3f} + "
+          f"forward {cpu_timer.seconds * ms:.3f}")
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
         pjrt_run()
     ops: dict[str, int] = {}
