@@ -97,6 +97,8 @@ def test_gather_pages_checks_its_schema_and_fake() -> None:
     with pytest.raises(ValueError, match=r"gather_pages: the cache must be .* got cache \(3, 10, 2, 4, 16\), "
                                          r"layer None"):
         page_gather.gather_pages(arguments[0], arguments[1])
+    with pytest.raises(ValueError, match=r"gather_pages: .* layer \(2,\) and"):
+        page_gather.gather_pages(arguments[0], arguments[1], torch.tensor([0, 1], device="pjrt"))
 
 
 def _jax_inputs(tables: torch.Tensor | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:

@@ -85,11 +85,13 @@ def _gather_pages(cache: jax.Array, block_tables: jax.Array, layer: jax.Array | 
 def _result_shapes(cache: torch.Tensor, block_tables: torch.Tensor, layer: torch.Tensor | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """The op's fake: keys and values of the cache's dtype, sized from symbolic sizes too."""
-    if cache.dim() != (4 if layer is None else 5) or block_tables.dim() != 2 or cache.shape[-1] % 2:
+    if (cache.dim() != (4 if layer is None else 5) or block_tables.dim() != 2 or cache.shape[-1] % 2
+            or (layer is not None and tuple(layer.shape) != (1,))):
         raise ValueError(f"{OP}: the cache must be (layers, blocks, kv_heads, block_size, 2 * head_size) with a "
-                         f"layer, or (blocks, kv_heads, block_size, 2 * head_size) without, and block_tables 2-D; "
-                         f"got cache {tuple(cache.shape)}, layer {'given' if layer is not None else 'None'} and "
-                         f"block_tables {tuple(block_tables.shape)}.")
+                         f"1-element layer index, or (blocks, kv_heads, block_size, 2 * head_size) without, and "
+                         f"block_tables 2-D; got cache {tuple(cache.shape)}, layer "
+                         f"{tuple(layer.shape) if layer is not None else None} and block_tables "
+                         f"{tuple(block_tables.shape)}.")
     kv_heads, block_size, row = cache.shape[-3:]
     shape = (block_tables.shape[0], kv_heads, block_tables.shape[1] * block_size, row // 2)
     return cache.new_empty(shape), cache.new_empty(shape)
