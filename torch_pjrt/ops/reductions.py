@@ -201,10 +201,9 @@ def min(self: Any) -> Any:  # noqa: A001
 
 
 # Inputs up to this many elements take the extreme's first index in two passes (the extreme, then the least index
-# holding it), larger ones XLA's one variadic reduce (jnp.argmax): on XLA's CPU backend the two passes were 2-8x
-# faster up to 2M float32 elements (8 x 256: 12 against 26 us; 32 x 256: 14 against 107 us; 32 x 32000: 2.8
-# against 6.1 ms; 1024 x 1024: 1.2 against 6.7 ms) and level or slower at 4M (4096 x 1024: 39 against 37 ms; 4M
-# flat: 32 against 29 ms): `/tmp/c2/am3.py`, best of 3, load 6.5.
+# holding it), larger ones XLA's one variadic reduce (jnp.argmax). bench/arg_extreme.py on XLA's CPU backend (load
+# 16): the two passes take 0.24-0.84x the reduce's time from 8 x 256 to 2048 x 1024 elements (32 x 256: 47 against
+# 109 us; 32 x 32000: 1.35 against 3.35 ms) and 1.35-1.42x at 4M (4096 x 1024, 16384 x 256): the bound sits below.
 TWO_PASS_ARG_EXTREME_ELEMENTS = 1 << 20
 
 
