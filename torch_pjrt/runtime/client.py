@@ -323,9 +323,12 @@ def to_device(value: np.ndarray, index: int) -> Any:
     """A device array of a host array that the caller gives up (jax may read it later, or keep it on CPU)."""
     metrics.bump("transfers_to_device")
     metrics.bump("bytes_to_device", value.nbytes)
-    put = _put_on(index)
-    with out_of_memory_translated((), index):
-        return put(value)
+    try:  # (inline, not out_of_memory_translated: a generator's context per put, a batch's transfer each step)
+        return _put_on(index)(value)
+    except (RuntimeError, MemoryError) as error:
+        if not is_out_of_memory(error):
+            raise
+        raise out_of_memory_from(error, (), index) from None
 
 
 @functools.cache
@@ -345,9 +348,18 @@ def _put_on(index: int) -> Callable[[np.ndarray], Any]:
 
         sharding = jax.sharding.SingleDeviceSharding(device)
         batched_put, abstract = xla_client.batched_device_put, core.shaped_abstractify
+        # each (shape, dtype)'s abstract value made once, not by jax's Python per put (a training step's batch, met
+        # cold after the step's host wait); jax x64 is on for the process (jax_module), as these were made under
+        avals: dict[tuple[tuple[int, ...], np.dtype], Any] = {}
 
         def direct(value: np.ndarray) -> Any:
-            return batched_put(abstract(value), sharding, [value], [device], True)
+            key = (value.shape, value.dtype)
+            aval = avals.get(key)
+            if aval is None:
+                if len(avals) >= 4096:  # (bounded: a server meets a new shape per prompt length)
+                    avals.clear()
+                aval = avals[key] = abstract(value)
+            return batched_put(aval, sharding, [value], [device], True)
 
         probe = np.arange(3, dtype=np.int32)
         if np.array_equal(np.asarray(direct(probe)), probe):
