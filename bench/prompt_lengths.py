@@ -8,7 +8,10 @@ our Python bytecode compiled beforehand, as an installed package does (bench/fir
 Goals: pjrt / CPU <= 5 on the empty folder and <= 1.5 on the filled one. Each row is followed by its
 lengths' seconds and new programs, so a length that compiles or loads shows against the others; the filled
 row then by its split: the lengths where the empty row made new programs (what the folder serves) against
-the others, whose seconds are the same work in both processes (no program is new there in either).
+the others, whose seconds are the same work in both processes (no program is new there in either), with
+CPU's seconds for those lengths: their ratio is the steady one, which no cache folder lowers. Strict eager's
+steady ratio is bound by its per-op cost: a forward pass of this Llama runs 184 one-op programs (ops_executed
+over the sweep's forward passes), each a jax call and a trip through PyTorch's dispatcher.
 Run: .venv/bin/python bench/prompt_lengths.py
 """
 
@@ -37,7 +40,7 @@ def main() -> None:
                       f"{ratio:>11.2f}{'met' if ratio <= goal else 'no':>6}  {row['equal']}", flush=True)
                 print("        per length, pjrt s (programs): " + " ".join(
                     f"{length}: {seconds:.2f}" + (f" ({count:.0f})" if count else "")
-                    for length, (seconds, count) in row["lengths"].items()), flush=True)
+                    for length, (seconds, count, _) in row["lengths"].items()), flush=True)
             print("        " + filled_split(rows["empty"]["lengths"], rows["filled"]["lengths"]), flush=True)
     print("(programs: new programs during the 12 lengths: XLA compiles, and fused programs loaded from the cache "
           "folder; prompt 60 and its 8 new tokens exceed 64, so generate()'s marks "
@@ -46,14 +49,17 @@ def main() -> None:
 
 def filled_split(empty: dict, filled: dict) -> str:
     """The filled row's seconds split into the lengths where the empty row made new programs (the folder's
-    part: loading them, and each new program's first run) and the rest, beside the empty row's rest."""
-    new = [length for length, (_, count) in empty.items() if count]
+    part: loading them, and each new program's first run) and the rest, beside the empty row's rest and CPU's
+    (the rest's pjrt / CPU is the steady ratio: no cache folder brings the row below it)."""
+    new = [length for length, (_, count, _) in empty.items() if count]
     rest = [length for length in filled if length not in new]
     filled_rest, empty_rest = (sum(row[length][0] for length in rest) for row in (filled, empty))
+    cpu_rest = sum(filled[length][2] for length in rest)
     loaded = sum(filled[length][0] for length in new)
     above = loaded - filled_rest / max(len(rest), 1) * len(new)
     return (f"filled split: {len(rest)} lengths with no new programs in either process {filled_rest:.2f} s "
-            f"(empty row's same lengths {empty_rest:.2f} s); length(s) {', '.join(map(str, new))} whose "
+            f"(empty row's same lengths {empty_rest:.2f} s; CPU's {cpu_rest:.2f} s, pjrt / CPU "
+            f"{filled_rest / cpu_rest:.2f}); length(s) {', '.join(map(str, new))} whose "
             f"programs come from the folder {loaded:.2f} s, {above:.2f} s above a length with none")
 
 
