@@ -22,7 +22,7 @@ With `--profile`, each pjrt row also prints torch.profiler's table of one more b
 preparation, attention metadata, forward, logits, sampling; in pjrt rows also the forward's program calls made
 from Python and its copies to the host, which wait for the programs) and a table of wall ms per engine step
 follows, with the CPU ms per step of the process's threads: the engine's thread and the others (XLA's, which
-run the programs, or vLLM CPU's OpenMP threads).
+run the programs, or vLLM CPU's OpenMP threads), and the engine thread's time runnable but waiting for a core.
 Run: .venv-vllm/bin/python bench/serving.py [--requests N] [--new-tokens T] [--repeats R] [--rounds K]
      [--kv-cache-mib M] [--profile | --breakdown] [--sampling auto|device|host] [--rows cpu,strict,fused,...]
 """
@@ -41,6 +41,15 @@ SERVE = textwrap.dedent(
     """
     import json, resource, sys, time
     from collections import defaultdict
+
+    # the calling thread's time spent runnable but waiting for a core (Linux schedstat; 0 elsewhere)
+    def run_queue_seconds():
+        import threading
+        try:
+            with open(f"/proc/self/task/{threading.get_native_id()}/schedstat") as stat:
+                return int(stat.read().split()[1]) / 1e9
+        except OSError:
+            return 0.0
 
     # (phase, its parent phase, the object, its method): each one's wall time summed over a batch's steps;
     # a phase whose object is None is not timed in this row (torch-pjrt's, on vLLM's CPU platform)
@@ -85,8 +94,10 @@ SERVE = textwrap.dedent(
             if owner is not None:
                 setattr(owner, name, timed(label, getattr(owner, name)))
         used, start, host = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter(), time.thread_time()
+        queued = run_queue_seconds()
         batch()
         spent["generate"] = time.perf_counter() - start
+        queued = run_queue_seconds() - queued
         host, now = time.thread_time() - host, resource.getrusage(resource.RUSAGE_SELF)
         process = now.ru_utime + now.ru_stime - used.ru_utime - used.ru_stime
         for owner, name, method in originals:
@@ -104,6 +115,8 @@ SERVE = textwrap.dedent(
         rows.append(("CPU time, the process's threads", process, None))
         rows.append(("CPU time, the engine's (host) thread", host, "CPU time, the process's threads"))
         rows.append(("CPU time, the other threads", process - host, "CPU time, the process's threads"))
+        # runnable but not running: on a host with no idle core, the threads a program launch wakes take it
+        rows.append(("the engine's thread waiting for a core (Linux run queue)", queued, None))
         return {"steps": steps, "ms_per_step": [(label, 1000 * value / steps, parent) for label, value, parent in rows]}
 
     from vllm import LLM, SamplingParams

@@ -909,6 +909,12 @@ def fused_program(*args, **kwargs):
     calls["fused"] += 1
     return fused(*args, **kwargs)
 runner._run_step, runner._sampled, runner._sampled_rows_program = counted_step, recorded, fused_program
+from torch_pjrt.runtime import programs
+launch = programs.Program.call
+def counted_launch(self, *args):
+    calls["programs"] += 1
+    return launch(self, *args)
+programs.Program.call = counted_launch
 (program,) = made
 through_torch_compile = program._compiled_callable
 def counted_compiled_callable(*args, **kwargs):
@@ -919,7 +925,7 @@ prompts = [TokensPrompt(prompt_token_ids=p) for p in json.loads(sys.argv[2])]
 results = {"dynamo_code_of": getattr(getattr(program, "_compiled_bytecode", None), "co_name", None),
            "async": runner.use_async_scheduling}
 for logprobs in (None, 2):
-    calls.update(steps=0, fused=0, back=[], through_torch_compile=0)
+    calls.update(steps=0, fused=0, back=[], through_torch_compile=0, programs=0)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=logprobs, detokenize=False)
     outputs = llm.generate(prompts, params, use_tqdm=False)
     results[str(logprobs)] = {"tokens": [list(o.outputs[0].token_ids) for o in outputs], **calls,
@@ -934,7 +940,8 @@ def test_greedy_steps_on_the_compile_path_run_one_program_and_bring_back_only_to
     token ids, one per request; with logprobs asked, the sampled rows' logits come back for vLLM's sampler;
     Hugging Face's greedy tokens either way. The step runs the code Dynamo made of StepProgram.forward's own
     frame directly (vLLM's bytecode hook), never through torch.compile's call after the warm-up's trace. Under
-    async scheduling (the default) the greedy tokens stay on the device until the engine asks for them."""
+    async scheduling (the default) the greedy tokens stay on the device until the engine asks for them; a
+    greedy step launches one program, its own (its tokens' rows are read from the padded tokens whole)."""
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
     done = subprocess.run([sys.executable, "-c", STEP_PROGRAM_IN_A_NEW_PROCESS, str(tiny_llama),
                            json.dumps(_prompts())], env=env, capture_output=True, text=True, timeout=600)
@@ -951,6 +958,8 @@ def test_greedy_steps_on_the_compile_path_run_one_program_and_bring_back_only_to
         on = "pjrt" if result["async"] and kind == "tokens" else "cpu"
         assert {(what, device) for what, device, _, _ in run["back"]} == {(kind, on)}
         assert run["logprobs"] == [logprobs != "None"] * len(expected)
+    # a greedy step launches its program and nothing else (no program to read its tokens' rows, async or not)
+    assert result["None"]["programs"] == result["None"]["steps"]
     # one int32 token per request a greedy step (a step's requests: at most the prompts')
     assert all(is_int32 and len(shape) == 1 and 1 <= shape[0] <= len(expected)
                for _, _, is_int32, shape in result["None"]["back"])

@@ -371,11 +371,15 @@ class PjrtModelRunner(CPUModelRunner):
         if not self.use_async_scheduling:
             return super().sample_tokens(grammar_output)
         cuda_output = gpu_model_runner.AsyncGPUModelRunnerOutput
-        gpu_model_runner.AsyncGPUModelRunnerOutput = TokensCopiedLater
+        gpu_model_runner.AsyncGPUModelRunnerOutput = self._tokens_copied_later
         try:
             return super().sample_tokens(grammar_output)
         finally:
             gpu_model_runner.AsyncGPUModelRunnerOutput = cuda_output
+
+    def _tokens_copied_later(self, *args: Any, **kwargs: Any) -> TokensCopiedLater:
+        """The step's TokensCopiedLater, given the greedy program's padded tokens this step's _sample issued."""
+        return TokensCopiedLater(*args, padded=self._padded_device_tokens, **kwargs)
 
     def initialize_metadata_builders(self, kv_cache_config: KVCacheConfig, kernel_block_sizes: list[int]) -> None:
         """The pjrt attention builders ship the step's token ids with their indices (one transfer a step)."""
@@ -564,21 +568,31 @@ class TokensCopiedLater(AsyncModelRunnerOutput):
 
     def __init__(self, model_runner_output: ModelRunnerOutput, sampled_token_ids: torch.Tensor,
                  logprobs_tensors: Any, invalid_req_indices: list[int], async_output_copy_stream: Any = None,
-                 vocab_size: int = 0, check_ep_fault: bool = False, num_nans: torch.Tensor | None = None) -> None:
+                 vocab_size: int = 0, check_ep_fault: bool = False, num_nans: torch.Tensor | None = None, *,
+                 padded: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         if check_ep_fault:
             raise NotImplementedError("expert-parallel fault checks are not supported on pjrt")
         self._output, self._invalid_req_indices, self._vocab_size = model_runner_output, invalid_req_indices, vocab_size
         self._sampled_token_ids: torch.Tensor | None = sampled_token_ids
+        # (the greedy program's padded tokens, the view of their first rows it issued): the runner's
+        # _padded_device_tokens
+        self._padded = padded
         self._logprobs_tensors, self._num_nans = logprobs_tensors, num_nans
         self.sampled_token_ids_cpu = torch.empty(sampled_token_ids.shape, dtype=sampled_token_ids.dtype)
         self.async_copy_ready_event = self
 
     def synchronize(self) -> None:
-        """Waits for the step's programs and copies its tokens into `sampled_token_ids_cpu` (once)."""
-        if self._sampled_token_ids is not None:
-            with torch.inference_mode():  # the host tensor was made in the step's inference mode
-                self.sampled_token_ids_cpu.copy_(self._sampled_token_ids)
-            self._sampled_token_ids = None
+        """Waits for the step's programs and copies its tokens into `sampled_token_ids_cpu` (once): where they are
+        the first rows of the greedy program's padded tokens, those are read whole and cut on the host (reading
+        the rows' view itself runs a program first)."""
+        tokens, self._sampled_token_ids = self._sampled_token_ids, None
+        if tokens is None:
+            return
+        if self._padded is not None and self._padded[1] is tokens:
+            tokens = kernels.to_cpu(self._padded[0])[: tokens.shape[0]].view(tokens.shape)
+        self._padded = None
+        with torch.inference_mode():  # the host tensor was made in the step's inference mode
+            self.sampled_token_ids_cpu.copy_(tokens)
 
     def get_output(self) -> ModelRunnerOutput:
         self.synchronize()
