@@ -114,6 +114,24 @@ def test_arg_extremes_first_index_with_ties_and_nans_both_sides_of_the_two_pass_
     check(lambda a: (a.argmax(-1), a.argmin(0), a.argmax(), a.argmax(1, keepdim=True)), exact)
     check(lambda a: (a.argmax(-1), a.argmin(-1), a.max(0)), randn(*shape, dtype=torch.bfloat16))  # ties in bfloat16
 
+
+@pytest.mark.parametrize("shape", [(32, 256), (64, 64, 64), (4, 8)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_max_and_min_reductions_give_nan_where_one_is(shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    """A max or min over values holding NaN is NaN, as in PyTorch, also at the sizes where XLA's CPU backend runs
+    the reduce as a YNNPACK fusion that skips NaN (32 x 256, 64 x 64 x 64): amax, amin, max, min, aminmax, the
+    infinity norms (a gradient's clip or overflow check) and the prims Inductor's decompositions reach."""
+    x = randn(*shape, dtype=dtype)
+    flat = x.view(-1, shape[-1])
+    flat[::3, torch.randint(shape[-1], ())] = NAN  # a NaN in every third row, at a random column
+    check(lambda a: (a.amax(-1), a.amin(0), a.amax((0, -1), keepdim=True), a.max(), a.min(),
+                     torch.aminmax(a, dim=-1), torch.aminmax(a), a.abs().max(),
+                     torch.linalg.vector_norm(a, float("inf"), -1), torch.linalg.vector_norm(a, -float("inf")),
+                     torch.ops.prims.amax(a, [a.dim() - 1]), torch.ops.prims.amin(a, list(range(a.dim())))),
+          x, equal_nan=True)
+    check(lambda a: (a.amax(-1), a.max(), torch.aminmax(a, dim=0)), randn(*shape, dtype=dtype))  # no NaN at all
+
+
 def test_edge_shapes() -> None:
     check(lambda a: (a.sum(0), a.max(0), a.argmax(0), a.cumsum(0), a.softmax(0), torch.cummax(a, 0),
                      a.logsumexp(0), a.var(0, correction=0), a.norm()), torch.tensor(1.5))

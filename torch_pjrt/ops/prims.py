@@ -237,12 +237,12 @@ def prod(inp: Any, dims: Sequence[int] | None, *, output_dtype: torch.dtype | No
 
 @register(prims.amax.default)
 def amax(inp: Any, dims: Sequence[int] | None, *, output_dtype: torch.dtype | None = None) -> Any:
-    return _cast(jnp.max(inp, axis=_axes(inp, dims)), output_dtype)
+    return _cast(reductions.extreme(jnp.max, inp, _axes(inp, dims)), output_dtype)
 
 
 @register(prims.amin.default)
 def amin(inp: Any, dims: Sequence[int] | None, *, output_dtype: torch.dtype | None = None) -> Any:
-    return _cast(jnp.min(inp, axis=_axes(inp, dims)), output_dtype)
+    return _cast(reductions.extreme(jnp.min, inp, _axes(inp, dims)), output_dtype)
 
 
 @register(prims.xor_sum.default)

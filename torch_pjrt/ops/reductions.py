@@ -137,9 +137,9 @@ def linalg_vector_norm(self: Any, ord: float = 2, dim: Any = None, keepdim: bool
     x = jnp.abs(_opmath(self if dtype is None else self.astype(storage.numpy_dtype(dtype))))
     dims = axes(self, dim)
     if ord == math.inf:
-        return jnp.max(x, axis=dims, keepdims=keepdim)
+        return extreme(jnp.max, x, dims, keepdim)
     if ord == -math.inf:
-        return jnp.min(x, axis=dims, keepdims=keepdim)
+        return extreme(jnp.min, x, dims, keepdim)
     if ord == 0:
         return jnp.sum((x != 0).astype(x.dtype), axis=dims, keepdims=keepdim)
     if ord == 1:
@@ -180,24 +180,34 @@ def logsumexp(self: Any, dim: Any, keepdim: bool = False) -> Any:
 # --- extrema ----------------------------------------------------------------------------------
 
 
+def extreme(reduce: Callable, x: Any, axis: Any = None, keepdims: bool = False) -> Any:
+    """`reduce` (jnp.max or jnp.min) with NaN winning wherever one is, as in PyTorch: XLA's CPU backend runs
+    a max or min reduce as a YNNPACK fusion whose result skips NaN (jaxlib 0.10.2: the max of a 32 x 256 row
+    holding one NaN is its largest number), so the NaN test is a reduce of its own."""
+    result = reduce(x, axis=axis, keepdims=keepdims)
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        return result
+    return jnp.where(jnp.isnan(x).any(axis=axis, keepdims=keepdims), jnp.nan, result)
+
+
 @register(aten.amax.default)
 def amax(self: Any, dim: Any = (), keepdim: bool = False) -> Any:
-    return jnp.max(self, axis=axes(self, dim), keepdims=keepdim)
+    return extreme(jnp.max, self, axes(self, dim), keepdim)
 
 
 @register(aten.amin.default)
 def amin(self: Any, dim: Any = (), keepdim: bool = False) -> Any:
-    return jnp.min(self, axis=axes(self, dim), keepdims=keepdim)
+    return extreme(jnp.min, self, axes(self, dim), keepdim)
 
 
 @register(aten.max.default)
 def max(self: Any) -> Any:  # noqa: A001
-    return jnp.max(self)
+    return extreme(jnp.max, self)
 
 
 @register(aten.min.default)
 def min(self: Any) -> Any:  # noqa: A001
-    return jnp.min(self)
+    return extreme(jnp.min, self)
 
 
 # Inputs up to this many elements take the extreme's first index in two passes (the extreme, then the least index
@@ -265,8 +275,8 @@ def _with_values_at(x: Any, index: Any, dim: int, keepdim: bool) -> tuple[Any, A
 def aminmax(self: Any, *, dim: int | None = None, keepdim: bool = False) -> tuple[Any, Any]:
     dims = axes(self, dim)
     if dim is None and keepdim:
-        return jnp.min(self, axis=dims, keepdims=True), jnp.max(self, axis=dims, keepdims=True)
-    return jnp.min(self, axis=dims, keepdims=keepdim), jnp.max(self, axis=dims, keepdims=keepdim)
+        return extreme(jnp.min, self, dims, True), extreme(jnp.max, self, dims, True)
+    return extreme(jnp.min, self, dims, keepdim), extreme(jnp.max, self, dims, keepdim)
 
 
 # --- predicates ------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -9,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
+from torch_pjrt.ops import reductions
 from torch_pjrt.ops.nn.common import _up
 from torch_pjrt.ops.registry import register
 
@@ -24,7 +26,7 @@ def _p_norm(diff: Any, p: float) -> Any:
     if p == 0:
         return jnp.sum(diff != 0, axis=-1).astype(diff.dtype)
     if p == math.inf:
-        return jnp.max(jnp.abs(diff), axis=-1, initial=0)
+        return reductions.extreme(functools.partial(jnp.max, initial=0), jnp.abs(diff), -1)
     if p == 1:
         return jnp.sum(jnp.abs(diff), axis=-1)
     if p == 2:
