@@ -83,6 +83,6 @@ zoo: $(STAMP)
 		--report docs/model-coverage.md --json build/zoo/results.json --log build/zoo/workers.log
 
 clean:
-	rm -rf $(VENV) $(EXTRA_VENVS) build *.egg-info torch_pjrt/_hooks*.so
+	rm -rf $(VENV) $(EXTRA_VENVS) build *.egg-info torch_pjrt/_hooks*.so torch_pjrt/_xla_cpu_kernels*.so
 
 include $(wildcard make/*.mk)
