@@ -370,6 +370,13 @@ def _put_on(index: int) -> Callable[[np.ndarray], Any]:
 
 
 @functools.cache
+def argument_avals(executable: Any) -> tuple[list[Any], Any]:
+    """A compiled executable's arguments as jax's abstract values (shape, dtype, weak type), flat, and their
+    tree: jax's ArgInfo shows the weak type only on its private abstract value."""
+    infos, structure = jax_module().tree_util.tree_flatten(executable.args_info)
+    return [info._aval for info in infos], structure
+
+
 def weak_scalar_maker() -> Callable[[Any, Any], Any] | None:
     """`make(value, dtype)`, inside a traced program: `value` (a traced scalar) as `dtype` and weakly typed, the
     type jax gives a Python number, so it promotes as one (a float32 tensor times it stays float32); through

@@ -259,8 +259,7 @@ def _run_once(executable: Any, devices: list[int]) -> None:
     if executable is None or len(devices) > 1:
         return
     jax = client.jax_module()
-    infos, structure = jax.tree_util.tree_flatten(executable.args_info)
-    avals = [info._aval for info in infos]
+    avals, structure = client.argument_avals(executable)
     if sum(aval.size * aval.dtype.itemsize for aval in avals) > FIRST_RUN_MAX_BYTES:
         return
     import numpy as np
