@@ -225,6 +225,8 @@ class PjrtModelRunner(CPUModelRunner):
                 self._dummy_run(min(WARM_UP_TOKENS, self.max_num_tokens), force_attention=True)
         finally:
             self.model = model
+        for builder in self._pjrt_attention_builders():  # traced: no step's tensors are read by Dynamo again
+            builder.marks_dynamic = False
 
     def _on_device_padded(self, t: torch.Tensor | None) -> torch.Tensor | None:
         """A model input on the device, its token dimension padded as the attention metadata pads it."""
@@ -337,10 +339,15 @@ class PjrtModelRunner(CPUModelRunner):
 
     def _carry_tokens(self, carried: tuple[np.ndarray, np.ndarray]) -> None:
         """Names this step's (token rows, their rows in the previous step's tokens) to the attention builders."""
+        for builder in self._pjrt_attention_builders():
+            builder.carried_tokens = carried
+
+    def _pjrt_attention_builders(self) -> Iterator[PjrtAttentionMetadataBuilder]:
+        """The pjrt attention metadata builders of the runner's attention groups."""
         for group in self._attn_group_iterator():
             for builder in group.metadata_builders:
                 if isinstance(builder, PjrtAttentionMetadataBuilder):
-                    builder.carried_tokens = carried
+                    yield builder
 
     def _with_carried_tokens(self, input_ids: torch.Tensor | None,
                              inputs_embeds: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -382,12 +389,12 @@ class PjrtModelRunner(CPUModelRunner):
         return TokensCopiedLater(*args, padded=self._padded_device_tokens, **kwargs)
 
     def initialize_metadata_builders(self, kv_cache_config: KVCacheConfig, kernel_block_sizes: list[int]) -> None:
-        """The pjrt attention builders ship the step's token ids with their indices (one transfer a step)."""
+        """The pjrt attention builders ship the step's token ids with their indices (one transfer a step), and mark
+        their tensors dynamic only where a graph is traced (see warming_up_model)."""
         super().initialize_metadata_builders(kv_cache_config, kernel_block_sizes)
-        for group in self._attn_group_iterator():
-            for builder in group.metadata_builders:
-                if isinstance(builder, PjrtAttentionMetadataBuilder):
-                    builder.token_ids = self.input_ids.cpu
+        for builder in self._pjrt_attention_builders():
+            builder.token_ids = self.input_ids.cpu
+            builder.marks_dynamic = self.compilation_config.mode != CompilationMode.NONE
 
     def _sample_in_program(self, hidden_states: Any, logits_indices: torch.Tensor | None) -> SampledInProgram | None:
         """The step's sampled rows' logits, and their greedy tokens when vLLM's sampler would only take their
