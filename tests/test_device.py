@@ -333,6 +333,20 @@ def test_copy_then_in_place_update_keeps_the_copy() -> None:
     torch.testing.assert_close(a.cpu(), source + 1)
 
 
+def test_a_host_tensor_stays_resizable_after_its_copy_to_the_device() -> None:
+    """Copying a CPU tensor to pjrt leaves it as it was: numpy() on it would have made its storage unresizable
+    (a later out= call or resize_ raised "Trying to resize storage that is not resizable")."""
+    for host in (torch.empty(0, dtype=torch.bool), torch.randn(3), torch.randint(0, 9, (2, 3))):
+        copy = host.to("pjrt")
+        assert torch.equal(copy.cpu(), host)
+        host.resize_(4, 5)
+        assert host.shape == (4, 5)
+    out = torch.empty(0, dtype=torch.bool)
+    out.to("pjrt")
+    bools = torch.randn(2, 3) > 0
+    assert torch.equal(torch.pow(bools, True, out=out), bools)
+
+
 def test_host_writes_after_a_transfer_do_not_reach_the_device_copy() -> None:
     """A reused host buffer (a loader's pinned batch) must not alias the device tensor made from it."""
     source = torch.randn(1000)
