@@ -1199,10 +1199,14 @@ def test_the_server_under_16_streaming_clients_answers_each_request_once_cancels
                for i in line.rpartition("Aborted request(s) ")[2].rstrip(".").split(",")}
     hung_up = {i for stream in first.hung_up + loaded.hung_up for i in stream.ids}
     # a hung-up request is aborted, unless the engine finished it before the server saw the hang-up (on a starved
-    # machine: its 64 tokens take ~0.2 s); then it finished at its length like the whole streams, never lost
+    # machine: its 64 tokens take ~0.2 s); then it finished at its length like the whole streams, never lost. The
+    # server may also log an abort for one the engine was finishing at that moment (counted finished and aborted:
+    # seen at load 4-6 beside a make test run, 2 of 997 aborts): every whole stream and un-aborted hang-up
+    # finished, and no request beyond the hang-ups did
     assert aborted and aborted <= hung_up
     finished = load.summed(after, "vllm:request_success_total", 'finished_reason="length"')
-    assert finished == len(first.streams) + len(loaded.streams) + len(hung_up - aborted), (finished, len(aborted))
+    whole = len(first.streams) + len(loaded.streams)
+    assert whole + len(hung_up - aborted) <= finished <= whole + len(hung_up), (finished, len(aborted), len(hung_up))
     assert load.summed(after, "vllm:num_requests_running") == load.summed(after, "vllm:num_requests_waiting") == 0
     assert rss_after - rss_before < 128 << 20, (rss_before, rss_after)
 
