@@ -217,12 +217,12 @@ def min(self: Any) -> Any:  # noqa: A001
 TWO_PASS_ARG_EXTREME_ELEMENTS = 1 << 20
 
 
-def _arg_extreme(extreme: Callable, fn: Callable, x: Any, dim: int | None, keepdim: bool) -> Any:
-    """First index of the extreme (NaN counts as the extreme, as in PyTorch): `extreme` (jnp.max or jnp.min), then
+def _arg_extreme(reduce: Callable, fn: Callable, x: Any, dim: int | None, keepdim: bool) -> Any:
+    """First index of the extreme (NaN counts as the extreme, as in PyTorch): `reduce` (jnp.max or jnp.min), then
     the least index holding it, where the input is small enough to be read twice; else `fn` (jnp.argmax or
     jnp.argmin), XLA's one-pass variadic reduce."""
     if dim is None:
-        index = _arg_extreme(extreme, fn, x.reshape(-1), 0, False)
+        index = _arg_extreme(reduce, fn, x.reshape(-1), 0, False)
         return jnp.reshape(index, (1,) * x.ndim) if keepdim else index
     if x.ndim == 0:
         return jnp.zeros((), np.int64)
@@ -231,7 +231,7 @@ def _arg_extreme(extreme: Callable, fn: Callable, x: Any, dim: int | None, keepd
     if x.size > TWO_PASS_ARG_EXTREME_ELEMENTS or 2 * length >= 2**31:
         return fn(x, axis=axis, keepdims=keepdim)
     positions = jax.lax.broadcasted_iota(np.int32, x.shape, axis)
-    held = x == extreme(x, axis=axis, keepdims=True)
+    held = x == reduce(x, axis=axis, keepdims=True)
     if not jnp.issubdtype(x.dtype, jnp.inexact):
         return jnp.min(jnp.where(held, positions, length), axis=axis, keepdims=keepdim).astype(np.int64)
     # A NaN wins wherever one is: NaNs rank by their index below every held extreme (index + length), so the
