@@ -11,12 +11,13 @@ venv: $(STAMP)
 
 # A virtual environment at $(1) holding pip and the pinned CPU torch before anything else, so that no later
 # requirement can make pip resolve another torch build (an unpinned torch is a multi-GB CUDA download).
-# jaxlib (pyproject.toml's pin) too: pip builds the package before installing its dependencies, and
-# torch_pjrt._xla_cpu_kernels needs jaxlib's FFI headers to build (setup.py).
+# jaxlib (pyproject.toml's pin, read from there) too: pip builds the package before installing its dependencies,
+# and torch_pjrt._xla_cpu_kernels needs jaxlib's FFI headers to build (setup.py).
+JAXLIB_PIN := $(shell grep -o 'jaxlib==[0-9.]*' pyproject.toml)
 define new_venv
 test -x $(1)/bin/python || $(PYTHON) -m venv $(1)
 $(1)/bin/python -m pip install --quiet --upgrade "pip>=23.2"
-$(1)/bin/python -m pip install --quiet torch==2.13.0 jaxlib==0.10.2 "setuptools>=68" wheel
+$(1)/bin/python -m pip install --quiet torch==2.13.0 $(JAXLIB_PIN) "setuptools>=68" wheel
 endef
 
 $(STAMP): pyproject.toml
