@@ -1,7 +1,8 @@
 """Per-op cost of strict eager and of DEFER_AND_FUSE recording against the bare jitted call of the same math.
 
-Two ops (16x16 float32 `a + b`, 64x64 `addmm`), each as: torch on CPU, the bare `jax.jit` of the
-same math on the same device arrays, pjrt strict eager through the native hit path
+Two aten ops (16x16 float32 `a + b`, 64x64 `addmm`) and a custom op (kernels.jax_op: the serving
+path's `gather_pages` at a tiny shape, whose program carries device-side checks), each as: torch on
+CPU, the bare `jax.jit` of the same math on the same device arrays, pjrt strict eager through the native hit path
 (csrc/dispatch.cpp), the same pjrt call with the native path turned off (every call through
 the Python kernel, as with TORCH_PJRT_NATIVE_DISPATCH=0), and the op recorded in DEFER_AND_FUSE,
 natively and through Python (recording only: the pending graph runs between timed batches, untimed).
@@ -13,6 +14,7 @@ Run: .venv/bin/python bench/dispatch_overhead.py [--rounds N]
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 from collections.abc import Callable
 
@@ -23,6 +25,7 @@ import torch
 import torch_pjrt
 from torch_pjrt import native
 from torch_pjrt.eager import dispatch, fusion
+from torch_pjrt.kernels import page_gather
 
 # recorded ops per timed batch, below the pending graph's size cap (so no flush is timed)
 RECORDED_BATCH = 400
@@ -84,6 +87,16 @@ def main() -> None:
     jitted_addmm = jax.jit(lambda bias, x, y: bias + jnp.dot(x, y, precision="highest"))
     cases["64x64 float32 addmm"] = (lambda: torch.addmm(c_cpu, m_cpu, n_cpu), lambda: jitted_addmm(jc, jm, jn),
                                     lambda: torch.addmm(c, m, n))
+
+    # a custom op (kernels.jax_op): the serving path's page gather of 2 tokens' 2 pages, its CPU kernel torch indexing
+    cache_cpu, tables_cpu, layer_cpu = torch.randn(2, 8, 2, 4, 16), torch.randint(0, 8, (2, 2)), torch.tensor([1])
+    cache, tables, layer = cache_cpu.to("pjrt"), tables_cpu.to("pjrt"), layer_cpu.to("pjrt")
+    native_gather = page_gather.native_target() is not None
+    jitted_gather = jax.jit(functools.partial(page_gather._gather_pages, native=native_gather))
+    arrays = [dispatch.read(t) for t in (cache, tables, layer)]
+    cases["custom op gather_pages"] = (lambda: page_gather.gather_pages(cache_cpu, tables_cpu, layer_cpu),
+                                       lambda: jitted_gather(*arrays),
+                                       lambda: page_gather.gather_pages(cache, tables, layer))
 
     columns = ["torch CPU", "bare jax.jit", "pjrt native", "pjrt Python", "record native", "record Python"]
     best: dict[str, dict[str, float]] = {name: {col: float("inf") for col in columns} for name in cases}

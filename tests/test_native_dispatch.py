@@ -12,6 +12,8 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import pytest
 import torch
 
@@ -222,6 +224,57 @@ def test_checked_programs_hit_natively_and_raise_at_the_host_wait() -> None:
     issued_at = r"aten::embedding: index out of range.*test_native_dispatch.py:\d+: return torch.nn.functional.emb"
     with pytest.raises(RuntimeError, match=issued_at):
         looked_up.cpu()
+
+
+@torch_pjrt.kernels.jax_op("native_dispatch_test::scaled_softsign")
+def scaled_softsign(x: jax.Array, labels: jax.Array, *, scale: float) -> tuple[jax.Array, jax.Array]:
+    """A custom op with two results, a static scale and an integer tensor argument."""
+    return x / (1 + jnp.abs(x)) * scale, x * labels[:, None]
+
+
+@pytest.mark.parametrize("mode", [torch_pjrt.EagerMode.DEFER_NEVER, torch_pjrt.EagerMode.DEFER_AND_FUSE])
+def test_custom_ops_hit_natively_and_give_cpus_results(mode: torch_pjrt.EagerMode) -> None:
+    """A jax_op's seen call signature replays (strict) or records (fused) with no Python of ours beyond torch's
+    own custom-op wrapper; its static argument keys the entry (another scale misses once), results equal CPU's."""
+    op = scaled_softsign
+    x, labels = torch.randn(6, 5), torch.randint(-3, 4, (6,))
+    on = (x.to("pjrt"), labels.to("pjrt"))
+    with torch.pjrt.set_eager_mode(mode):
+        op(*on, scale=0.5)
+        op(*on, scale=0.5)
+        got: list[tuple[torch.Tensor, torch.Tensor]] = []
+        before = torch_pjrt.metrics.counters()["cache_hits"]
+        entered = python_calls_of_ours(lambda: got.append(op(*on, scale=0.5)))
+        hits = torch_pjrt.metrics.counters()["cache_hits"] - before
+        got.append(op(*on, scale=-2.0))
+    assert entered == [] and hits == 1
+    for (values, products), scale in zip(got, (0.5, -2.0), strict=True):
+        torch.testing.assert_close(values.cpu(), x / (1 + x.abs()) * scale)
+        assert torch.equal(products.cpu(), x * labels[:, None])
+
+
+def test_gather_pages_hits_natively_and_a_bad_block_id_raises_at_the_host_wait() -> None:
+    """The serving path's page gather (a jax_op with device-side checks) replays natively, handing only its
+    check code to Python; a block id past the cache in a seen signature raises where the host waits."""
+    from torch_pjrt.kernels import page_gather
+
+    torch.manual_seed(8)
+    cache, tables, layer = torch.randn(2, 6, 2, 4, 16), torch.randint(0, 6, (3, 2), dtype=torch.int32), 1
+    on = [cache.to("pjrt"), tables.to("pjrt"), torch.tensor([layer]).to("pjrt")]
+    page_gather.gather_pages(*on)
+    page_gather.gather_pages(*on)
+    got: list[tuple[torch.Tensor, torch.Tensor]] = []
+    entered = python_calls_of_ours(lambda: got.append(page_gather.gather_pages(*on)))
+    assert {name.rsplit(":", 1)[1] for name in entered if "/eager/dispatch.py:" in name} == {"native_checks_issued"}
+    pages = cache[layer][tables.long()]  # (tokens, pages, kv heads, block size, 2 * head size)
+    want = pages.permute(0, 2, 1, 3, 4).reshape(3, 2, 2 * 4, 16)
+    assert torch.equal(got[0][0].cpu(), want[..., :8]) and torch.equal(got[0][1].cpu(), want[..., 8:])
+    on[1] = torch.tensor([[0, 9]] * 3, dtype=torch.int32).to("pjrt")  # same signature, a block past the cache
+    before = torch_pjrt.metrics.counters()["cache_hits"]
+    keys = page_gather.gather_pages(*on)[0]
+    assert torch_pjrt.metrics.counters()["cache_hits"] - before == 1
+    with pytest.raises(RuntimeError, match=r"gather_pages: index 9 is out of bounds.*test_native_dispatch.py:\d+"):
+        keys.cpu()
 
 
 def test_advanced_indexing_hits_natively_unless_a_mask_needs_its_count() -> None:

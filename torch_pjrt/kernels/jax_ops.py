@@ -7,8 +7,8 @@ strict eager, fused eager (recorded into the pending program) and torch.compile 
 lowered inside the graph's program). Its fake kernel is `jax.eval_shape` of the function, so
 Dynamo, AOTAutograd and the meta kernels that strict eager asks for never run it.
 
-Custom ops take the Python kernel path (the native hit path in csrc/dispatch.cpp caches aten
-overloads only); the program behind it is cached the same way.
+Its PrivateUse1 kernel is the native one of aten ops (csrc/dispatch.cpp): a call signature seen before replays
+its cached program with no Python of ours; ops with donated arguments keep the Python kernel.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from torch_pjrt import storage
+from torch_pjrt import native, storage
 from torch_pjrt.eager import dispatch
 from torch_pjrt.kernels import symbolic_sizes
 from torch_pjrt.ops import registry
@@ -79,11 +79,25 @@ def define(name: str, fn: Callable, donate_argnums: Any = None, vjp: str | None 
     overload = _overload(name)
     fingerprint = fingerprint or _fingerprint(fn)
     registry.register(overload, fingerprint=fingerprint, donated=donated)(_lowering(name, fn))
-    op_def.register_kernel("pjrt")(dispatch.make_kernel(dispatch.plan_for(overload)))
+    _register_device_kernel(op_def, overload, donated)
     op_def.register_fake(fake or _eval_shape_fake(name, fn, signature))
     if vjp == "auto":
         _derive_backward(name, fn, signature, tensor_names, fingerprint)
     return op_def
+
+
+def _register_device_kernel(op_def: Any, overload: Any, donated: tuple[int, ...]) -> None:
+    """The op's pjrt kernel: the native one of aten ops (csrc/dispatch.cpp: a seen call signature replays its
+    cached program with no Python of ours), or, without the native module or for an op with donated
+    arguments (whether a call donates depends on grad mode and the eager mode, which the native key does not
+    hold), the Python kernel. A call on pjrt tensors comes after the device's start, which configured the
+    native module's miss path (dispatch.configure_native), so the native kernel may be registered before."""
+    plan = dispatch.plan_for(overload)
+    native_dispatch = native.dispatch_module()
+    if native_dispatch is not None and not donated:
+        dispatch.register_native(native_dispatch, overload, plan)
+    else:
+        op_def.register_kernel("pjrt")(dispatch.make_kernel(plan))
 
 
 # --- names, annotations and the schema -------------------------------------------------------------
