@@ -324,6 +324,34 @@ def test_in_place_updates_donate_buffers_nothing_else_holds(fused: None) -> None
     torch.testing.assert_close(snapshot.cpu(), weight)
 
 
+def test_a_donated_buffer_holds_the_value_written_over_it(fused: None) -> None:
+    """Each in-place update ends in the buffer it was given (the step's program copies none), also where a value
+    of the same shape is kept that was recorded before it (a gradient before its parameter's update) and the
+    updates come in another order than their inputs were first read. (The first step's inputs are the host's
+    own memory, which XLA does not reuse.)"""
+    from torch_pjrt import storage
+
+    def buffers() -> list[int]:
+        return [fusion.concrete(storage.storage_of(t).array).unsafe_buffer_pointer() for t in (pjrt_first, pjrt_second)]
+
+    first, second = torch.randn(32, 16), torch.randn(32, 16)
+    pjrt_first, pjrt_second = first.to("pjrt"), second.to("pjrt")
+    for step in range(4):
+        given = buffers()
+        pjrt_gradient = pjrt_first * pjrt_second  # kept: an output of the same shape, recorded first
+        gradient = first * second
+        pjrt_second.mul_(0.5).add_(pjrt_gradient, alpha=-0.1)
+        pjrt_first.sub_(pjrt_gradient, alpha=0.2)
+        second.mul_(0.5).add_(gradient, alpha=-0.1)
+        first.sub_(gradient, alpha=0.2)
+        torch.pjrt.synchronize()
+        if step:
+            assert buffers() == given
+    torch.testing.assert_close(pjrt_gradient.cpu(), gradient)
+    torch.testing.assert_close(pjrt_first.cpu(), first)
+    torch.testing.assert_close(pjrt_second.cpu(), second)
+
+
 def test_errors_raise_at_the_op(fused: None) -> None:
     x = torch.randn(3, device="pjrt")
     with pytest.raises(RuntimeError, match="broadcast"):

@@ -157,24 +157,27 @@ class PendingGraph:
                     count, numbers, packed = _traced_numbers(nodes, packing=mesh is None)
                     structure = (tuple([(id(entry), refs) for entry, refs in nodes]), wanted, donated,
                                  self.device_index, mesh, packed)
-                    program = _programs.get(structure)
-                    if program is None:  # (a stored program is compiled here, before its first call)
+                    found = _programs.get(structure)
+                    if found is None:  # (a stored program is compiled here, before its first call)
                         metrics.bump("fused_compiles")
                         if DEBUG_RECOMPILE:
                             _explain_recompile(nodes, where)
-                        program = _programs.put(structure, _fused_program(nodes, wanted, donated, self.device_index,
-                                                                          mesh, inputs, packed))
+                        order = _output_order(nodes, wanted, donated)
+                        found = _programs.put(structure, (_fused_program(nodes, wanted, order, donated,
+                                                                         self.device_index, mesh, inputs, packed),
+                                                          order))
                         _seen.append((nodes, where))
-                    replay = self.replay = Replay(nodes, wanted, donated, mesh, program, self.device_index, count,
-                                                  numbers, packed)
+                    program, order = found
+                    replay = self.replay = Replay(nodes, wanted, donated, mesh, program, order, self.device_index,
+                                                  count, numbers, packed)
                 arguments = inputs if mesh is not None else replay.arguments(inputs)  # (which may repack them)
                 results = replay.program.call(*arguments)
             except BaseException as error:
                 for deferred in live:
                     deferred.failure = error
                 raise
-            for deferred, value in zip(live, results):
-                deferred.value = value
+            for position, value in zip(replay.order, results):
+                live[position].value = value
             if check_lines:
                 lines = tuple([line for line, count in zip(check_lines, replay.check_counts) for _ in range(count)])
                 checks.issued(results[-1], replay.checks, lines)
@@ -187,15 +190,17 @@ class Replay:
     packed (`packed`: (dtype, input positions) for the graph's floats and for its ints, each where there are
     PACK_MIN or more)."""
 
-    __slots__ = ("nodes", "wanted", "donated", "mesh", "program", "checks", "check_counts", "device_index",
+    __slots__ = ("nodes", "wanted", "donated", "mesh", "program", "order", "checks", "check_counts", "device_index",
                  "numbers", "passed", "packed", "unpacked")
 
     def __init__(self, nodes: list[tuple[Any, tuple[Any, ...]]], wanted: tuple[tuple[int, int], ...],
-                 donated: tuple[int, ...], mesh: Any, program: Any, device_index: int, input_count: int,
-                 numbers: tuple[int, ...], packed: Packs) -> None:
+                 donated: tuple[int, ...], mesh: Any, program: Any, order: tuple[int, ...], device_index: int,
+                 input_count: int, numbers: tuple[int, ...], packed: Packs) -> None:
         # (held, not copied: the graph hands its list over at the flush and records into a new one)
         self.nodes = nodes
         self.wanted, self.donated, self.mesh, self.program = wanted, donated, mesh, program
+        # the program returns the kept outputs in this order of `wanted`'s positions (_output_order)
+        self.order = order
         self.device_index = device_index
         made = [entry.checks for entry, _ in nodes if entry.checks]
         self.checks = tuple(check for found in made for check in found)
@@ -289,6 +294,36 @@ def _traced_numbers(nodes: list[tuple[Any, tuple[Any, ...]]], packing: bool) -> 
 _NUMBERS = (int, float, bool, complex)
 
 
+def _output_order(nodes: list[tuple[Any, tuple[Any, ...]]], wanted: tuple[tuple[int, int], ...],
+                  donated: tuple[int, ...]) -> tuple[int, ...]:
+    """The order the program returns the kept outputs in (positions of `wanted`): first the last value written
+    in place into each donated input (its in-place ops followed through their mutated arguments), in the donated
+    inputs' order, then the others in recording order. jax pairs donated inputs with outputs of the same shape and
+    dtype in order; recording order put a training step's gradients (the same shapes as the parameters, and
+    written earlier) in the parameters' place, so XLA copied every parameter and optimizer state it was handed
+    (93 copies in the GPT step's program)."""
+    latest: dict[int, tuple[int, int]] = {}  # a donated input's position -> the last value written over it
+    origins: dict[tuple[int, int], int] = {}  # a value written in place -> the input position it replaced
+    for node, (entry, refs) in enumerate(nodes):
+        mutated = getattr(entry, "mutated_slots", ())
+        if not mutated:
+            continue
+        first = entry.output_count - len(mutated)
+        for index, slot in enumerate(mutated):
+            if slot not in entry.passed_slots:
+                continue  # (overwritten whole, never read: uniform_ is not passed its storage)
+            ref = refs[entry.passed_slots.index(slot)]
+            origin = ref[1] if ref[0] == "c" else origins.get((ref[1], ref[2])) if ref[0] == "n" else None
+            if origin is not None:
+                latest[origin] = (node, first + index)
+                origins[(node, first + index)] = origin
+    position_of = {output: position for position, output in enumerate(wanted)}
+    first_positions = [position_of[latest[input_position]] for input_position in donated
+                       if latest.get(input_position) in position_of]
+    taken = set(first_positions)
+    return tuple(first_positions + [position for position in range(len(wanted)) if position not in taken])
+
+
 def _unreferenced(inputs: list[Any]) -> tuple[int, ...]:
     """Positions of the device arrays that only this list holds: no storage, tensor, pending
     result or user keeps them, so the program may reuse their buffers (the in-place updates)."""
@@ -302,14 +337,16 @@ def _unreferenced(inputs: list[Any]) -> tuple[int, ...]:
 
 
 def _fused_program(
-    nodes: list[tuple[Any, tuple[Any, ...]]], wanted: tuple[tuple[int, int], ...], donated: tuple[int, ...],
-    device_index: int, mesh: Any, inputs: list[Any], packed: Packs = (),
+    nodes: list[tuple[Any, tuple[Any, ...]]], wanted: tuple[tuple[int, int], ...], order: tuple[int, ...],
+    donated: tuple[int, ...], device_index: int, mesh: Any, inputs: list[Any], packed: Packs = (),
 ) -> Any:
     """The program of a pending graph: stored for later processes (and loaded from an earlier one's store)
     where the cache folder is on and every op's entry has a process-independent structure. With `packed`
-    float input positions, it takes the other inputs one by one and those as one host array, last."""
+    float input positions, it takes the other inputs one by one and those as one host array, last. It returns
+    the kept outputs in `order` (positions of `wanted`: _output_order), then the device-side checks' code."""
     functions = [entry.fn for entry, _ in nodes]
     wiring = [refs for _, refs in nodes]
+    ordered = [wanted[position] for position in order]
     # ops with device-side checks: their programs' last output is a code; the graph returns one for all
     checked = [node for node, (entry, _) in enumerate(nodes) if entry.checks]
     offsets = [0]
@@ -322,7 +359,7 @@ def _fused_program(
         for fn, refs in zip(functions, wiring):
             args = [values[r[1]][r[2]] if r[0] == "n" else inputs[r[1]] for r in refs]
             values.append(fn(*args))
-        results = tuple(values[node][index] for node, index in wanted)
+        results = tuple(values[node][index] for node, index in ordered)
         if checked:
             results += (checks.combine([values[node][-1] for node in checked], offsets),)
         return results
