@@ -6,8 +6,9 @@ around the programs), then the programs that one step ran replayed back-to-back 
 optimizer code, our dispatch, recording and wrapping, and the waits between). The JAX row is one
 jitted program per step. The loop reads loss.item() every step, so a fused step takes at least its
 recording plus its program; strict eager overlaps its Python with the programs.
-Then the device time alone, compiled against JAX: each program of the compiled step and all of them replayed on
-their recorded inputs, alternating with the JAX step's one program replayed the same way (best round of each).
+Then the device time alone, compiled and fused against JAX: each program of the compiled step, all of them, and the
+fused step's program replayed on their recorded inputs, alternating with the JAX step's one program replayed the
+same way (best round of each): the split of a step's gap to JAX into program time and host time.
 With --host, only the compiled step's main-thread CPU time split into the batch's transfers, our graph calls,
 the rest of the step call (Dynamo, AOTAutograd, autograd, the optimizer's wrappers) and loss.item().
 With --fused-host, only the fused step's main-thread CPU time split by phase (transfers, zero_grad, forward,
@@ -82,14 +83,18 @@ def replay_ms(step_calls: list[tuple[Callable[..., Any], tuple]], repeats: int =
     return statistics.median(times[1:]) * 1e3
 
 
-def compute_split(compiled_calls: list[tuple[Callable[..., Any], tuple]], jax_call: tuple[Callable[..., Any], tuple],
+Calls = list[tuple[Callable[..., Any], tuple]]
+
+
+def compute_split(compiled_calls: Calls, fused_calls: Calls, jax_call: tuple[Callable[..., Any], tuple],
                   rounds: int = 5) -> None:
-    """Device time alone, compiled step against the JAX step's one program, replayed in alternation (rounds of
-    each, best round kept): each compiled program on its own, and the compiled step's programs back-to-back."""
+    """Device time alone, the compiled and fused steps against the JAX step's one program, replayed in alternation
+    (rounds of each, best round kept): each compiled program on its own, and each step's programs back-to-back."""
     best: dict[str, float] = {}
     rows = {f"compiled program {i + 1} ({len(jax.tree.leaves(args))} args)": [(fn, args)]
             for i, (fn, args) in enumerate(compiled_calls)}
     rows["compiled, all programs"] = compiled_calls
+    rows[f"fused, its {len(fused_calls)} program(s)"] = fused_calls
     rows["JAX jit, its one program"] = [jax_call]
     for _ in range(rounds):
         for label, step_calls in rows.items():
@@ -98,8 +103,8 @@ def compute_split(compiled_calls: list[tuple[Callable[..., Any], tuple]], jax_ca
           f"{rounds} alternating rounds, load {open('/proc/loadavg').read().split()[0]}):")
     for label, ms in best.items():
         print(f"  {label:<40}{ms:>8.2f} ms")
-    ratio = best["compiled, all programs"] / best["JAX jit, its one program"]
-    print(f"  compiled programs / JAX's program: {ratio:.2f}x")
+    for label, name in (("compiled", "compiled, all programs"), ("fused", f"fused, its {len(fused_calls)} program(s)")):
+        print(f"  {label} programs / JAX's program: {best[name] / best['JAX jit, its one program']:.2f}x")
 
 
 def timed_steps(row: TorchRow | JaxRow, data: list) -> tuple[list[float], list[float]]:
@@ -386,12 +391,14 @@ def main() -> None:
         rows.append((label, step_ms, statistics.median(cpus[3:]) * 1e3, len(calls), replay_ms(step_calls)))
         if mode == "compile":
             compiled_calls = step_calls
+        elif mode == "fuse":
+            fused_calls = step_calls
     jax_row = JaxRow(model, 2, 4)
     jax_walls, jax_cpus = timed_steps(jax_row, data)
     jax_ms = statistics.median(jax_walls[3:]) * 1e3
     tokens, targets = (jax.numpy.asarray(t.numpy()) for t in data[-1])
     jax_call = (jax_row.step, (jax_row.params, jax_row.state, jax.numpy.float32(jax_row.count), tokens, targets))
-    compute_split(compiled_calls, jax_call)
+    compute_split(compiled_calls, fused_calls, jax_call)
     print(f"GPT step (2 layers, width 128, seq 64, batch 8, AdamW), median of steps 4-{args.steps - 1}")
     print(f"{'':<24}{'step ms':>9}{'host cpu ms':>13}{'programs':>10}{'compute ms':>12}{'rest ms':>9}")
     for label, step_ms, cpu_ms, count, compute_ms in rows:
