@@ -9,7 +9,9 @@ The pjrt run twice: its eager ops between forwards (HF's loop: argmax, masks, st
 one program each, and in DEFER_AND_FUSE, fused into a few programs per token.
 --breakdown then splits one more pjrt generate's main-thread CPU time per token into Hugging Face's loop (its
 Python and the eager pjrt ops it runs between forwards), Dynamo's frame (guards and AOTAutograd's wrappers), our
-graph call and the program call within it, and counts graphs, graph breaks, recompiles and eager ops per token;
+graph call and the program call within it (Dynamo's frame split into AOTAutograd's runtime wrappers and the rest, with
+the guards' own cost timed alone; the program call into jax's call of the executable and our Program.call around
+it), and counts graphs, graph breaks, recompiles and eager ops per token;
 it also times the decode program alone (each call on ready inputs, waited for) against torch CPU eager's whole
 forward per token, splits CPU eager's token the same way (HF's loop runs on every device), and names the eager
 pjrt ops HF's loop runs per token (their top-level ATen ops).
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import inspect
 import os
 import sys
 import time
@@ -29,6 +32,7 @@ from collections.abc import Callable
 import torch
 
 import torch_pjrt
+from torch_pjrt import _torch_private
 from torch_pjrt.compile import backend
 from torch_pjrt.eager import fusion
 from torch_pjrt.runtime import client, programs
@@ -103,14 +107,30 @@ class CpuTimer:
 
 def breakdown(pjrt: torch.nn.Module, run: Callable[[], torch.Tensor], new_tokens: int) -> None:
     """Print where one more pjrt generate's main-thread CPU goes per token, and its graphs and eager ops."""
+    from jax import stages
     from torch._dynamo.utils import counters
 
-    forward, graph, program, flushed = CpuTimer(), CpuTimer(), CpuTimer(), CpuTimer()
+    forward, aot, graph, program, jax_call = CpuTimer(), CpuTimer(), CpuTimer(), CpuTimer(), CpuTimer()
+    flushed = CpuTimer()
     compiled_forward, graph_call, program_call = pjrt.forward, backend.CompiledGraph.__call__, programs.Program.call
-    flush = fusion.PendingGraph.flush
-    pjrt.forward = forward.wrap(compiled_forward)
+    compiled_call, flush = stages.Compiled.__call__, fusion.PendingGraph.flush
+    # Dynamo's code for the forward calls its graphs through these globals of the forward's module: AOTAutograd's
+    # runtime wrappers are the time in them outside our graph call (plus the timer's own disable() wrapper).
+    namespace = type(pjrt).forward.__globals__
+    compiled_fns = {name: fn for name, fn in namespace.items() if name.startswith("__compiled_fn")}
+    called: list[tuple[tuple, dict]] = []
+
+    @functools.wraps(compiled_forward)
+    def recorded(*args: object, **kwargs: object) -> object:
+        called[:] = [(args, kwargs)]
+        return compiled_forward(*args, **kwargs)
+
+    pjrt.forward = forward.wrap(recorded)
+    # (disabled for Dynamo: the timer runs inside the compiled frame, where Dynamo would trace it)
+    namespace.update({name: torch.compiler.disable(aot.wrap(fn)) for name, fn in compiled_fns.items()})
     backend.CompiledGraph.__call__ = graph.wrap(graph_call)
     programs.Program.call = program.wrap(program_call, lambda self, *args: self.name == "compiled_graph")
+    stages.Compiled.__call__ = jax_call.wrap(compiled_call, lambda *args: program.depth == 1)
     # fused mode: the graph call reads inputs HF's loop left pending, which runs their fused program there
     fusion.PendingGraph.flush = flushed.wrap(flush, lambda *args: graph.depth == 1)
     counters.clear()
@@ -122,21 +142,57 @@ def breakdown(pjrt: torch.nn.Module, run: Callable[[], torch.Tensor], new_tokens
     finally:
         pjrt.forward, backend.CompiledGraph.__call__, programs.Program.call = (compiled_forward, graph_call,
                                                                                 program_call)
-        fusion.PendingGraph.flush = flush
+        stages.Compiled.__call__, fusion.PendingGraph.flush = compiled_call, flush
+        namespace.update(compiled_fns)
     after = torch_pjrt.metrics.counters()
     per_token = {name: (after[name] - before[name]) / new_tokens
                  for name in ("ops_executed", "fused_programs", "transfers_to_host")}
     ms = 1000 / new_tokens
+    guards = guard_check_seconds(pjrt, *called[-1]) * 1000
+    dynamo = (forward.seconds - graph.seconds) * ms
+    wrappers = (aot.seconds - graph.seconds) * ms if aot.calls == graph.calls else float("nan")
     print(f"per token, main-thread CPU ms (load {open('/proc/loadavg').read().split()[0]}): all {total * ms:.3f} = "
           f"Hugging Face's loop and its eager pjrt ops {(total - forward.seconds) * ms:.3f} + Dynamo's frame "
-          f"(guards, AOTAutograd wrappers) {(forward.seconds - graph.seconds) * ms:.3f} + our graph call "
-          f"{(graph.seconds - program.seconds - flushed.seconds) * ms:.3f} + the fused flush of the graph's pending "
-          f"inputs in it {flushed.seconds * ms:.3f} + program call {program.seconds * ms:.3f}")
+          f"{dynamo:.3f} + our graph call {(graph.seconds - program.seconds - flushed.seconds) * ms:.3f} + the fused "
+          f"flush of the graph's pending inputs in it {flushed.seconds * ms:.3f} + program call "
+          f"{program.seconds * ms:.3f}")
+    print(f"  Dynamo's frame {dynamo:.3f} = AOTAutograd's runtime wrappers {wrappers:.3f} + the rest "
+          f"{dynamo - wrappers:.3f} (Dynamo's call and code, Hugging Face's forward wrapper, the guards: "
+          f"{guards:.3f} when the last forward's guards are checked alone, in a loop); program call "
+          f"{program.seconds * ms:.3f} = jax's call of the compiled executable {jax_call.seconds * ms:.3f} + "
+          f"Program.call around it {(program.seconds - jax_call.seconds) * ms:.3f}")
     print(f"per token: forwards {forward.calls / new_tokens:.2f}, graph calls {graph.calls / new_tokens:.2f}, "
           f"eager pjrt ops {per_token['ops_executed']:.1f} (fused programs {per_token['fused_programs']:.2f}), "
           f"transfers to host {per_token['transfers_to_host']:.2f}; "
           f"in the whole generate: graphs captured {counters['stats']['unique_graphs']}, graph breaks "
           f"{sum(counters['graph_break'].values())}, recompiles {sum(counters['recompiles'].values())}")
+
+
+def guard_check_seconds(model: torch.nn.Module, args: tuple, kwargs: dict, repeats: int = 200) -> float:
+    """Main-thread CPU seconds of Dynamo's guard checks for one call of the model's compiled forward with these
+    arguments: each compiled frame's guards tried in Dynamo's order up to the one that passes, timed in a loop
+    (best of 5; caches warm, so below what the same checks cost inside generate's loop). NaN where none passes."""
+    function = type(model).forward
+    bound = inspect.signature(function, follow_wrapped=False).bind(model, *args, **kwargs)
+    bound.apply_defaults()
+    frame_locals = dict(bound.arguments)
+    frame_locals.update(zip(function.__code__.co_freevars, (cell.cell_contents for cell in function.__closure__ or ())))
+    tried = []
+    with torch.no_grad():
+        for check in _torch_private.dynamo_guard_checks(function.__code__):
+            tried.append(check)
+            if check(frame_locals):
+                break
+        else:
+            return float("nan")
+        best = float("inf")
+        for _ in range(5):
+            start = time.thread_time()
+            for _ in range(repeats):
+                for check in tried:
+                    check(frame_locals)
+            best = min(best, (time.thread_time() - start) / repeats)
+    return best
 
 
 def median(values: list[float]) -> float:

@@ -196,6 +196,14 @@ def dynamo_skip_our_packages() -> None:
         trace_rules.add(name)
 
 
+def dynamo_guard_checks(code: types.CodeType) -> list[Callable[[dict[str, Any]], bool]]:
+    """The guard checks of the frames Dynamo compiled for `code`, in the order a call tries them (the
+    last one used first); each takes the frame's locals. Benchmarks time them."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    return [entry.guard_manager.check for entry in _debug_get_cache_entry_list(code)]
+
+
 def min_cut_partition() -> Callable[..., Any]:
     """AOTAutograd's min-cut partitioner (Inductor's): views and cheap ops of the forward are recomputed in
     the backward instead of saved, so a compiled forward hands fewer tensors over."""
