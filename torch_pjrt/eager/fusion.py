@@ -36,6 +36,9 @@ MAX_NODES = int(envvars.value("TORCH_PJRT_FUSE_MAX_NODES"))
 # that kind (float64, int64): jax converts each Python number it is passed (~2-3 us) and checks each device array
 # (~1 us), one host array ~6 us (Replay.arguments).
 PACK_MIN = 8
+# Replays a device's pending graph keeps (PendingGraph.replays): generate() on the tiny Llama meets 6 graphs in turn
+# (bench/generate_tokens.py), a training step with an evaluation between its steps 2 or 3.
+REPLAYS_KEPT = 8
 DEBUG_RECOMPILE = envvars.flag("TORCH_PJRT_DEBUG_RECOMPILE")
 
 flush_reasons: Counter = Counter()
@@ -82,6 +85,9 @@ class PendingGraph:
         # the last flush's program and what it was found by: a decode or training loop flushes the same
         # graph again and again, which is then told apart by one list comparison, not a key's hash
         self.replay: Replay | None = None
+        # the last REPLAYS_KEPT flushes' distinct programs, most recently run first: a generate() meets a few
+        # graphs in turn (its prefill, a decode graph per padded length), each found again the same way
+        self.replays: list[Replay] = []
         self.lock = threading.RLock()
 
     def _ref(self, value: Any) -> Any:
@@ -150,8 +156,8 @@ class PendingGraph:
             donated = _unreferenced(inputs)
             metrics.bump("fused_donated_buffers", len(donated))
             try:
-                replay = self.replay
-                if replay is not None and replay.matches(nodes, wanted, donated, mesh):
+                replay = self._replayed(nodes, wanted, donated, mesh)
+                if replay is not None:
                     metrics.bump("cache_hits")
                 else:
                     count, numbers, packed = _traced_numbers(nodes, packing=mesh is None)
@@ -170,6 +176,7 @@ class PendingGraph:
                     program, order = found
                     replay = self.replay = Replay(nodes, wanted, donated, mesh, program, order, self.device_index,
                                                   count, numbers, packed)
+                    self.replays = [replay, *self.replays[:REPLAYS_KEPT - 1]]
                 arguments = inputs if mesh is not None else replay.arguments(inputs)  # (which may repack them)
                 results = replay.program.call(*arguments)
             except BaseException as error:
@@ -181,6 +188,19 @@ class PendingGraph:
             if check_lines:
                 lines = tuple([line for line, count in zip(check_lines, replay.check_counts) for _ in range(count)])
                 checks.issued(results[-1], replay.checks, lines)
+
+
+    def _replayed(self, nodes: list[tuple[Any, tuple[Any, ...]]], wanted: tuple[tuple[int, int], ...],
+                  donated: tuple[int, ...], mesh: Any) -> Replay | None:
+        """The kept replay this graph is (the last one first), made the last one; None where none is: the graph is
+        then looked up by its structure's key (~1.3 ms for a 192-op decode graph)."""
+        for position, replay in enumerate(self.replays):
+            if replay.matches(nodes, wanted, donated, mesh):
+                if position:
+                    self.replays.insert(0, self.replays.pop(position))
+                self.replay = replay
+                return replay
+        return None
 
 
 class Replay:
