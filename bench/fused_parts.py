@@ -1,9 +1,11 @@
 """The parts of a fused flush (eager/fusion.py's PendingGraph.flush) that the host-time benches time apart.
 
 bench/generate_tokens.py --breakdown (a decode token) and bench/step_breakdown.py --fused-host (a training
-step) split the flush the same way: the numbers passed (Replay.arguments, packing included), the replay match,
-the donation scan and the device-side checks issued; what is left of the flush outside jax's program call is
-reported as its rest (live results found, counters, results wired, the inputs released).
+step) split the flush the same way: the earlier programs' finished device-side check codes read (checks.raise_pending,
+which a flush calls first: one read to the host a token in a decode), the numbers passed (Replay.arguments, packing
+included), the replay match, the donation scan and the device-side checks issued; what is left of the flush outside
+jax's program call is reported as its rest (live results found, counters, results wired, the inputs released).
+(raise_pending also runs in torch.pjrt.synchronize and Event.synchronize, which neither bench calls while timing.)
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from torch_pjrt.runtime import checks
 
 # part name -> (owner, attribute) of the function that does it
 FLUSH_PARTS: dict[str, tuple[Any, str]] = {
+    "check codes read": (checks, "raise_pending"),
     "numbers": (fusion.Replay, "arguments"),
     "replay match": (fusion.Replay, "matches"),
     "donation scan": (fusion, "_unreferenced"),

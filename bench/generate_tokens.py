@@ -10,8 +10,9 @@ with one thread: on a loaded machine torch's worker threads wait on each other, 
 times over, which the one-thread column leaves out. --breakdown then splits one more generate's
 main-thread CPU time per token in each native row into the fused graph's flush (outside its program
 call), the program call, reads to the host, and the rest (Hugging Face's Python, PyTorch's dispatcher and
-our native per-op path), with ops, fused programs and native misses per token, our flush split (the numbers passed,
-the replay match, the donation scan, the device-side checks issued, the rest); and its wall time per token, of
+our native per-op path), with ops, fused programs and native misses per token, our flush split (the earlier
+programs' check codes read, the numbers passed, the replay match, the donation scan, the device-side checks issued,
+the rest); and its wall time per token, of
 which the reads to the host wait (off the CPU) for the program to finish: the device time the host does not
 overlap, as each token's read needs that token's program.
 Run: .venv/bin/python bench/generate_tokens.py [--repeats N] [--breakdown]

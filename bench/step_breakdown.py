@@ -190,8 +190,9 @@ def fused_host_split(model: torch.nn.Module, data: list) -> None:
     thread records the backward's ops while the main thread waits), gradient clipping, AdamW's step, and
     loss.item(), which flushes the step's one program: the flush before the program call (live results, donated
     inputs, replay match, numbers as arrays), jax's call, the flush after it (results wired), then the wait and
-    the read. Our flush is split further: the donation scan, the replay match, the numbers passed (Replay.arguments,
-    packing included), the device-side checks issued, and the rest (kept results found, counters, results wired).
+    the read. Our flush is split further: the earlier programs' check codes read, the donation scan, the replay
+    match, the numbers passed (Replay.arguments, packing included), the device-side checks issued, and the rest
+    (kept results found, counters, results wired).
     With the graph's size: ops, inputs (Python numbers among them, and those passed packed) and outputs, and what
     holds the outputs when the program runs (each costs jax ~2 us a call): parameters, their gradients (which
     zero_grad(set_to_none=True) drops unread at the next step), optimizer state, or other tensors."""
