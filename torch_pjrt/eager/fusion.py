@@ -176,7 +176,8 @@ class PendingGraph:
                     program, order = found
                     replay = self.replay = Replay(nodes, wanted, donated, mesh, program, order, self.device_index,
                                                   count, numbers, packed)
-                    self.replays = [replay, *self.replays[:REPLAYS_KEPT - 1]]
+                    if mesh is None:  # (a collective's program is never replayed: Replay.matches)
+                        self.replays = [replay, *self.replays[:REPLAYS_KEPT - 1]]
                 arguments = inputs if mesh is not None else replay.arguments(inputs)  # (which may repack them)
                 results = replay.program.call(*arguments)
             except BaseException as error:
