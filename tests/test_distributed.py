@@ -122,3 +122,39 @@ def test_failing_rank_does_not_hang(tmp_path: Any) -> None:
     survivor = outcomes[0][1].get("fail", "")
     assert survivor != "ok" and survivor, f"rank 0 should have failed: {outcomes[0][2][-2000:]}"
     assert time.monotonic() - start < 120
+
+
+def test_a_taken_coordinator_port_is_a_clear_error_before_jax_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0 hosts jax's coordinator on MASTER_PORT + 1; jax's service ends the process with a segmentation fault
+    when that port is taken, so the runtime refuses first, naming the port and what to set."""
+    import socket
+
+    from torch_pjrt.runtime import multiprocess
+
+    class FakeJax:
+        class config:  # noqa: N801 (jax.config's shape)
+            @staticmethod
+            def update(name: str, value: Any) -> None:
+                pass
+
+        class distributed:  # noqa: N801
+            @staticmethod
+            def initialize(*args: Any, **kwargs: Any) -> None:
+                raise AssertionError("jax's runtime must not be started on a taken port")
+
+    with socket.socket(socket.AF_INET6) as held:
+        held.bind(("::", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
+        for name, value in {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                            "MASTER_PORT": str(port - 1), "TORCH_PJRT_DISTRIBUTED": "auto"}.items():
+            monkeypatch.setenv(name, value)
+        monkeypatch.delenv("TORCH_PJRT_COORDINATOR", raising=False)
+        with pytest.raises(RuntimeError, match=f"port {port} .* is in use.*TORCH_PJRT_COORDINATOR"):
+            multiprocess.initialize(FakeJax)
+        monkeypatch.setitem(multiprocess._state, "reason", None)
+        monkeypatch.setenv("RANK", "1")  # another rank only connects to the coordinator: jax is asked
+        multiprocess.initialize(FakeJax)
+        assert "must not be started" in multiprocess._state["reason"]
+    assert ranks._bindable(ranks.free_port() + 1)

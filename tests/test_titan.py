@@ -7,7 +7,6 @@ per-step losses TorchTitan logs must agree to float32 rounding. docs/torchtitan.
 
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +18,9 @@ pytest.importorskip("torchtitan", reason="TorchTitan lives in .venv-titan: run `
 REPO = Path(__file__).resolve().parents[1]
 CPU_LAUNCHER = REPO / "tests" / "fixtures" / "titan" / "train_cpu.py"
 sys.path.insert(0, str(REPO / "tests" / "fixtures" / "titan"))
+sys.path.insert(0, str(REPO / "tests" / "distributed"))
 import assets  # noqa: E402
+import ranks  # noqa: E402 (tests/distributed/ranks.py: free_port)
 
 STEPS = 6
 # Float32 on two backends sums in different orders (XLA's dots and reductions against ATen's): the first
@@ -30,12 +31,6 @@ FIRST_LOSS_TOLERANCE = 2e-4
 LOSS_TOLERANCE = 1e-3
 STEP_LINE = re.compile(r"step:\s*(\d+)\s+loss:\s*([0-9.]+)\s+grad_norm:\s*([0-9.]+).*?tps:\s*([0-9,]+)")
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _common_args(folder: Path, run: str) -> list[str]:
@@ -66,7 +61,7 @@ def launch(folder: Path, run: str, device: str, ranks: int, extra: list[str], lo
         entry = ["-m", "torchtitan.train"]
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
-        "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), "--local-ranks-filter", str(log_rank),
+        "--master-addr", "127.0.0.1", "--master-port", str(ranks.free_port()), "--local-ranks-filter", str(log_rank),
         "--tee", "3", *entry, *_common_args(folder, run), *extra,
     ]
     done = subprocess.run(command, env=env, cwd=folder, capture_output=True, text=True, timeout=timeout)
@@ -86,7 +81,7 @@ def workdir(tmp_path_factory) -> Path:
     assets.build(folder / "assets")
     env = dict(os.environ, PYTHONPATH=str(REPO / "examples" / "titan"), TORCH_DEVICE_BACKEND_AUTOLOAD="0")
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port", str(_free_port()),
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port", str(ranks.free_port()),
         str(CPU_LAUNCHER), *_common_args(folder, "seed"),
         "--checkpoint.enable", "--checkpoint.create_seed_checkpoint", "--checkpoint.folder", "checkpoint",
     ]

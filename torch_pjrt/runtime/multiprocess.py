@@ -11,7 +11,9 @@ uses its host engine (gloo over host copies) instead.
 
 from __future__ import annotations
 
+import errno
 import os
+import socket
 from typing import Any
 
 from torch_pjrt import envvars
@@ -41,6 +43,29 @@ def coordinator_address() -> str:
     if explicit:
         return explicit
     return f"{os.environ['MASTER_ADDR']}:{int(os.environ['MASTER_PORT']) + 1}"
+
+
+def _check_coordinator_port(address: str) -> None:
+    """Raise if the coordinator's port is already taken on this host: jax's coordinator service (rank 0 hosts it)
+    ends the process with a segmentation fault when it cannot listen, where a clear error can be given first."""
+    port = int(address.rpartition(":")[2])
+    for family, host in ((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")):  # as the service listens
+        try:
+            probe = socket.socket(family, socket.SOCK_STREAM)
+        except OSError:  # (no IPv6 on this host)
+            continue
+        with probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind((host, port))
+            except OSError as error:
+                if error.errno != errno.EADDRINUSE:
+                    continue
+                raise RuntimeError(
+                    f"port {port} for jax's distributed runtime coordinator (MASTER_PORT + 1 unless "
+                    "TORCH_PJRT_COORDINATOR names one) is in use on this host; set TORCH_PJRT_COORDINATOR to a "
+                    "free host:port, or launch with another MASTER_PORT.") from None
+        return
 
 
 def set_collective_timeout(seconds: float) -> None:
@@ -74,6 +99,8 @@ def initialize(jax: Any) -> None:
     if platform in ("cuda", "gpu", "tpu") and local_world > 1:
         # One accelerator per process, as torchrun's one-process-per-GPU layout expects.
         options["local_device_ids"] = [int(os.environ.get("LOCAL_RANK", "0"))]
+    if rank == 0:
+        _check_coordinator_port(coordinator_address())
     try:
         jax.distributed.initialize(
             coordinator_address(), num_processes=world, process_id=rank,
