@@ -157,4 +157,4 @@ def test_a_taken_coordinator_port_is_a_clear_error_before_jax_starts(monkeypatch
         monkeypatch.setenv("RANK", "1")  # another rank only connects to the coordinator: jax is asked
         multiprocess.initialize(FakeJax)
         assert "must not be started" in multiprocess._state["reason"]
-    assert ranks._bindable(ranks.free_port() + 1)
+    assert not multiprocess.port_in_use(ranks.free_port() + 1)

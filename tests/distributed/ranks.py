@@ -21,29 +21,15 @@ from typing import Any
 
 def free_port() -> int:
     """A MASTER_PORT that is free with the port above it, where jax's distributed runtime coordinator listens."""
+    from torch_pjrt.runtime import multiprocess
+
     for _ in range(100):
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
-            if _bindable(port + 1):
+            if port < 65535 and not multiprocess.port_in_use(port + 1):
                 return port
     raise RuntimeError("found no free pair of ports in 100 tries; free some local ports and run again.")
-
-
-def _bindable(port: int) -> bool:
-    """Whether `port` can be listened on as the coordinator listens (all addresses, IPv6 where the host has it)."""
-    for family, host in ((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")):
-        try:
-            sock = socket.socket(family)
-        except OSError:
-            continue
-        with sock:
-            try:
-                sock.bind((host, port))
-            except (OSError, OverflowError):
-                return False
-            return True
-    return False
 
 
 def launch(worker: str, out_dir: str, scenarios: list[str], world_size: int = 2, timeout: float = 240,

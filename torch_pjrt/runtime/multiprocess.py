@@ -45,11 +45,10 @@ def coordinator_address() -> str:
     return f"{os.environ['MASTER_ADDR']}:{int(os.environ['MASTER_PORT']) + 1}"
 
 
-def _check_coordinator_port(address: str) -> None:
-    """Raise if the coordinator's port is already taken on this host: jax's coordinator service (rank 0 hosts it)
-    ends the process with a segmentation fault when it cannot listen, where a clear error can be given first."""
-    port = int(address.rpartition(":")[2])
-    for family, host in ((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")):  # as the service listens
+def port_in_use(port: int) -> bool:
+    """Whether another socket listens on `port` of this host, probed as jax's coordinator service listens (every
+    address, IPv6 where the host has it)."""
+    for family, host in ((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")):
         try:
             probe = socket.socket(family, socket.SOCK_STREAM)
         except OSError:  # (no IPv6 on this host)
@@ -59,13 +58,22 @@ def _check_coordinator_port(address: str) -> None:
             try:
                 probe.bind((host, port))
             except OSError as error:
-                if error.errno != errno.EADDRINUSE:
-                    continue
-                raise RuntimeError(
-                    f"port {port} for jax's distributed runtime coordinator (MASTER_PORT + 1 unless "
-                    "TORCH_PJRT_COORDINATOR names one) is in use on this host; set TORCH_PJRT_COORDINATOR to a "
-                    "free host:port, or launch with another MASTER_PORT.") from None
-        return
+                if error.errno == errno.EADDRINUSE:
+                    return True
+                continue
+            return False
+    return False
+
+
+def _check_coordinator_port(address: str) -> None:
+    """Raise if the coordinator's port is already taken on this host: jax's coordinator service (rank 0 hosts it)
+    ends the process with a segmentation fault when it cannot listen, where a clear error can be given first."""
+    port = int(address.rpartition(":")[2])
+    if port_in_use(port):
+        raise RuntimeError(
+            f"port {port} for jax's distributed runtime coordinator (MASTER_PORT + 1 unless TORCH_PJRT_COORDINATOR "
+            "names one) is in use on this host; set TORCH_PJRT_COORDINATOR to a free host:port, or launch with "
+            "another MASTER_PORT.")
 
 
 def set_collective_timeout(seconds: float) -> None:
