@@ -82,11 +82,11 @@ class PendingGraph:
         self.check_lines: list[Any] = []
         # the mesh of a collective recorded (runtime/spmd.py): the program then runs on every rank of it
         self.mesh: Any = None
-        # the last flush's program and what it was found by: a decode or training loop flushes the same
-        # graph again and again, which is then told apart by one list comparison, not a key's hash
+        # the last flush's program and what it was found by (a collective's included), for reports and benches
         self.replay: Replay | None = None
-        # the last REPLAYS_KEPT flushes' distinct programs, most recently run first: a generate() meets a few
-        # graphs in turn (its prefill, a decode graph per padded length), each found again the same way
+        # the last REPLAYS_KEPT flushes' distinct programs, most recently run first: a decode or training loop
+        # flushes the same few graphs again and again (a generate()'s prefill, a decode graph per padded
+        # length), each then told apart by list comparisons (_replayed), not a key's hash
         self.replays: list[Replay] = []
         self.lock = threading.RLock()
 
