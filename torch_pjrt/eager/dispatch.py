@@ -164,6 +164,9 @@ def plan_for(op: OpOverload) -> OpPlan | None:
     if lowering is None:
         return None
     facts = schema_facts(op)
+    if lowering.traced_floats:
+        floats = [str(a.type) == "float" for a in op._schema.arguments]
+        facts = dataclasses.replace(facts, kinds=[Arg.SCALAR if f else k for k, f in zip(facts.kinds, floats)])
     factory = not any(k in (Arg.TENSOR, Arg.TENSOR_LIST) for k in facts.kinds)
     return OpPlan(
         **vars(facts),

@@ -10,6 +10,7 @@ from torch_pjrt.ops import (
     indexing,  # noqa: F401
     linalg,  # noqa: F401
     nn,  # noqa: F401
+    optimizers,  # noqa: F401
     pointwise,  # noqa: F401
     prims,  # noqa: F401
     random,  # noqa: F401

@@ -52,6 +52,9 @@ class Lowering:
     # donate_argnums): their buffers become the results' where XLA can alias them, and the tensors
     # are consumed (reading one again raises).
     donated: tuple[int, ...] = ()
+    # The op's `float` arguments are traced like Scalars instead of static: an optimizer's lr and betas, which a
+    # scheduler changes every step, must not compile a program per value.
+    traced_floats: bool = False
 
 
 LOWERINGS: dict[OpOverload, Lowering] = {}
@@ -76,12 +79,13 @@ def _overloads(target: OpOverload | OpOverloadPacket) -> list[OpOverload]:
 
 def register(*targets: OpOverload | OpOverloadPacket, random: bool = False,
              static_scalars: bool = False, wants_meta: bool = False, fingerprint: str = "",
-             scatter: Callable[..., Any] | None = None, donated: tuple[int, ...] = ()) -> Callable:
+             scatter: Callable[..., Any] | None = None, donated: tuple[int, ...] = (),
+             traced_floats: bool = False) -> Callable:
     """Decorator: register a lowering for overloads (a packet means its functional overloads)."""
 
     def decorate(fn: Callable) -> Callable:
         entry = Lowering(fn, random, static_scalars, wants_meta, fingerprint=fingerprint, scatter=scatter,
-                         donated=donated)
+                         donated=donated, traced_floats=traced_floats)
         for target in targets:
             for overload in _overloads(target):
                 LOWERINGS[overload] = entry
