@@ -103,6 +103,9 @@ def test_trainer_losses_match_cpu(tmp_path: Path) -> None:
     pjrt_losses, trainer = train(model, tmp_path / "pjrt")
     assert trainer.parameter_devices == {"pjrt"}
     assert next(trainer.model.parameters()).device.type == "pjrt"
+    # Trainer's default optimizer, the fused AdamW (aten::_fused_adamw_), steps on pjrt
+    assert trainer.args.optim == transformers.training_args.OptimizerNames.ADAMW_TORCH_FUSED
+    assert trainer.optimizer.optimizer.defaults["fused"] is True
     torch.testing.assert_close(pjrt_losses, cpu_losses, rtol=1e-4, atol=1e-5)
 
 

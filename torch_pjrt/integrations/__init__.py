@@ -315,10 +315,6 @@ def _patch_training_args(module: Any) -> None:
         state_device = getattr(state, "device", None)
         if found.type == "cpu" and not self.use_cpu and state_device is not None and state_device.type == "pjrt":
             torch.pjrt.set_device(state_device)
-            if self.optim == module.OptimizerNames.ADAMW_TORCH_FUSED:
-                # Trainer's default asks for aten::_fused_adamw_, which has no pjrt lowering yet; the
-                # multi-tensor AdamW computes the same update.
-                self.optim = module.OptimizerNames.ADAMW_TORCH
             return state_device
         return found
 
