@@ -54,7 +54,7 @@ from vllm.v1.worker.cpu_worker import CPUWorker
 from vllm.v1.worker.gpu_worker import Worker, init_worker_distributed_environment
 
 from torch_pjrt import _torch_private, envvars
-from torch_pjrt.eager import kernels
+from torch_pjrt.eager import dispatch, kernels
 from torch_pjrt.eager.modes import EagerMode
 from torch_pjrt.serving.vllm.attention import (
     PjrtAttentionMetadata,
@@ -597,7 +597,7 @@ class SampledInProgram:
 class TokensCopiedLater(AsyncModelRunnerOutput):
     """A step's output handed back before its sampled tokens reach the host (vLLM's async scheduling): the
     engine schedules the next step while the device runs this one. It stands in for vLLM's CUDA-stream
-    version (same arguments); the tokens are copied when the engine, or a logits processor reading earlier
+    version (same arguments); the tokens are read when the engine, or a logits processor reading earlier
     output ids (through `async_copy_ready_event`), first asks for them."""
 
     def __init__(self, model_runner_output: ModelRunnerOutput, sampled_token_ids: torch.Tensor,
@@ -612,25 +612,36 @@ class TokensCopiedLater(AsyncModelRunnerOutput):
         # _padded_device_tokens
         self._padded = padded
         self._logprobs_tensors, self._num_nans = logprobs_tensors, num_nans
+        self._host_tokens: np.ndarray | None = None
+        self._copied = False
+        # vLLM's input batch keeps it for logits processors that read earlier output ids (filled by synchronize)
         self.sampled_token_ids_cpu = torch.empty(sampled_token_ids.shape, dtype=sampled_token_ids.dtype)
         self.async_copy_ready_event = self
 
+    def _tokens_on_host(self) -> np.ndarray:
+        """The step's tokens as a host array, read once (waiting for the step's programs): where they are the
+        first rows of the greedy program's padded tokens, those are read whole and cut on the host (reading the
+        rows' view itself runs a program first). No host tensor is made: the engine takes them as lists."""
+        if self._host_tokens is None:
+            tokens, self._sampled_token_ids = self._sampled_token_ids, None
+            assert tokens is not None
+            padded, self._padded = self._padded, None
+            if padded is not None and padded[1] is tokens:
+                self._host_tokens = dispatch.read_to_host(padded[0])[: tokens.shape[0]].reshape(tokens.shape)
+            elif tokens.device.type == "cpu":  # sampled on the host (vLLM's sampler, where the logits came back)
+                self._host_tokens = tokens.numpy().copy()  # (vLLM may reuse its buffer)
+            else:
+                self._host_tokens = dispatch.read_to_host(tokens)
+        return self._host_tokens
+
     def synchronize(self) -> None:
-        """Waits for the step's programs and copies its tokens into `sampled_token_ids_cpu` (once): where they are
-        the first rows of the greedy program's padded tokens, those are read whole and cut on the host (reading
-        the rows' view itself runs a program first)."""
-        tokens, self._sampled_token_ids = self._sampled_token_ids, None
-        if tokens is None:
-            return
-        if self._padded is not None and self._padded[1] is tokens:
-            tokens = kernels.to_cpu(self._padded[0])[: tokens.shape[0]].view(tokens.shape)
-        self._padded = None
-        with torch.inference_mode():  # the host tensor was made in the step's inference mode
-            self.sampled_token_ids_cpu.copy_(tokens)
+        """Waits for the step's programs and copies its tokens into `sampled_token_ids_cpu` (once)."""
+        if not self._copied:
+            self.sampled_token_ids_cpu.numpy()[...] = self._tokens_on_host()
+            self._copied = True
 
     def get_output(self) -> ModelRunnerOutput:
-        self.synchronize()
-        tokens = self.sampled_token_ids_cpu
+        tokens = self._tokens_on_host()
         logprobs = self._logprobs_tensors.to_cpu_nonblocking() if self._logprobs_tensors is not None else None
         if tokens.shape[-1] == 1:
             valid = tokens.tolist()
@@ -638,8 +649,9 @@ class TokensCopiedLater(AsyncModelRunnerOutput):
                 valid[index].clear()
             logprobs_lists = logprobs.tolists() if logprobs is not None else None
         else:
+            self.synchronize()
             valid, logprobs_lists = RejectionSampler.parse_output(
-                tokens, self._vocab_size, self._invalid_req_indices, logprobs_tensors=logprobs)
+                self.sampled_token_ids_cpu, self._vocab_size, self._invalid_req_indices, logprobs_tensors=logprobs)
         output = self._output
         output.sampled_token_ids, output.logprobs = valid, logprobs_lists
         if self._num_nans is not None:
