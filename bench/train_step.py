@@ -4,7 +4,10 @@ Rows: torch CPU eager, torch CPU torch.compile (inductor), pjrt strict eager, pj
 pjrt torch.compile(backend="pjrt") of the whole step, and the same model and step written directly
 in JAX (jax.jit, hand-written AdamW, donated state). Every row starts from the same weights and sees the
 same batches; after a warm-up the rows take turns, a round of steps each, and the best round counts.
+`--adamw fused` builds the torch rows' AdamW with fused=True (one aten::_fused_adamw_ per step instead of
+PyTorch's default: the multi-tensor _foreach_* ops on pjrt, the per-parameter loop on CPU).
 Run: .venv/bin/python bench/train_step.py [--rounds 5] [--steps 8] [--skip-inductor] [--skip-fused] [--cpu-threads 1]
+     [--adamw default|fused]
 """
 
 from __future__ import annotations
@@ -36,12 +39,13 @@ LOSS_TOLERANCE = 1e-3
 class TorchRow:
     """The step run by PyTorch on one device and in one mode, on its own copy of the model and optimizer."""
 
-    def __init__(self, model: torch.nn.Module, device: str, mode: str, cpu_threads: int) -> None:
+    def __init__(self, model: torch.nn.Module, device: str, mode: str, cpu_threads: int, fused_adamw: bool) -> None:
         self.device = device
         self.cpu_threads = cpu_threads
         self.eager_mode = "defer_and_fuse" if mode == "fuse" else "defer_never"
         self.model = copy.deepcopy(model).to(device)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY,
+                                           fused=fused_adamw or None)
         self.step = functools.partial(train_step, self.model, self.optimizer)
         if mode == "compile":
             self.step = torch.compile(self.step, backend="pjrt" if device == "pjrt" else "inductor")
@@ -154,18 +158,21 @@ def main() -> None:
     parser.add_argument("--cpu-threads", type=int, default=1,
                         help="torch's CPU threads while a row runs (on a shared 2-core machine, two threads spin "
                              "against every other process: torch CPU eager's step read 10-20x slower)")
+    parser.add_argument("--adamw", choices=["default", "fused"], default="default",
+                        help="the torch rows' AdamW: PyTorch's default implementation, or fused=True")
     args = parser.parse_args()
+    fused = args.adamw == "fused"
     torch.manual_seed(0)
     layers, heads = 2, 4
     model = GPT(width=128, layers=layers, heads=heads, context=64)
     data = batches(corpus_bytes(), 8, 64, args.warmup + args.rounds * args.steps)
 
     makers: dict[str, Callable[[], TorchRow | JaxRow]] = {
-        "torch CPU eager": lambda: TorchRow(model, "cpu", "eager", args.cpu_threads),
-        "torch CPU inductor": lambda: TorchRow(model, "cpu", "compile", args.cpu_threads),
-        "pjrt strict eager": lambda: TorchRow(model, "pjrt", "eager", args.cpu_threads),
-        "pjrt DEFER_AND_FUSE": lambda: TorchRow(model, "pjrt", "fuse", args.cpu_threads),
-        "pjrt torch.compile": lambda: TorchRow(model, "pjrt", "compile", args.cpu_threads),
+        "torch CPU eager": lambda: TorchRow(model, "cpu", "eager", args.cpu_threads, fused),
+        "torch CPU inductor": lambda: TorchRow(model, "cpu", "compile", args.cpu_threads, fused),
+        "pjrt strict eager": lambda: TorchRow(model, "pjrt", "eager", args.cpu_threads, fused),
+        "pjrt DEFER_AND_FUSE": lambda: TorchRow(model, "pjrt", "fuse", args.cpu_threads, fused),
+        "pjrt torch.compile": lambda: TorchRow(model, "pjrt", "compile", args.cpu_threads, fused),
         "JAX jit (hand-written)": lambda: JaxRow(model, layers, heads),
     }
     if args.skip_inductor:
@@ -198,7 +205,8 @@ def main() -> None:
             round_means[name].append(seconds / len(chunk))
 
     best = {name: min(means) for name, means in round_means.items()}
-    print(f"GPT step (2 layers, width 128, seq 64, batch 8, AdamW), {args.warmup} warm-up steps, then {args.rounds} "
+    adamw = "fused AdamW" if fused else "AdamW"
+    print(f"GPT step (2 layers, width 128, seq 64, batch 8, {adamw}), {args.warmup} warm-up steps, then {args.rounds} "
           f"interleaved rounds of {args.steps} steps per row; step ms: the best round's wall time per step, "
           f"its last update done; torch CPU threads: {args.cpu_threads}")
     print(f"{'':<26}{'first step s':>13}{'step ms':>10}{'rounds ms':>16}{'compiles':>10}{'peak MiB':>10}"
