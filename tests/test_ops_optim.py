@@ -28,6 +28,7 @@ OPTIMIZERS: dict[str, Callable[[list[torch.Tensor]], torch.optim.Optimizer]] = {
                                                        fused=True),
     "sgd tensor lr": lambda p: torch.optim.SGD(p, lr=torch.tensor(0.05), momentum=0.5, fused=True),
     "adagrad": lambda p: torch.optim.Adagrad(p, lr=0.1, lr_decay=0.01, weight_decay=0.02, fused=True),
+    "adagrad tensor lr maximize": lambda p: torch.optim.Adagrad(p, lr=torch.tensor(0.1), maximize=True, fused=True),
 }
 
 
