@@ -242,12 +242,13 @@ def test_seeded_sampling_is_reproducible(llm: Any) -> None:
     assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in second]
 
 
-def _torch_greedy_without_stop(folder: Path, new_tokens: int) -> list[list[int]]:
+def _torch_greedy_without_stop(folder: Path, new_tokens: int,
+                               prompts: list[list[int]] | None = None) -> list[list[int]]:
     """Greedy tokens of Hugging Face's model on CPU, each the argmax of the last position's logits, never
-    stopping at EOS (vLLM's ignore_eos)."""
+    stopping at EOS (vLLM's ignore_eos); of _prompts() by default."""
     model = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     tokens = []
-    for prompt in _prompts():
+    for prompt in _prompts() if prompts is None else prompts:
         ids = torch.tensor([prompt])
         with torch.no_grad():
             for _ in range(new_tokens):
@@ -963,6 +964,59 @@ def test_greedy_steps_on_the_compile_path_run_one_program_and_bring_back_only_to
     # one int32 token per request a greedy step (a step's requests: at most the prompts')
     assert all(is_int32 and len(shape) == 1 and 1 <= shape[0] <= len(expected)
                for _, _, is_int32, shape in result["None"]["back"])
+
+
+ASYNC_TOKEN_READS_IN_A_NEW_PROCESS = """
+import json, sys
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+from torch_pjrt.eager import kernels
+llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, enforce_eager=False, dtype="float32", max_model_len=128,
+          max_num_seqs=8, kv_cache_memory_bytes=1 << 24)
+runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+sampled, to_cpu = runner._sampled, kernels.to_cpu
+steps, reads = [], []
+def recorded(logits, tokens, rows):
+    result = sampled(logits, tokens, rows)
+    steps.append([rows, tokens.shape[0], result.tokens is result.padded_tokens])
+    return result
+def counted_to_cpu(tensor):
+    reads.append(list(tensor.shape))
+    return to_cpu(tensor)
+runner._sampled, kernels.to_cpu = recorded, counted_to_cpu
+prompts = json.loads(sys.argv[2])
+params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, detokenize=False)
+results = {"async": runner.use_async_scheduling}
+for count in (8, 5):
+    steps.clear(), reads.clear()
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts[:count]], params, use_tqdm=False)
+    results[count] = {"tokens": [list(o.outputs[0].token_ids) for o in outputs], "steps": list(steps),
+                      "host_tensor_reads": list(reads)}
+print("RESULT " + json.dumps(results))
+"""
+
+
+def test_async_greedy_token_reads_padded_or_not_give_hugging_faces_tokens(tiny_llama: Path) -> None:
+    """Under async scheduling on the compile path, a greedy step hands vLLM its program's padded tokens
+    themselves where its requests fill the bucket (8 requests: no view of their rows made) and a view of their
+    first rows where they do not (5 of 8); either way the engine reads them with no host tensor made
+    (TokensCopiedLater reads the padded tokens whole into a host array), and the tokens are Hugging Face's."""
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", TORCH_PJRT_VLLM_ASYNC_SCHEDULING="1")
+    generator = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 256, (n,), generator=generator).tolist() for n in (5, 9, 13, 6, 21, 7, 16, 11)]
+    done = subprocess.run([sys.executable, "-c", ASYNC_TOKEN_READS_IN_A_NEW_PROCESS, str(tiny_llama),
+                           json.dumps(prompts)], env=env, capture_output=True, text=True, timeout=600)
+    results = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert done.returncode == 0 and results, done.stderr[-3000:]
+    result = json.loads(results[-1][len("RESULT "):])
+    assert result["async"]
+    expected = _torch_greedy_without_stop(tiny_llama, NEW_TOKENS, prompts)
+    for count in ("8", "5"):
+        run = result[count]
+        assert run["tokens"] == expected[: int(count)]
+        assert run["host_tensor_reads"] == []
+        assert run["steps"] and all(whole == (rows == padded) for rows, padded, whole in run["steps"])
+    assert [8, 8, True] in result["8"]["steps"] and [5, 8, False] in result["5"]["steps"]
 
 
 BATCH_SIZES_IN_A_NEW_PROCESS = """

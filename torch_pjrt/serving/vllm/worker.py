@@ -241,12 +241,12 @@ class PjrtModelRunner(CPUModelRunner):
             t = torch.cat([t, t.new_zeros((padding, *t.shape[1:]))])
         return t.to(self.model_device, non_blocking=True)
 
-    def _inputs_on_device(self, input_ids: torch.Tensor | None,
-                          positions: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The step's token ids and positions on the device: those the attention metadata shipped when they
-        equal them (no transfer, and the views a step's graph is called with), else moved as int64 ids (the
+    def _inputs_on_device(self, input_ids: torch.Tensor | None, positions: torch.Tensor | None,
+                          metadata: PjrtAttentionMetadata | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The step's token ids and positions on the device: those the step's attention `metadata` shipped when
+        they equal them (no transfer, and the views a step's graph is called with), else moved as int64 ids (the
         shipped ids' dtype: the compiled graph may have been traced with those)."""
-        shipped = _shipped_with_attention(input_ids, positions)
+        shipped = _shipped_with_attention(input_ids, positions, metadata)
         if shipped is not None:
             return shipped
         to_device = self._on_device_padded
@@ -261,8 +261,10 @@ class PjrtModelRunner(CPUModelRunner):
         meta = _step_attention_metadata()
         if meta is not None and input_ids is not None and meta.num_actual_tokens == padded_token_count(
                 input_ids.shape[0]):
-            return self._with_carried_tokens(meta.token_ids), meta.positions
-        return self._inputs_on_device(input_ids, positions)
+            if self._step_program_runs(meta, meta.token_ids, None):
+                return meta.token_ids, meta.positions
+            return self._with_carried_tokens(meta.token_ids, meta), meta.positions
+        return self._inputs_on_device(input_ids, positions, meta)
 
     def _model_forward(
         self,
@@ -272,21 +274,22 @@ class PjrtModelRunner(CPUModelRunner):
         inputs_embeds: torch.Tensor | None = None,
         **model_kwargs: Any,
     ) -> Any:
-        input_ids, positions = self._inputs_on_device(input_ids, positions)
+        metadata = _step_attention_metadata()  # (looked up once a step: each lookup walks the layers' dict)
+        input_ids, positions = self._inputs_on_device(input_ids, positions, metadata)
         inputs_embeds = self._on_device_padded(inputs_embeds)
-        input_ids = self._with_carried_tokens(input_ids, inputs_embeds)
         logits_indices, self._step_logits_indices = self._step_logits_indices, None
-        metadata = self._step_program_metadata(input_ids, inputs_embeds)
-        if metadata is not None:
+        if self._step_program_runs(metadata, input_ids, inputs_embeds):
+            assert metadata is not None
             hidden_states, logits, tokens = self._run_step(metadata, input_ids, positions, intermediate_tensors,
                                                            inputs_embeds, **model_kwargs)
             rows = self._rows_vllm_samples(metadata, logits_indices)
             greedy = rows is not None and self._only_argmax_samples()
             sampled = None if rows is None else self._sampled(*((None, tokens) if greedy else (logits, None)), rows)
         else:
+            input_ids = self._with_carried_tokens(input_ids, metadata)
             hidden_states = super()._model_forward(input_ids, positions, intermediate_tensors, inputs_embeds,
                                                    **model_kwargs)
-            sampled = self._sample_in_program(hidden_states, logits_indices)
+            sampled = self._sample_in_program(hidden_states, metadata, logits_indices)
         if sampled is None:
             return hidden_states
         self._step_sampled_in_program, self._sampled_rows = sampled, None
@@ -314,16 +317,13 @@ class PjrtModelRunner(CPUModelRunner):
             self._step_compiled = self._step_program.compiled_forward()
         return outputs
 
-    def _step_program_metadata(self, input_ids: torch.Tensor | None,
-                               inputs_embeds: torch.Tensor | None) -> PjrtAttentionMetadata | None:
-        """This step's attention metadata when the step program runs it: on the compile path with one rank, its
-        token count the metadata's (whose sampled rows the program gathers)."""
-        metadata = _step_attention_metadata()
+    def _step_program_runs(self, metadata: PjrtAttentionMetadata | None, input_ids: torch.Tensor | None,
+                           inputs_embeds: torch.Tensor | None) -> bool:
+        """Whether the step program runs the step of attention `metadata`: on the compile path with one rank,
+        the step's token count the metadata's (whose sampled rows the program gathers)."""
         tokens = input_ids if input_ids is not None else inputs_embeds
-        if self._step is None or metadata is None or tokens is None or metadata.sampled_rows is None \
-                or tokens.shape[0] != metadata.num_actual_tokens:
-            return None
-        return metadata
+        return not (self._step is None or metadata is None or tokens is None or metadata.sampled_rows is None
+                    or tokens.shape[0] != metadata.num_actual_tokens)
 
     def _prepare_input_ids(self, scheduler_output: Any, num_reqs: int, total_num_scheduled_tokens: int,
                            cu_num_tokens: np.ndarray) -> None:
@@ -358,14 +358,11 @@ class PjrtModelRunner(CPUModelRunner):
                     yield builder
 
     def _with_carried_tokens(self, input_ids: torch.Tensor | None,
-                             inputs_embeds: torch.Tensor | None = None) -> torch.Tensor | None:
+                             metadata: PjrtAttentionMetadata | None) -> torch.Tensor | None:
         """The step's token ids with the rows the previous step sampled taken from its tokens on the device,
-        in one program (async scheduling: the host has not seen those tokens yet); unchanged where the step
-        program runs, which takes them in its own program (_run_step)."""
-        if self._step_program_metadata(input_ids, inputs_embeds) is not None:
-            return input_ids
+        in one program (async scheduling: the host has not seen those tokens yet), where no step program runs
+        (which takes them in its own program, _run_step); `metadata` is the step's attention metadata."""
         previous, self._carried_from = self._carried_from, None
-        metadata = _step_attention_metadata()
         if previous is None or input_ids is None or metadata is None or metadata.token_sources is None:
             return input_ids
         sources = metadata.token_sources[: input_ids.shape[0]]
@@ -404,14 +401,14 @@ class PjrtModelRunner(CPUModelRunner):
             builder.token_ids = self.input_ids.cpu
             builder.marks_dynamic = self.compilation_config.mode != CompilationMode.NONE
 
-    def _sample_in_program(self, hidden_states: Any, logits_indices: torch.Tensor | None) -> SampledInProgram | None:
+    def _sample_in_program(self, hidden_states: Any, metadata: PjrtAttentionMetadata | None,
+                           logits_indices: torch.Tensor | None) -> SampledInProgram | None:
         """The step's sampled rows' logits, and their greedy tokens when vLLM's sampler would only take their
         argmax, in one program after the forward's, the rows' indices from the attention metadata's transfer:
         only the tokens (or the sampled rows' logits) come back to the host. None where vLLM reads the hidden
         states itself (drafts, prompt logprobs, pooling) or the metadata's rows are not vLLM's."""
         if not isinstance(hidden_states, torch.Tensor):
             return None
-        metadata = _step_attention_metadata()
         rows = None if metadata is None else self._rows_vllm_samples(metadata, logits_indices)
         if rows is None:
             return None
@@ -442,7 +439,9 @@ class PjrtModelRunner(CPUModelRunner):
         if tokens is not None:
             if not self.use_async_scheduling:
                 return SampledInProgram(logits=None, tokens=kernels.to_cpu(tokens)[:rows])
-            return SampledInProgram(logits=None, tokens=tokens[:rows], padded_tokens=tokens)
+            # the padded tokens themselves where no row pads them (a view of their rows is an op dispatched)
+            issued = tokens if rows == tokens.shape[0] else tokens[:rows]
+            return SampledInProgram(logits=None, tokens=issued, padded_tokens=tokens)
         assert logits is not None
         if not self.samples_on_device:
             logits = kernels.to_cpu(logits)
@@ -452,10 +451,10 @@ class PjrtModelRunner(CPUModelRunner):
         """The warm-up batch's programs, as a step of that batch runs them (see warming_up_model): the step
         program; or, where there is none, the forward and the fused programs after it, the greedy one and the
         one that brings the sampled rows' logits back for vLLM's sampler (a temperature, logprobs, penalties)."""
-        step_metadata = self._step_program_metadata(inputs.get("input_ids"), inputs.get("inputs_embeds"))
-        if step_metadata is not None:
-            return self._run_step(step_metadata, **inputs)[0]
         metadata = _step_attention_metadata()
+        if self._step_program_runs(metadata, inputs.get("input_ids"), inputs.get("inputs_embeds")):
+            assert metadata is not None
+            return self._run_step(metadata, **inputs)[0]
         hidden_states = model(**inputs)
         if isinstance(hidden_states, torch.Tensor) and metadata is not None and metadata.sampled_rows is not None:
             for greedy in (True, False):
@@ -500,13 +499,12 @@ def _step_attention_metadata() -> PjrtAttentionMetadata | None:
                  if isinstance(m, PjrtAttentionMetadata)), None)
 
 
-def _shipped_with_attention(input_ids: torch.Tensor | None,
-                            positions: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The step's token ids and positions already on the device in the attention metadata, when what it
+def _shipped_with_attention(input_ids: torch.Tensor | None, positions: torch.Tensor | None,
+                            meta: PjrtAttentionMetadata | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The step's token ids and positions already on the device in its attention metadata `meta`, when what it
     shipped equals them (None otherwise: multimodal positions, ids changed after the build, no metadata)."""
     if input_ids is None or positions is None or positions.dim() != 1:
         return None
-    meta = _step_attention_metadata()
     tokens = input_ids.shape[0]
     if meta is None or meta.num_actual_tokens != padded_token_count(tokens):
         return None
