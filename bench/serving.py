@@ -19,8 +19,9 @@ busy spell on a shared machine hits every row alike. Output tokens must equal ac
 the vLLM environment: `make test-serving` builds it.
 With `--profile`, each pjrt row also prints torch.profiler's table of one more batch (docs/profiler.md). With
 `--breakdown`, every row times one more batch phase by phase (vLLM's scheduler, the runner's input
-preparation, attention metadata, forward, logits, sampling; in pjrt rows also the forward's program calls made
-from Python and its copies to the host, which wait for the programs) and a table of wall ms per engine step
+preparation, attention metadata, forward, logits, sampling; in pjrt rows also our metadata build, the forward's
+program calls made from Python, its copies to the host, which wait for the programs, and under async scheduling
+the step's tokens read when the engine takes its output) and a table of wall ms per engine step
 follows, with the CPU ms per step of the process's threads: the engine's thread and the others (XLA's, which
 run the programs, or vLLM CPU's OpenMP threads), and the engine thread's time runnable but waiting for a core.
 Run: .venv-vllm/bin/python bench/serving.py [--requests N] [--new-tokens T] [--repeats R] [--rounds K]
@@ -56,9 +57,11 @@ SERVE = textwrap.dedent(
     def step_breakdown(llm, batch):
         core = llm.llm_engine.engine_core.engine_core
         runner = core.model_executor.driver_worker.worker.model_runner
-        programs = client = None
+        programs = client = builder = copied_later = None
         if current_platform.device_type == "pjrt":
             from torch_pjrt.runtime import client, programs
+            from torch_pjrt.serving.vllm import attention, worker
+            builder, copied_later = attention.PjrtAttentionMetadataBuilder, worker.TokensCopiedLater
         phases = [
             ("engine step", None, core, "step_fn"),
             ("schedule", "engine step", core.scheduler, "schedule"),
@@ -66,6 +69,7 @@ SERVE = textwrap.dedent(
             ("update states", "execute_model", runner, "_update_states"),
             ("prepare inputs", "execute_model", runner, "_prepare_inputs"),
             ("attention metadata", "execute_model", runner, "_build_attention_metadata"),
+            ("pjrt metadata build", "attention metadata", builder, "build"),
             ("preprocess", "execute_model", runner, "_preprocess"),
             ("model forward", "execute_model", runner, "_model_forward"),
             ("pjrt program calls from Python (the step's graph, the sampled rows' program)", "model forward",
@@ -75,6 +79,9 @@ SERVE = textwrap.dedent(
             ("sample_tokens", "engine step", runner, "sample_tokens"),
             ("sample", "sample_tokens", runner, "_sample"),
             ("bookkeeping (sampled ids to lists)", "sample_tokens", runner, "_bookkeeping_sync"),
+            # async scheduling: the previous step's tokens read when the engine takes its output
+            ("the step's tokens to the host (TokensCopiedLater.get_output)", "engine step", copied_later,
+             "get_output"),
             ("scheduler update", "engine step", core.scheduler, "update_from_output"),
         ]
         spent, calls = defaultdict(float), defaultdict(int)
