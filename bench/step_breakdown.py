@@ -15,7 +15,8 @@ With --fused-host, only the fused step's main-thread CPU time split by phase (tr
 backward, clipping, AdamW, and loss.item()'s flush: ours before and after jax's program call, the call, the wait).
 With --graph-calls, only the compiled step, and each of its graph calls' CPU time on the thread that made it
 (forward and optimizer on the main thread, backward on autograd's), by graph.
-Run: .venv/bin/python bench/step_breakdown.py [--steps N] [--graph-calls | --host | --fused-host]
+Run: .venv/bin/python bench/step_breakdown.py [--steps N] [--adamw default|fused]
+    [--graph-calls | --host | --fused-host]
 """
 
 from __future__ import annotations
@@ -117,18 +118,42 @@ def timed_steps(row: TorchRow | JaxRow, data: list) -> tuple[list[float], list[f
     return walls, cpus
 
 
-def step_phases(row: TorchRow, tokens: torch.Tensor, targets: torch.Tensor) -> tuple[float, float, float]:
-    """One step's main-thread CPU seconds in three parts: the batch's two transfers, the step call, loss.item()."""
+def step_phases(row: TorchRow, tokens: torch.Tensor, targets: torch.Tensor) -> tuple[float, float, float, float]:
+    """One step's main-thread CPU seconds in four parts: the batch's two transfers (each: the first is the first
+    host work after the last step's wait), the step call, loss.item()."""
     start = time.thread_time()
-    tokens, targets = tokens.to("pjrt"), targets.to("pjrt")
+    tokens = tokens.to("pjrt")
+    first = time.thread_time()
+    targets = targets.to("pjrt")
     sent = time.thread_time()
     loss = row.step(tokens, targets)
     stepped = time.thread_time()
     loss.item()
-    return sent - start, stepped - sent, time.thread_time() - stepped
+    return first - start, sent - first, stepped - sent, time.thread_time() - stepped
 
 
-def host_split(model: torch.nn.Module, data: list) -> None:
+def jax_host_parts(model: torch.nn.Module, data: list) -> dict[str, list[float]]:
+    """The hand-written JAX step's main-thread CPU seconds per step (after 3 warm-up steps) in three parts: the
+    batch's transfers, its one program call, float(loss) (its wait and read)."""
+    jax_row = JaxRow(model, 2, 4)
+    jax_row.run(data[:3])
+    jax_parts: dict[str, list[float]] = {"transfers": [], "its one program call": [], "float(loss)": []}
+    for tokens, targets in data[3:]:
+        jax_row.count += 1
+        start = time.thread_time()
+        tokens, targets = jax.numpy.asarray(tokens.numpy()), jax.numpy.asarray(targets.numpy())
+        sent = time.thread_time()
+        jax_row.params, jax_row.state, loss = jax_row.step(jax_row.params, jax_row.state,
+                                                           jax.numpy.float32(jax_row.count), tokens, targets)
+        stepped = time.thread_time()
+        float(loss)
+        jax_parts["transfers"].append(sent - start)
+        jax_parts["its one program call"].append(stepped - sent)
+        jax_parts["float(loss)"].append(time.thread_time() - stepped)
+    return jax_parts
+
+
+def host_split(model: torch.nn.Module, data: list, fused_adamw: bool) -> None:
     """The compiled step's main-thread CPU time per step split by what the host does: the batch's two transfers,
     our graph calls (forward, clipping, AdamW and the loss's detach; the backward's runs on autograd's thread),
     everything else inside the compiled step call (Dynamo's frames and guards, AOTAutograd's wrappers, the autograd
@@ -146,7 +171,7 @@ def host_split(model: torch.nn.Module, data: list) -> None:
         finally:
             graph_cpu[0] += time.thread_time() - start
 
-    row = TorchRow(model, "pjrt", "compile", cpu_threads=1)
+    row = TorchRow(model, "pjrt", "compile", cpu_threads=1, fused_adamw=fused_adamw)
     row.run(data[:3])
     parts: dict[str, list[float]] = {"transfers": [], "graph calls": [], "Dynamo, AOTAutograd, autograd, optimizer": [],
                                      "item": []}
@@ -154,28 +179,14 @@ def host_split(model: torch.nn.Module, data: list) -> None:
     try:
         for tokens, targets in data[3:]:
             graph_cpu[0] = 0.0
-            transfers, step, item = step_phases(row, tokens, targets)
-            parts["transfers"].append(transfers)
+            first, second, step, item = step_phases(row, tokens, targets)
+            parts["transfers"].append(first + second)
             parts["graph calls"].append(graph_cpu[0])
             parts["Dynamo, AOTAutograd, autograd, optimizer"].append(step - graph_cpu[0])
             parts["item"].append(item)
     finally:
         backend.CompiledGraph.__call__ = call
-    jax_row = JaxRow(model, 2, 4)
-    jax_row.run(data[:3])
-    jax_parts: dict[str, list[float]] = {"transfers": [], "its one program call": [], "float(loss)": []}
-    for tokens, targets in data[3:]:
-        jax_row.count += 1
-        start = time.thread_time()
-        tokens, targets = jax.numpy.asarray(tokens.numpy()), jax.numpy.asarray(targets.numpy())
-        sent = time.thread_time()
-        jax_row.params, jax_row.state, loss = jax_row.step(jax_row.params, jax_row.state,
-                                                           jax.numpy.float32(jax_row.count), tokens, targets)
-        stepped = time.thread_time()
-        float(loss)
-        jax_parts["transfers"].append(sent - start)
-        jax_parts["its one program call"].append(stepped - sent)
-        jax_parts["float(loss)"].append(time.thread_time() - stepped)
+    jax_parts = jax_host_parts(model, data)
     load = open("/proc/loadavg").read().split()[0]
     print(f"main-thread CPU ms per step (median of {len(data) - 3} steps, load {load})")
     for title, found in (("pjrt torch.compile", parts), ("JAX jit (hand-written)", jax_parts)):
@@ -184,18 +195,20 @@ def host_split(model: torch.nn.Module, data: list) -> None:
               + f"; total {sum(medians.values()):.3f}")
 
 
-def fused_host_split(model: torch.nn.Module, data: list) -> None:
+def fused_host_split(model: torch.nn.Module, data: list, fused_adamw: bool) -> None:
     """The fused (DEFER_AND_FUSE) step's main-thread CPU per step split by phase: the batch's transfers,
     zero_grad, the forward and loss (recording), backward (the main thread's CPU, and its wall time: autograd's
     thread records the backward's ops while the main thread waits), gradient clipping, AdamW's step, and
     loss.item(), which flushes the step's one program: the flush before the program call (live results, donated
     inputs, replay match, numbers as arrays), jax's call, the flush after it (results wired), then the wait and
-    the read. Our flush is split further: the earlier programs' check codes read, the donation scan, the replay
-    match, the numbers passed (Replay.arguments, packing included), the device-side checks issued, and the rest
-    (kept results found, counters, results wired).
+    the read (the wait's own CPU apart from what follows it: the first host work after a wait runs on cold caches,
+    as does the step's first transfer, timed apart from its second). Our flush is split further: the earlier
+    programs' check codes read, the donation scan, the replay match, the numbers passed (Replay.arguments, packing
+    included), the device-side checks issued, and the rest (kept results found, counters, results wired).
     With the graph's size: ops, inputs (Python numbers among them, and those passed packed) and outputs, and what
     holds the outputs when the program runs (each costs jax ~2 us a call): parameters, their gradients (which
-    zero_grad(set_to_none=True) drops unread at the next step), optimizer state, or other tensors."""
+    zero_grad(set_to_none=True) drops unread at the next step), optimizer state, or other tensors. Then the JAX
+    step's transfers, program call and float(loss), timed the same way."""
     from fused_parts import FLUSH_PARTS, timed_flush_parts
 
     from torch_pjrt import storage
@@ -205,6 +218,7 @@ def fused_host_split(model: torch.nn.Module, data: list) -> None:
     times: dict[str, float] = {}
     sizes: dict[str, int] = {}
     holders: Counter = Counter()
+    flushing = [False]
 
     def timed(name: str, fn: Callable[..., Any], wall: str | None = None) -> Callable[..., Any]:
         def run(*args: Any, **kwargs: Any) -> Any:
@@ -226,7 +240,16 @@ def fused_host_split(model: torch.nn.Module, data: list) -> None:
             sizes.update(ops=len(self.nodes), inputs=len(self.inputs),
                          numbers=sum(type(value) in (int, float, bool, complex) for value in self.inputs))
             holders.update(output_holders(self))
-        flush(self, reason)
+        flushing[0] = True
+        try:
+            flush(self, reason)
+        finally:
+            flushing[0] = False
+
+    def timed_wait(fn: Callable[..., Any]) -> Callable[..., Any]:
+        """jax.block_until_ready timed where loss.item() waits for the step's program (not the flush's reads)."""
+        waiting = timed("wait", fn)
+        return lambda *args: fn(*args) if flushing[0] else waiting(*args)
 
     def output_holders(pending: fusion.PendingGraph) -> Counter:
         """How many of the graph's live results each kind of tensor holds (a pending result is its storage's array)."""
@@ -245,7 +268,7 @@ def fused_host_split(model: torch.nn.Module, data: list) -> None:
         sizes["outputs"] = len(results)
         return results
 
-    row = TorchRow(model, "pjrt", "fuse", cpu_threads=1)
+    row = TorchRow(model, "pjrt", "fuse", cpu_threads=1, fused_adamw=fused_adamw)
     row.run(data[:3])
     optimizer, clip, backward = row.optimizer, torch.nn.utils.clip_grad_norm_, torch.Tensor.backward
     optimizer.zero_grad = timed("zero_grad", optimizer.zero_grad)
@@ -254,16 +277,19 @@ def fused_host_split(model: torch.nn.Module, data: list) -> None:
     torch.Tensor.backward = timed("backward", backward, wall="backward (wall)")
     fusion.PendingGraph.flush = timed("flush", sized_flush)
     programs.Program.call = timed("program call", counted_call)
+    block_until_ready = jax.block_until_ready
+    jax.block_until_ready = timed_wait(block_until_ready)
     parts: dict[str, list[float]] = {}
     try:
         with torch.pjrt.set_eager_mode("defer_and_fuse"), timed_flush_parts(timed):
             for tokens, targets in data[3:]:
                 times.clear()
-                transfers, step, item = step_phases(row, tokens, targets)
+                first, second, step, item = step_phases(row, tokens, targets)
                 flush_rest = times.get("flush", 0.0) - times.get("program call", 0.0)
                 split = {name: times.get(name, 0.0) for name in FLUSH_PARTS}
                 found = {
-                    "transfers": transfers, "zero_grad": times.get("zero_grad", 0.0),
+                    "transfers": first + second, "  the first": first, "  the second": second,
+                    "zero_grad": times.get("zero_grad", 0.0),
                     "forward and loss": step - sum(times.get(name, 0.0) for name in (
                         "zero_grad", "backward", "clip", "AdamW step")),
                     "backward": times.get("backward", 0.0), "clip": times.get("clip", 0.0),
@@ -271,7 +297,8 @@ def fused_host_split(model: torch.nn.Module, data: list) -> None:
                     **{f"  {name}": seconds for name, seconds in split.items()},
                     "  the rest": flush_rest - sum(split.values()),
                     "program call": times.get("program call", 0.0),
-                    "wait and read": item - times.get("flush", 0.0),
+                    "wait and read": item - times.get("flush", 0.0), "  the wait": times.get("wait", 0.0),
+                    "  after the wait": item - times.get("flush", 0.0) - times.get("wait", 0.0),
                     "backward (wall)": times.get("backward (wall)", 0.0),
                 }
                 for name, seconds in found.items():
@@ -279,6 +306,7 @@ def fused_host_split(model: torch.nn.Module, data: list) -> None:
     finally:
         torch.nn.utils.clip_grad_norm_, torch.Tensor.backward = clip, backward
         fusion.PendingGraph.flush, programs.Program.call = flush, program_call
+        jax.block_until_ready = block_until_ready
     medians = {name: statistics.median(values) * 1e3 for name, values in parts.items()}
     packed = sum(len(positions) for _, positions in getattr(fusion.graph().replay, "packed", ()))
     print(f"DEFER_AND_FUSE step, main-thread CPU ms per step (median of {len(data) - 3} steps, load "
@@ -291,9 +319,12 @@ def fused_host_split(model: torch.nn.Module, data: list) -> None:
         print(f"  {name:<20}{ms:>8.3f}")
     total = sum(ms for name, ms in medians.items() if name[0] != " " and name != "backward (wall)")
     print(f"  {'total (CPU)':<20}{total:>8.3f}")
+    jax_medians = {name: statistics.median(values) * 1e3 for name, values in jax_host_parts(model, data).items()}
+    print("JAX jit (hand-written), the same way: " + ", ".join(f"{name} {ms:.3f}" for name, ms in jax_medians.items())
+          + f"; total {sum(jax_medians.values()):.3f}")
 
 
-def graph_calls(model: torch.nn.Module, data: list) -> None:
+def graph_calls(model: torch.nn.Module, data: list, fused_adamw: bool) -> None:
     """Each compiled graph's calls: inputs, calls per step and the median CPU time of one call (thread_time on the
     calling thread, so the backward's is autograd's), over the steps after the first three, split into the program
     call (jax), torch's own part of the graph (views and host ops, run by torch after the program) and the rest
@@ -332,7 +363,7 @@ def graph_calls(model: torch.nn.Module, data: list) -> None:
     backend.CompiledGraph.__init__ = made
     programs.Program.call = part_timer(1, program_call)
     try:
-        row = TorchRow(model, "pjrt", "compile", cpu_threads=1)
+        row = TorchRow(model, "pjrt", "compile", cpu_threads=1, fused_adamw=fused_adamw)
         row.run(data[:3])
         backend.CompiledGraph.__call__ = timed
         try:
@@ -362,24 +393,27 @@ def main() -> None:
     parser.add_argument("--host", action="store_true", help="only the compiled step's main-thread CPU, split by part")
     parser.add_argument("--fused-host", action="store_true",
                         help="only the fused step's main-thread CPU, split by phase and flush part")
+    parser.add_argument("--adamw", choices=["default", "fused"], default="default",
+                        help="fused: AdamW(fused=True), one aten::_fused_adamw_ a step (as bench/train_step.py)")
     args = parser.parse_args()
+    fused_adamw = args.adamw == "fused"
     torch.manual_seed(0)
     model = GPT(width=128, layers=2, heads=4, context=64)
     data = batches(corpus_bytes(), 8, 64, args.steps)
     if args.graph_calls:
-        graph_calls(model, data)
+        graph_calls(model, data, fused_adamw)
         return
     if args.host:
-        host_split(model, data)
+        host_split(model, data, fused_adamw)
         return
     if args.fused_host:
-        fused_host_split(model, data)
+        fused_host_split(model, data, fused_adamw)
         return
     programs.Program.call = _recording_call
     rows = []
     for label, mode in (("pjrt strict eager", "eager"), ("pjrt DEFER_AND_FUSE", "fuse"),
                         ("pjrt torch.compile", "compile")):
-        row = TorchRow(model, "pjrt", mode, cpu_threads=1)
+        row = TorchRow(model, "pjrt", mode, cpu_threads=1, fused_adamw=fused_adamw)
         walls, cpus = timed_steps(row, data[:-1])
         calls.clear()
         recording[0] = True
