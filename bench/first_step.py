@@ -16,8 +16,9 @@ getting the executables our store keeps (strict ops, fused programs, compiled gr
 them, or waiting for the background thread that preloads them), Python's cyclic garbage collections
 (wherever they fall), and the rest (building the model, the first run of the programs, Python around
 them). The hit columns count executables from XLA's cache, entries of our store (traced graphs and
-fused programs, their executables), compiled graphs from AOTAutograd's cache, and the store's
-executables a background thread had loaded (or was loading) when the step asked for them.
+fused programs, their executables), compiled graphs from AOTAutograd's cache, the store's
+executables a background thread had loaded (or was loading) when the step asked for them, and the
+compiled step's Dynamo package (its own frames, stored: not traced by Dynamo) read from the cache folder.
 Run: .venv/bin/python bench/first_step.py [--rounds 2]
 """
 
@@ -124,7 +125,8 @@ CHILD = textwrap.dedent(
     stored = counters["disk_store_hits"] + counters.get("op_store_hits", 0)
     print(json.dumps({"total": total, "phases": seconds, "loss": loss, "programs": counters["compiles"],
                       "executables": counters["persistent_cache_hits"], "graphs": stored,
-                      "aot": counters["aot_cache_hits"], "preloaded": counters.get("preload_hits", 0)}))
+                      "aot": counters["aot_cache_hits"], "preloaded": counters.get("preload_hits", 0),
+                      "packages": counters.get("dynamo_package_hits", 0)}))
     """
 )
 MODES = (("torch.compile(backend='pjrt')", "compiled"), ("DEFER_AND_FUSE", "fused"), ("strict eager", "strict"))
@@ -186,7 +188,7 @@ def main() -> None:
                         best[(mode, kind)] = run
     header = "".join(f"{title:>17}" for _, title in PHASES)
     print(f"{'first training step of a new process':<50}{'total s':>8}{header}{'programs lowered':>18}"
-          f"   hits: XLA cache  our store  AOTAutograd  of them preloaded")
+          f"   hits: XLA cache  our store  AOTAutograd  of them preloaded  Dynamo package")
     for label, mode in MODES:
         if mode not in wanted:
             continue
@@ -194,7 +196,8 @@ def main() -> None:
             run = best[(mode, kind)]
             phases = "".join(f"{run['phases'].get(key, 0.0):>17.2f}" for key, _ in PHASES)
             print(f"{label + ', ' + kind:<50}{run['total']:>8.2f}{phases}{run['programs']:>18}"
-                  f"{run['executables']:>17}{run['graphs']:>11}{run['aot']:>13}{run.get('preloaded', 0):>18}")
+                  f"{run['executables']:>17}{run['graphs']:>11}{run['aot']:>13}{run.get('preloaded', 0):>18}"
+                  f"{run.get('packages', 0):>16}")
         cold, warm = best[(mode, "cold")], best[(mode, "warm")]
         equal = "equal" if cold["loss"] == warm["loss"] else f"DIFFER ({cold['loss']} vs {warm['loss']})"
         per_program = cold["phases"]["xla"] / max(cold["programs"], 1)

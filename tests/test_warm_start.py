@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -18,12 +19,23 @@ import torch_pjrt
 STEP = textwrap.dedent(
     """
     import json, sys, torch, torch_pjrt
-    torch.manual_seed(int(sys.argv[1]))
-    reference = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
-    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
+    import torch._dynamo.convert_frame as convert_frame
+
+    own_frames = []  # the frames of this script Dynamo traces (not an optimizer's)
+    trace = convert_frame._compile
+
+    def counted(code, *args, **kwargs):
+        own_frames.append(code.co_filename == globals().get("__file__", "<string>"))
+        return trace(code, *args, **kwargs)
+
+    convert_frame._compile = counted
+    seed, width, batch = [*map(int, sys.argv[1:]), 7, 6][:3]
+    torch.manual_seed(seed)
+    reference = torch.nn.Sequential(torch.nn.Linear(5, width), torch.nn.Tanh(), torch.nn.Linear(width, 3))
+    model = torch.nn.Sequential(torch.nn.Linear(5, width), torch.nn.Tanh(), torch.nn.Linear(width, 3))
     model.load_state_dict(reference.state_dict())
     model.to("pjrt")
-    batches = [(torch.randn(6, 5), torch.randn(6, 3)) for _ in range(3)]
+    batches = [(torch.randn(batch, 5), torch.randn(batch, 3)) for _ in range(3)]
 
     def step(model, optimizer, x, y):
         optimizer.zero_grad(set_to_none=True)
@@ -35,23 +47,31 @@ STEP = textwrap.dedent(
     compiled = torch.compile(step, backend="pjrt")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    losses = []
     for x, y in batches:
         loss = compiled(model, optimizer, x.to("pjrt"), y.to("pjrt"))
         expected = step(reference, reference_optimizer, x, y)
         torch.testing.assert_close(loss.cpu(), expected, rtol=1e-4, atol=1e-5)
+        losses.append(loss.item())
     for mine, theirs in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(mine.cpu(), theirs, rtol=1e-4, atol=1e-5)
     counters = torch_pjrt.metrics.counters()
     print(json.dumps({"cudagraph_trees": "torch._inductor.cudagraph_trees" in sys.modules,
-                      "graph_compiles": counters["graph_compiles"], "disk_store_hits": counters["disk_store_hits"]}))
+                      "graph_compiles": counters["graph_compiles"], "disk_store_hits": counters["disk_store_hits"],
+                      "own_frames": sum(own_frames), "losses": losses, "loaded": counters.get("dynamo_package_hits", 0),
+                      "written": counters.get("dynamo_package_writes", 0)}))
     """
 )
 
 
-def run_step(cache: Path, seed: int, code: str = STEP) -> dict:
-    """A fresh process running `code` with this cache folder and seed: what its last line reports."""
-    result = subprocess.run([sys.executable, "-c", code, str(seed)], capture_output=True, text=True, timeout=300,
-                            env={**os.environ, "TORCH_PJRT_CACHE_DIR": str(cache)})
+def run_step(cache: Path, seed: int, code: str = STEP, *arguments: int, script: Path | None = None) -> dict:
+    """A fresh process running `code` (from the file `script`, if given) with this cache folder, seed and further
+    arguments: what its last line reports."""
+    if script is not None:
+        script.write_text(code)
+    command = ["-c", code] if script is None else [str(script)]
+    result = subprocess.run([sys.executable, *command, str(seed), *map(str, arguments)], capture_output=True,
+                            text=True, timeout=300, env={**os.environ, "TORCH_PJRT_CACHE_DIR": str(cache)})
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
 
@@ -493,6 +513,7 @@ def test_a_warm_process_reads_pytorchs_source_digest_from_the_cache_folder_and_l
     reads it there instead of hashing torch's files, and the one value stored is the one PyTorch hashes."""
     cold = run_step(tmp_path, 1, TORCH_SOURCE_KEY)
     assert cold["writes"] == 1 and cold["hits"] == 0 and cold["stored_equals_hashed"]
+    shutil.rmtree(tmp_path / "dynamo", ignore_errors=True)  # else the stored Dynamo frame runs: no AOTAutograd
     warm = run_step(tmp_path, 2, TORCH_SOURCE_KEY)
     assert warm["hits"] == 1 and warm["writes"] == 0 and warm["aot_cache_hits"] > 0 and warm["stored_equals_hashed"]
 
@@ -537,3 +558,38 @@ def test_a_warm_start_registers_the_same_plans_from_the_cache_folder_without_rea
     without_cache = run_step(Path("0"), 3, REGISTRATION)
     assert without_cache["hits"] == 0 and without_cache["writes"] == 0
     assert cold["plans"] == warm["plans"] == without_cache["plans"]
+
+
+def run_step_script(cache: Path, seed: int, width: int = 7, batch: int = 6) -> dict:
+    """STEP run from a script file: Dynamo stores the frames of functions that have a source file."""
+    return run_step(cache, seed, STEP, width, batch, script=cache.parent / "step.py")
+
+
+needs_packages = pytest.mark.skipif(not __import__("torch_pjrt._torch_private").
+                                    _torch_private.dynamo_packages_supported(),
+                                    reason="this torch has no Dynamo packages (torch 2.13 has)")
+
+
+@needs_packages
+def test_a_warm_process_runs_the_training_steps_stored_frames_without_dynamo_tracing_them(tmp_path: Path) -> None:
+    """The first process's Dynamo frames of a compiled training step (the step and its resume functions) are stored
+    in the cache folder; the next process runs them behind their stored guards without tracing them, with the
+    same losses as the first (both equal CPU's)."""
+    cache = tmp_path / "cache"
+    cold = run_step_script(cache, 1)
+    assert cold["own_frames"] > 0 and cold["loaded"] == 0 and cold["written"] == cold["own_frames"]
+    assert any((cache / "dynamo").rglob("entry"))
+    warm = run_step_script(cache, 1)
+    assert warm["own_frames"] == 0 and warm["loaded"] == 1 and warm["written"] == 0
+    assert warm["losses"] == cold["losses"]
+
+
+@needs_packages
+def test_a_changed_batch_or_model_is_traced_again_not_served_a_stored_frame(tmp_path: Path) -> None:
+    """The stored frames' guards still hold: another batch size or another model width makes the next process trace
+    its frames again (and match CPU), and the first shape is then still served without tracing."""
+    cache = tmp_path / "cache"
+    assert run_step_script(cache, 1)["own_frames"] > 0
+    assert run_step_script(cache, 2, batch=4)["own_frames"] > 0
+    assert run_step_script(cache, 3, width=9)["own_frames"] > 0
+    assert run_step_script(cache, 4)["own_frames"] == 0

@@ -9,8 +9,10 @@ import contextlib
 import ctypes
 import functools
 import io
+import os
 import pickle
 import types
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -659,3 +661,174 @@ def fake_tensor(mode: Any, meta: torch.Tensor, device: torch.device) -> torch.Te
     from torch._subclasses.fake_tensor import FakeTensor
 
     return FakeTensor(mode, meta, device)
+
+
+# --- Dynamo's packages (caching precompile) for one backend's compiles ------------------------
+
+
+def dynamo_packages_supported() -> bool:
+    """Whether this torch has Dynamo's compile packages with the parts `dynamo_packages_for` wraps (torch 2.13)."""
+    if torch.torch_version.TorchVersion(torch.__version__) < (2, 13):
+        return False
+    try:
+        from torch._dynamo import convert_frame, eval_frame, package
+        from torch._functorch._aot_autograd import autograd_cache
+    except ImportError:
+        return False
+    return all(hasattr(module, name) for module, name in (
+        (package, "DiskDynamoStore"), (package, "CompilePackage"), (eval_frame, "_optimize"),
+        (eval_frame, "_TorchDynamoContext"), (convert_frame, "ConvertFrameAssert"), (convert_frame, "DynamoOutput"),
+        (autograd_cache, "AOTAutogradCachePickler")))
+
+
+def dynamo_packages_for(backend_name: str, folder: Callable[[], str | None], count: Callable[[str], None],
+                        writing: Callable[[], contextlib.AbstractContextManager[Any]]) -> None:
+    """Let torch.compile(fn, backend=`backend_name`) keep Dynamo's work on fn's own frames in `folder()` (when it
+    is not None): such a compile gets a Dynamo package, as with TORCH_CACHING_PRECOMPILE=1, read at
+    torch.compile(fn) and written after each frame traced, so a later process runs the stored frames' bytecode
+    behind their stored guards instead of tracing them. Other backends' compiles, and this one's with the folder
+    off, are unchanged.
+
+    Only frames of fn's module (fn and Dynamo's resume functions) go in: library frames it calls (an optimizer's
+    step, whose stored guards would need the optimizer's state made, which a new process has not) are traced as
+    before. A frame whose guards cannot be stored is left out instead of failing (torch 2.13 raises there);
+    AOTAutograd's cache key holds whether a graph belongs to a package, not the package's random graph name,
+    so a frame traced again finds its graphs there; the names a loaded package puts in a module are not given
+    again by Dynamo, and its warnings about guards a package drops are not shown. `count` is told of each package
+    loaded ("dynamo_package_hits") and written ("dynamo_package_writes"), which happens within `writing()`."""
+    import hashlib
+    import itertools
+    import logging
+    import re
+    import warnings
+    from unittest import mock
+
+    from torch._dynamo import bytecode_transformation, config, convert_frame, decorators, eval_frame, package
+    from torch._functorch._aot_autograd import autograd_cache
+
+    original_optimize = eval_frame._optimize
+    original_enter = eval_frame._TorchDynamoContext.__call__
+    original_convert = convert_frame.ConvertFrameAssert.__call__
+    original_build_guards = convert_frame.DynamoOutput.build_guards
+    original_reduce_config = autograd_cache.AOTAutogradCachePickler._reduce_aot_config
+    original_mark_static = decorators.mark_static_address
+    stores: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()  # this backend's packages -> stores
+    converting: list[Any] = []  # this backend's frames being traced for a package
+
+    def store_key(fn: Any) -> str:
+        # PyTorch's key (qualified name and first line) and the function's code, so a same-named function of
+        # another script is not given this one's frames.
+        digest = hashlib.sha256(repr(code_parts(fn.__code__)).encode()).hexdigest()
+        return f"{package.CompilePackage.source_id_from_fn(fn)[:32]}-{digest[:32]}"
+
+    def code_parts(code: types.CodeType) -> tuple:
+        # A code object's bytecode, names and constants, nested code objects by their parts (not their addresses).
+        consts = tuple(code_parts(c) if isinstance(c, types.CodeType) else repr(c) for c in code.co_consts)
+        return code.co_filename, code.co_code, code.co_names, consts
+
+    def optimize(rebuild_ctx: Any, backend: Any = "inductor", *args: Any, **kwargs: Any) -> Any:
+        name = getattr(backend, "compiler_name", backend)
+        where = folder() if name == backend_name and kwargs.get("package") is None else None
+        if where is not None and not config.caching_precompile:
+            # Frames stored under one torch.compile's settings (the backend's mode and options, dynamic, fullgraph,
+            # hooks) are not given to another's.
+            settings = repr((getattr(backend, "kwargs", None), sorted((k, repr(v)) for k, v in kwargs.items())))
+            made = package.CompilePackage(fn=None, dynamo=None, ignore_inlined_sources=False)
+            stores[made] = package.DiskDynamoStore(
+                os.path.join(where, hashlib.sha256(settings.encode()).hexdigest()[:16]))
+            kwargs["package"] = made
+        return original_optimize(rebuild_ctx, backend, *args, **kwargs)
+
+    def enter(self: Any, fn: Any) -> Any:
+        made = getattr(self, "_package", None)
+        store = None if made is None else stores.get(made)
+        if store is not None and not made.is_initialized():
+            fn_key = eval_frame.innermost_fn(fn.forward if isinstance(fn, torch.nn.Module) else fn)
+            key = store_key(fn_key)
+            try:
+                if not os.path.exists(os.path.join(store.path_prefix(), key)):
+                    raise FileNotFoundError(key)
+                entry = store.load_cache_entry(key)
+                made.initialize(fn_key, entry.dynamo, ignore_inlined_sources=False)
+                made.install(entry.backends)
+                names_given(made)
+                count("dynamo_package_hits")
+            except Exception:  # none stored, or another version's or a changed source's: traced and stored afresh
+                if made.is_initialized():
+                    made.uninstall()
+                made.__init__(fn=None, dynamo=None, ignore_inlined_sources=False)  # the frames' package, emptied
+                made.initialize(fn_key, None, ignore_inlined_sources=False)
+        return original_enter(self, fn)
+
+    def names_given(made: Any) -> None:
+        numbers = [int(n) for names in made._installed_globals.values() for name in names
+                   for n in re.findall(r"_(\d+)(?=_|$)", name)]
+        if numbers:
+            bytecode_transformation._unique_id_counter = itertools.count(
+                max(next(bytecode_transformation._unique_id_counter), max(numbers) + 1))
+
+    def build_guards(self: Any, *args: Any, save: bool = False, **kwargs: Any) -> Any:
+        try:
+            check_fn = original_build_guards(self, *args, save=save, **kwargs)
+        except Exception as error:  # storing the guards failed in a way torch 2.13 does not catch
+            if not save:
+                raise
+            self.tracer_output.output_graph.bypass_package(f"its guards could not be stored: {error}")
+            check_fn = original_build_guards(self, *args, save=False, **kwargs)
+        if save and check_fn.guards_state is None:  # the frame was left out of the package (bypassed)
+            check_fn.guards_state = b""
+        return check_fn
+
+    def reduce_config(self: Any, aot_config: Any) -> Any:
+        fn, fields = original_reduce_config(self, aot_config)
+        if not fields or fields[-1] != aot_config.precompile_backend_id:
+            raise TypeError("torch_pjrt: AOTAutograd's cache key has changed shape; update _torch_private for it.")
+        return fn, (*fields[:-1], fields[-1] is not None)
+
+    def convert(self: Any, frame: Any, cache_entry: Any, hooks: Any, frame_state: Any, *, skip: int = 0) -> Any:
+        made = self._package
+        store = None if made is None else stores.get(made)
+        if store is None:
+            return original_convert(self, frame, cache_entry, hooks, frame_state, skip=skip + 1)
+        if frame.f_globals is not made._innermost_fn.__globals__:  # a library's frame: traced as without packages
+            with mock.patch.object(self, "_package", None):
+                return original_convert(self, frame, cache_entry, hooks, frame_state, skip=skip + 1)
+        marked: list[tuple[torch.Tensor, Any]] = []
+
+        def mark_static_address(tensor: torch.Tensor, guard: bool = False) -> None:
+            marked.append((tensor, getattr(tensor, "_dynamo_static_input_type", None)))
+            original_mark_static(tensor, guard=guard)
+
+        converting.append(made)
+        with config.patch(caching_precompile=True), warnings.catch_warnings(), \
+                mock.patch.object(decorators, "mark_static_address", mark_static_address), \
+                mock.patch.object(convert_frame.DynamoOutput, "build_guards", build_guards), \
+                mock.patch.object(autograd_cache.AOTAutogradCachePickler, "_reduce_aot_config", reduce_config):
+            warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf")
+            try:
+                result = original_convert(self, frame, cache_entry, hooks, frame_state, skip=skip + 1)
+            finally:
+                # A later process runs this frame without tracing it, so without the static marks its trace leaves
+                # on tensors (a parameter's grad): traces of later frames see the same marks in both processes,
+                # and AOTAutograd's cache keys (which hold the static inputs) match.
+                for tensor, before in reversed(marked):
+                    if before is None:
+                        del tensor._dynamo_static_input_type
+                    else:
+                        tensor._dynamo_static_input_type = before
+                converting.pop()
+            try:
+                with writing():
+                    store.save_package(made, store_key(made._innermost_fn))
+                count("dynamo_package_writes")
+            except Exception:  # a graph AOTAutograd's cache did not hold (symbolic sizes): the frames are not stored
+                pass
+        return result
+
+    for logger, message in (("torch._dynamo.guards", "is dropped with caching_precompile"),
+                            ("torch._dynamo.output_graph", "Detected a package bypass")):
+        logging.getLogger(logger).addFilter(
+            lambda record, message=message: not (converting and message in str(record.msg)))
+    eval_frame._optimize = optimize
+    eval_frame._TorchDynamoContext.__call__ = enter
+    convert_frame.ConvertFrameAssert.__call__ = convert

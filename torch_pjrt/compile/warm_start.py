@@ -1,13 +1,18 @@
-"""AOTAutograd's cache holding the pjrt backend's graphs, so a warm process skips AOTAutograd's tracing.
+"""Dynamo's packages and AOTAutograd's cache holding the pjrt backend's work, so a warm process skips tracing.
 
-A fresh process with a filled cache folder still runs Dynamo, but AOTAutograd finds its forward and
-backward graphs in `aotautograd/` of TORCH_PJRT_CACHE_DIR (keyed by PyTorch on Dynamo's graph, its
-inputs, the versions and AOTAutograd's settings, under a folder named by our code's digest) instead of
-tracing them again. A stored entry holds each compiled graph as its FX graph with its nodes' values
+A compiled function's own Dynamo frames (the function and its resume functions, with their guards and
+graphs) are kept in `dynamo/` of TORCH_PJRT_CACHE_DIR (under a folder named by our code's digest, keyed
+by the function's name, line and bytecode): a fresh process with a filled folder runs them behind their
+stored guards without Dynamo tracing them; a frame whose guards fail (another shape, another model) is
+traced and added. Frames of library code it calls (an optimizer's step) are traced in every process, and
+AOTAutograd finds their forward and backward graphs in `aotautograd/` (keyed by PyTorch on Dynamo's graph,
+its inputs, the versions and AOTAutograd's settings, under the same digest's folder) instead of tracing
+them again. A stored entry holds each compiled graph as its FX graph with its nodes' values
 described (dtype, shape, strides, offset, device); loading it builds the backend's compiled graph
 afresh, whose programs and executables then come from our own store as in any warm process. Graphs
 with symbolic sizes are not stored (their guards and buckets are the backend's per process); nor is
-anything when the cache folder is off.
+anything when the cache folder is off. Dynamo's packages need torch 2.13; before it Dynamo traces in
+every process.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ from torch_pjrt.runtime import client, disk_store, metrics
 
 # The compiled graph a loaded entry is built into: set by `aot_cache` for the backend call it wraps.
 _making: list[Callable[[torch.fx.GraphModule], Callable[..., Any]]] = []
+# Non-empty while a Dynamo package is written: the graphs pickled into it are not AOTAutograd's cache writes.
+_package_writes: list[bool] = []
 
 
 class StoredGraph(_torch_private.output_code_base()):
@@ -42,8 +49,14 @@ class StoredGraph(_torch_private.output_code_base()):
         # AOTAutograd copies an entry's result before saving it: the copy shares the compiled graph.
         return StoredGraph(self.gm, self.compiled)
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> StoredGraph:
+        # A Dynamo package's record of the entry is a deep copy: sharing too, not a pickled copy loaded (which
+        # would count as a cache hit and build the compiled graph again).
+        return StoredGraph(self.gm, self.compiled)
+
     def __getstate__(self) -> dict[str, Any]:
-        metrics.bump("aot_cache_writes")
+        if not _package_writes:
+            metrics.bump("aot_cache_writes")
         return {"graph": _torch_private.pickle_graph(self.gm, keep=lambda key: key == "stack_trace"),
                 "values": [_described(node.meta.get("val")) for node in self.gm.graph.nodes],
                 "options": {"recompile_budget": self.compiled.recompile_budget}}
@@ -118,6 +131,24 @@ def code_folder_name() -> str:
 def _folder() -> str | None:
     root = client.cache_dir()
     return None if root is None else os.path.join(root, "aotautograd", code_folder_name())
+
+
+@contextlib.contextmanager
+def _writing_package() -> Iterator[None]:
+    _package_writes.append(True)
+    try:
+        yield
+    finally:
+        _package_writes.pop()
+
+
+def _dynamo_folder() -> str | None:
+    root = client.cache_dir()
+    return None if root is None else os.path.join(root, "dynamo", code_folder_name())
+
+
+if _torch_private.dynamo_packages_supported():  # torch 2.13; on older torch Dynamo traces every process
+    _torch_private.dynamo_packages_for("pjrt", _dynamo_folder, metrics.bump, _writing_package)
 
 
 def _static(example_inputs: Sequence[Any]) -> bool:
