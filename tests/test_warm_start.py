@@ -76,6 +76,37 @@ def run_step(cache: Path, seed: int, code: str = STEP, *arguments: int, script: 
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+CALLABLES = textwrap.dedent(
+    """
+    import functools, json, sys, torch, torch_pjrt
+    torch.manual_seed(int(sys.argv[1]))
+    model = torch.nn.Linear(5, 3)
+    on_device = torch.nn.Linear(5, 3).to("pjrt")
+    on_device.load_state_dict(model.state_dict())
+
+    def step(module, x):
+        return module(x).relu().sum()
+
+    class Step:
+        def __call__(self, x):
+            return step(on_device, x)
+
+    x = torch.randn(4, 5)
+    results = [torch.compile(f, backend="pjrt")(x.to("pjrt")).item()
+               for f in (functools.partial(step, on_device), Step())]
+    print(json.dumps({"results": results, "cpu": step(model, x).item()}))
+    """
+)
+
+
+def test_a_partial_or_callable_object_compiles_cold_and_warm_with_the_cache_folder_on(tmp_path: Path) -> None:
+    """A compiled callable with no code of its own (a partial, an object with __call__) is traced as without stored
+    frames instead of failing where its frames would be keyed, in a cold and a warm process alike."""
+    for seed in (5, 6):
+        ran = run_step(tmp_path, seed, CALLABLES, script=tmp_path / "callables.py")
+        assert ran["results"] == pytest.approx([ran["cpu"]] * 2, rel=1e-5)
+
+
 def test_a_compiled_optimizer_step_equals_cpu_cold_and_warm_without_inductors_cuda_graph_trees(tmp_path: Path) -> None:
     """Dynamo's optimizer tracing no longer imports Inductor's CUDA graph trees for pjrt tensors, and a warm
     process runs the stored executables of every graph (no compile) with the same results as CPU."""

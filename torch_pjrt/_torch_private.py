@@ -742,8 +742,8 @@ def dynamo_packages_for(backend_name: str, folder: Callable[[], str | None], cou
     def enter(self: Any, fn: Any) -> Any:
         made = getattr(self, "_package", None)
         store = None if made is None else stores.get(made)
-        if store is not None and not made.is_initialized():
-            fn_key = eval_frame.innermost_fn(fn.forward if isinstance(fn, torch.nn.Module) else fn)
+        fn_key = None if store is None or made.is_initialized() else keyed_function(fn)
+        if fn_key is not None:
             key = store_key(fn_key)
             try:
                 if not os.path.exists(os.path.join(store.path_prefix(), key)):
@@ -759,6 +759,13 @@ def dynamo_packages_for(backend_name: str, folder: Callable[[], str | None], cou
                 made.__init__(fn=None, dynamo=None, ignore_inlined_sources=False)  # the frames' package, emptied
                 made.initialize(fn_key, None, ignore_inlined_sources=False)
         return original_enter(self, fn)
+
+    def keyed_function(fn: Any) -> Any:
+        # The Python function whose frames a package holds (a module's forward), or None for a callable with no code
+        # of its own (a partial, an object with __call__: Dynamo traces it through a wrapper frame of its own, which
+        # is traced as without packages).
+        target = eval_frame.innermost_fn(fn.forward if isinstance(fn, torch.nn.Module) else fn)
+        return target if isinstance(getattr(target, "__code__", None), types.CodeType) else None
 
     def names_given(made: Any) -> None:
         numbers = [int(n) for names in made._installed_globals.values() for name in names
@@ -790,7 +797,8 @@ def dynamo_packages_for(backend_name: str, folder: Callable[[], str | None], cou
         store = None if made is None else stores.get(made)
         if store is None:
             return original_convert(self, frame, cache_entry, hooks, frame_state, skip=skip + 1)
-        if frame.f_globals is not made._innermost_fn.__globals__:  # a library's frame: traced as without packages
+        if not made.is_initialized() or frame.f_globals is not made._innermost_fn.__globals__:
+            # a callable with no code of its own, or a library's frame: traced as without packages
             with mock.patch.object(self, "_package", None):
                 return original_convert(self, frame, cache_entry, hooks, frame_state, skip=skip + 1)
         marked: list[tuple[torch.Tensor, Any]] = []

@@ -11,7 +11,6 @@ grads, then the state lists), which the in-place ops write back.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import jax.numpy as jnp
@@ -107,8 +106,14 @@ def _adam(self: list[Any], grads: list[Any], exp_avgs: list[Any], exp_avg_sqs: l
     return results if amsgrad else (*results[:4], max_exp_avg_sqs)
 
 
-register(aten._fused_adam, traced_floats=True)(functools.partial(_adam, decoupled=False))
-register(aten._fused_adamw, traced_floats=True)(functools.partial(_adam, decoupled=True))
+@register(aten._fused_adam, traced_floats=True)
+def _fused_adam(*args: Any, **kwargs: Any) -> tuple[list[Any], ...]:
+    return _adam(*args, **kwargs, decoupled=False)
+
+
+@register(aten._fused_adamw, traced_floats=True)
+def _fused_adamw(*args: Any, **kwargs: Any) -> tuple[list[Any], ...]:
+    return _adam(*args, **kwargs, decoupled=True)
 
 
 @register(aten._fused_sgd, traced_floats=True)
