@@ -199,19 +199,26 @@ def test_the_cache_command_shows_prunes_and_clears(tmp_path: Path) -> None:
     assert "cleared" in cache("clear") and not any(tmp_path.iterdir())
 
 
-def test_the_cache_command_counts_aotautograd_entries_and_prunes_other_code_versions(tmp_path: Path) -> None:
+def test_the_cache_command_counts_aotautograd_and_dynamo_entries_and_prunes_other_code_versions(
+        tmp_path: Path) -> None:
     run(tmp_path, COMPILED)
-    stale = tmp_path / "aotautograd" / "0123456789abcdef" / "key"
-    stale.mkdir(parents=True)
-    (stale / "entry").write_bytes(os.urandom(64))
+    stale = [tmp_path / kind / "0123456789abcdef" / "key" for kind in ("aotautograd", "dynamo")]
+    for folder in stale:
+        folder.mkdir(parents=True)
+        (folder / "entry").write_bytes(os.urandom(64))
     cache = functools.partial(cache_command, tmp_path)
 
-    entries = json.loads(cache("--format", "json"))["kinds"]["aotautograd"]["entries"]
-    assert entries >= 2 and "aotautograd/" in cache()
-    assert "removed 1 entries (64 B)" in cache("prune", "--older-than-days", "1000")
-    assert not stale.parent.exists()
-    assert json.loads(cache("--format", "json"))["kinds"]["aotautograd"]["entries"] == entries - 1
-    assert "cleared" in cache("clear") and not (tmp_path / "aotautograd").exists()
+    def entries() -> dict[str, int]:
+        kinds = json.loads(cache("--format", "json"))["kinds"]
+        return {kind: kinds[kind]["entries"] for kind in ("aotautograd", "dynamo")}
+
+    before = entries()
+    assert before["aotautograd"] >= 2 and before["dynamo"] >= 1 and "aotautograd/" in cache() and "dynamo/" in cache()
+    assert "removed 2 entries (128 B)" in cache("prune", "--older-than-days", "1000")
+    assert not any(folder.parent.exists() for folder in stale)
+    assert entries() == {kind: count - 1 for kind, count in before.items()}
+    assert "cleared" in cache("clear")
+    assert not (tmp_path / "aotautograd").exists() and not (tmp_path / "dynamo").exists()
 
 
 OPTIONS_SEEN = textwrap.dedent(

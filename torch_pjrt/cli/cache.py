@@ -3,9 +3,10 @@
 The folder holds XLA's executables (`xla/`, jax's persistent cache), our traced torch.compile
 graphs (`graphs/`), the executables of those graphs, fused programs and strict ops (`executables/`),
 strict ops' device-side checks (`op_checks/`), padded ops' forms (`forms/`), per script the
-executables its last process used (`preload/`) and AOTAutograd's entries for compiled graphs
-(`aotautograd/<digest of torch_pjrt's code>/`); ranks of one job and later processes share it
-(TORCH_PJRT_CACHE_DIR). AOTAutograd's folders of other code versions can never hit again: prune
+executables its last process used (`preload/`), AOTAutograd's entries for compiled graphs
+(`aotautograd/<digest of torch_pjrt's code>/`) and Dynamo's stored frames of compiled functions
+(`dynamo/<digest of torch_pjrt's code>/`); ranks of one job and later processes share it
+(TORCH_PJRT_CACHE_DIR). The per-version folders of other code versions can never hit again: prune
 removes them first.
 """
 
@@ -25,27 +26,31 @@ KINDS = {"xla": "XLA executables", "graphs": "traced torch.compile graphs",
          "forms": "padded (dynamic) ops' forms: how their results' sizes follow the dynamic lengths",
          "preload": "per script: the executables its last process used, which the next one preloads",
          "aotautograd": "AOTAutograd's entries for compiled graphs, per version of torch_pjrt",
+         "dynamo": "Dynamo's traced frames of compiled functions and their guards, per version of torch_pjrt",
          "torch_source_key": "PyTorch's digest of its source files (AOTAutograd's keys hold it), per torch install",
          "registration": "the overloads and schema facts the device's start registers, per torch_pjrt and torch"}
+# kinds kept in a folder per version of torch_pjrt's code, their entries nested below it
+VERSIONED = ("aotautograd", "dynamo")
 
 
 def _entries(folder: Path, kind: str) -> list[Path]:
     """The entry files of one kind (not jax's access-time stamps, locks or unfinished writes); AOTAutograd's
-    entries are nested in folders of their own."""
+    and Dynamo's entries are nested in folders of their own."""
     root = folder / kind
     if not root.is_dir():
         return []
-    files = root.rglob("*") if kind == "aotautograd" else root.iterdir()
+    files = root.rglob("*") if kind in VERSIONED else root.iterdir()
     return [path for path in files if path.is_file() and not path.name.startswith(".")
             and not path.name.endswith("-atime")]
 
 
 def _stale_versions(folder: Path) -> list[Path]:
-    """AOTAutograd's folders written by another version of torch_pjrt's code."""
+    """AOTAutograd's and Dynamo's folders written by another version of torch_pjrt's code."""
     from torch_pjrt.compile import warm_start
 
-    root, current = folder / "aotautograd", warm_start.code_folder_name()
-    return [path for path in root.iterdir() if path.is_dir() and path.name != current] if root.is_dir() else []
+    current = warm_start.code_folder_name()
+    return [path for kind in VERSIONED if (folder / kind).is_dir() for path in (folder / kind).iterdir()
+            if path.is_dir() and path.name != current]
 
 
 def _last_used(path: Path) -> float:
@@ -70,7 +75,7 @@ def _remove(path: Path) -> int:
 
 
 def prune(folder: Path, max_bytes: int | None, older_than_days: float | None) -> tuple[int, int]:
-    """Remove AOTAutograd's folders of other code versions, then the least recently used entries until the
+    """Remove AOTAutograd's and Dynamo's folders of other code versions, then the least recently used entries until the
     folder holds at most `max_bytes`, and those unused for `older_than_days`; returns (entries removed, bytes
     freed)."""
     removed = freed = 0
