@@ -46,6 +46,9 @@ def train(device: str, mode: str, make: Callable, start: list[torch.Tensor], gra
         optimizer.step()
 
     if mode == "compile" and device == "pjrt":
+        # Dynamo caches frames by code object: the optimizers' step frames compiled by earlier cases count against
+        # their recompile limit, past which they would run eagerly (here and in later test files of this process).
+        torch._dynamo.reset()
         step = torch.compile(step, backend="pjrt")
     with torch.pjrt.set_eager_mode(EAGER[mode] if device == "pjrt" else torch.pjrt.eager_mode):
         for index, step_grads in enumerate(grads):
