@@ -18,6 +18,7 @@ every process.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import os
 from collections.abc import Callable, Iterator, Sequence
@@ -52,7 +53,7 @@ class StoredGraph(_torch_private.output_code_base()):
     def __deepcopy__(self, memo: dict[int, Any]) -> StoredGraph:
         # A Dynamo package's record of the entry is a deep copy: sharing too, not a pickled copy loaded (which
         # would count as a cache hit and build the compiled graph again).
-        return StoredGraph(self.gm, self.compiled)
+        return self.__copy__()
 
     def __getstate__(self) -> dict[str, Any]:
         if not _package_writes:
@@ -128,9 +129,10 @@ def code_folder_name() -> str:
     return disk_store.code_version()[:16]
 
 
-def _folder() -> str | None:
+def _folder(kind: str = "aotautograd") -> str | None:
+    """This code version's folder of `kind` (`aotautograd` or `dynamo`) in the cache folder, None when it is off."""
     root = client.cache_dir()
-    return None if root is None else os.path.join(root, "aotautograd", code_folder_name())
+    return None if root is None else os.path.join(root, kind, code_folder_name())
 
 
 @contextlib.contextmanager
@@ -142,13 +144,8 @@ def _writing_package() -> Iterator[None]:
         _package_writes.pop()
 
 
-def _dynamo_folder() -> str | None:
-    root = client.cache_dir()
-    return None if root is None else os.path.join(root, "dynamo", code_folder_name())
-
-
 if _torch_private.dynamo_packages_supported():  # torch 2.13; on older torch Dynamo traces every process
-    _torch_private.dynamo_packages_for("pjrt", _dynamo_folder, metrics.bump, _writing_package)
+    _torch_private.dynamo_packages_for("pjrt", functools.partial(_folder, "dynamo"), metrics.bump, _writing_package)
 
 
 def _static(example_inputs: Sequence[Any]) -> bool:
