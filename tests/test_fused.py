@@ -548,3 +548,25 @@ def test_generate_reads_its_stop_check_a_token_late_and_gives_cpus_tokens(mode: 
         assert want.shape[1] == 9 + free_run.index(eos) + 1 < 9 + 12
     if mode is FUSE:
         assert fusion.flush_reasons["stop check"] - late_reads == got.shape[1] - 9 + (stops_at == "eos")
+
+
+def test_numbers_of_ops_on_padded_tensors_are_traced_not_baked_in(fused: None) -> None:
+    """An op on a tensor padded for a marked length, or a factory of that length, with a traced number (a fill
+    value, masked_fill's value, add.Scalar's other): each call's own value, not the first call's, where the
+    calls share one padded program (the old padded form held the first value as a constant)."""
+    torch.manual_seed(21)
+    calls = {
+        "masked_fill": lambda t, v: t.masked_fill(t > 0, v),
+        "full_like": lambda t, v: torch.full_like(t, v),
+        "add.Scalar": lambda t, v: torch.ops.aten.add.Scalar(t, v),
+        "full": lambda t, v: torch.full((3, t.shape[1]), v, device=t.device) * t[:1],
+    }
+    for length, value in ((29, 2.5), (29, -3.25), (27, 0.75)):
+        host = torch.randn(3, length)
+        torch_pjrt.mark_dynamic(host, 1, max=128)
+        padded = host.to("pjrt")
+        for name, call in calls.items():
+            got = call(padded, value)
+            assert torch_pjrt.get_dynamism_info(got)["dims"][1]["bucket"] == 32, name
+            torch.testing.assert_close(got.cpu(), call(host, value), msg=f"{name} {length} {value}")
+        del padded

@@ -292,3 +292,42 @@ def test_empty_layout_and_errors_match_cpu(sizes: tuple[int, ...], memory_format
         return made.dtype, made.shape, made.stride()
 
     assert outcome("pjrt") == outcome("cpu")
+
+
+# --- fill values are traced -------------------------------------------------------------------------
+
+FILLS = {
+    "full": lambda device, like, value, dtype: torch.full((2, 3), value, dtype=dtype, device=device),
+    "full_like": lambda device, like, value, dtype: torch.full_like(like.to(device), value, dtype=dtype),
+    "new_full": lambda device, like, value, dtype: like.to(device).new_full((4,), value, dtype=dtype),
+    "fill_": lambda device, like, value, dtype: torch.empty(3, 2, dtype=dtype, device=device).fill_(value),
+    "scalar_tensor": lambda device, like, value, dtype: torch.scalar_tensor(value, dtype=dtype, device=device),
+}
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["strict", "fused"])
+@pytest.mark.parametrize("name", sorted(FILLS))
+def test_one_program_serves_every_fill_value(name: str, fused: bool) -> None:
+    """A factory's fill value is a traced number, not part of its program's key: after the first value of a
+    type and dtype, other values (generate()'s `full((batch,), is_done)` stop flag, True then False) give CPU's
+    results and compile nothing; the sizes and a dtype taken from the value's type stay in the key."""
+    import torch_pjrt
+
+    mode = torch.pjrt.EagerMode.DEFER_AND_FUSE if fused else torch.pjrt.EagerMode.DEFER_NEVER
+    like = torch.randn(2, 5)
+    offset = torch.randn(1, dtype=torch.float64)
+    series = [((True, False, True), torch.bool), ((True, False), None), ((3, -7, 12), torch.int32),
+              ((5, -2), None), ((2.5, -1.25, 1e-3), torch.float32), ((-0.75, 3.5), None), ((7, -4), torch.float64)]
+    with torch.pjrt.set_eager_mode(mode):
+        for values, dtype in series:
+            compiles = []
+            for value in values:
+                want = FILLS[name]("cpu", like, value, dtype)
+                got = FILLS[name]("pjrt", like, value, dtype)
+                # (a use of the result, so the fused graph holds more than the factory)
+                want_sum, got_sum = want.double() + offset, (got.double() + offset.to("pjrt")).cpu()
+                assert got.dtype == want.dtype and got.shape == want.shape, (value, got.dtype, want.dtype)
+                assert torch.equal(got.cpu(), want), (value, got.cpu(), want)
+                assert torch.equal(got_sum, want_sum), (value, got_sum, want_sum)
+                compiles.append(torch_pjrt.metrics.counters()["compiles"])
+            assert compiles[-1] == compiles[0], (values, dtype, compiles)

@@ -158,6 +158,12 @@ def _read_schema_facts(op: OpOverload) -> SchemaFacts:
     )
 
 
+# Factories whose one number argument is the value they fill with: traced like any op's number (one program for
+# every value; generate()'s stop check makes `full((batch,), is_done)` each token). Other factories keep their
+# numbers static (arange's ends decide its length).
+FILL_FACTORIES = frozenset({torch.ops.aten.full.default, torch.ops.aten.scalar_tensor.default})
+
+
 @functools.cache
 def plan_for(op: OpOverload) -> OpPlan | None:
     lowering = graph.lookup(op)
@@ -173,7 +179,7 @@ def plan_for(op: OpOverload) -> OpPlan | None:
         op=op,
         lowering=lowering,
         factory=factory,
-        static_scalars=lowering.static_scalars or factory,
+        static_scalars=lowering.static_scalars or (factory and op not in FILL_FACTORIES),
         has_device_arg=Arg.DEVICE in facts.kinds,
         name=str(op),
         allow_cpu=op in CPU_TENSORS_ALLOWED,
@@ -1210,7 +1216,7 @@ def _padded_form(key: tuple, plan: OpPlan, scan: Scan, values: list[Any],
     uppers = list(scan.symbols.uppers)
     # (the stand-ins keep no tensor of this call alive in a form whose graph is made later)
     make = functools.partial(_symbolic_form, plan, list(scan.symbols.values), bool(scan.dynamic),
-                             _meta_stand_ins(values), described)
+                             _meta_stand_ins(values), described, _traced_numbers(plan, described))
     structure = _structure(key, plan) if disk_store.enabled() else None
     stored_key = None if structure is None else _stored_form_key(structure)
     if stored_key is not None:
@@ -1256,8 +1262,14 @@ def _meta_stand_ins(values: list[Any]) -> list[Any]:
     return [replaced(v) for v in values]
 
 
+def _traced_numbers(plan: OpPlan, described: list[Any]) -> frozenset[int]:
+    """The arguments that are traced numbers (a scalar's type, or a list of them, in the key)."""
+    return frozenset(i for i, (kind, desc) in enumerate(zip(plan.kinds, described)) if isinstance(desc, type) or (
+        kind is Arg.SCALAR_LIST and isinstance(desc, tuple) and desc and isinstance(desc[0], type)))
+
+
 def _symbolic_form(plan: OpPlan, symbol_values: list[int], has_dynamic: bool, values: list[Any],
-                   described: list[Any]) -> tuple[dynamic.FormShape, dynamic.FormGraph]:
+                   described: list[Any], traced: frozenset[int]) -> tuple[dynamic.FormShape, dynamic.FormGraph]:
     """Run the op's meta kernel on fake tensors whose dynamic dims are symbols."""
     env, mode, symbols, sizes = _torch_private.symbolic_fake_mode(symbol_values)
     with mode:
@@ -1273,7 +1285,7 @@ def _symbolic_form(plan: OpPlan, symbol_values: list[int], has_dynamic: bool, va
     if not has_dynamic and not plan.mutated:
         decomposition = registry.decomposition(plan.op)
     return dynamic.form(target, metas, functional, n_fresh, env.guards, symbols, plan.mutated, positional, keywords,
-                        mode, decomposition)
+                        mode, decomposition, traced)
 
 
 def _factory_elsewhere(plan: OpPlan, args: tuple, kwargs: dict, device: torch.device) -> Any:

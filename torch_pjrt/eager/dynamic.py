@@ -718,10 +718,11 @@ def _form_shape(symbols: Sequence[Any], metas: list[Any], arg_metas: Sequence[An
 
 def form(target: Any, fakes: Sequence[Any], metas: list[Any], n_fresh: int, guards: Sequence[Any],
          symbols: Sequence[Any], mutated: Sequence[int], positional: Sequence[int], keywords: dict[str, int],
-         mode: Any, decomposition: Any = None) -> tuple[FormShape, FormGraph]:
+         mode: Any, decomposition: Any = None, traced: frozenset[int] = frozenset()) -> tuple[FormShape, FormGraph]:
     """The padded form of one op call from its fake run: `fakes` are the arguments in schema order
     (fake tensors, SymInts, plain values, after the op: the `mutated` ones hold its writes),
-    `positional`/`keywords` say how they are passed. An op with no padding rule runs as its PyTorch
+    `positional`/`keywords` say how they are passed, `traced` which of them are traced numbers (graph inputs,
+    not constants: the form serves every value). An op with no padding rule runs as its PyTorch
     decomposition (traced on the same fake tensors) when it has one."""
     if guards:
         raise CannotPad(f"its sizes must equal fixed ones ({guards[0].expr})")
@@ -732,7 +733,14 @@ def form(target: Any, fakes: Sequence[Any], metas: list[Any], n_fresh: int, guar
             raise CannotPad("it writes a merged dynamic dim")
     args = [fakes[i] for i in positional]
     kwargs = {name: fakes[i] for name, i in keywords.items()}
-    module, feeds = _one_node(target, args, kwargs, metas)
+    numbers: list[tuple] = []
+    places = [*(("p", j, i) for j, i in enumerate(positional)), *(("k", name, i) for name, i in keywords.items())]
+    for where, key, i in places:
+        if i in traced:
+            fake = fakes[i]
+            listed = isinstance(fake, (list, tuple))
+            numbers += [(where, key, k) for k in range(len(fake))] if listed else [(where, key)]
+    module, feeds = _one_node(target, args, kwargs, metas, numbers)
     try:
         padding.PaddedInterpreter.check(next(n for n in module.graph.nodes if n.op == "call_function"))
     except CannotPad:
@@ -759,9 +767,13 @@ def pick(path: tuple, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     return value[path[2]] if len(path) == 3 else value
 
 
-def _one_node(target: Any, args: list[Any], kwargs: dict[str, Any], metas: list[Any]) -> tuple[Any, list[tuple]]:
+def _one_node(target: Any, args: list[Any], kwargs: dict[str, Any], metas: list[Any],
+              numbers: list[tuple]) -> tuple[Any, list[tuple]]:
+    """The op as one graph node; its inputs the tensors, SymInts and traced numbers (each a scalar or a list,
+    at `numbers`) of the call."""
     graph = torch.fx.Graph()
     feeds = _paths(args, kwargs, lambda v: isinstance(v, (torch.Tensor, torch.SymInt)))
+    feeds += numbers
     nodes: dict[tuple, Any] = {}
     for position, path in enumerate(feeds):
         placeholder = nodes[path] = graph.placeholder(f"arg{position}")

@@ -205,6 +205,12 @@ def full_like(self: Any, fill_value: Any, *, dtype: Any = None, **_: Any) -> Any
     return jnp.full(self.shape, _to(fill_value, torch_dtype(dtype, dtype_of(self))))
 
 
+@register(aten.new_full.default)
+def new_full(self: Any, size: Any, fill_value: Any, *, dtype: Any = None, **_: Any) -> Any:
+    """Its own lowering, not PyTorch's decomposition (whose numbers are static): the fill value is traced."""
+    return jnp.full(tuple(size), _to(fill_value, torch_dtype(dtype, dtype_of(self))))
+
+
 @register(aten.zeros_like.default, aten.empty_like.default)
 def zeros_like(self: Any, *, dtype: Any = None, **_: Any) -> Any:
     """empty_like too: a program cannot leave memory uninitialised."""
