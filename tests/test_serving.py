@@ -983,15 +983,20 @@ def recorded(logits, tokens, rows):
 def counted_to_cpu(tensor):
     reads.append(list(tensor.shape))
     return to_cpu(tensor)
-runner._sampled, kernels.to_cpu = recorded, counted_to_cpu
+copied_later, host_tensors = runner._tokens_copied_later, []
+def made(*args, **kwargs):
+    output = copied_later(*args, **kwargs)
+    host_tensors.append(output.sampled_token_ids_cpu is not None)
+    return output
+runner._sampled, kernels.to_cpu, runner._tokens_copied_later = recorded, counted_to_cpu, made
 prompts = json.loads(sys.argv[2])
 params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, detokenize=False)
 results = {"async": runner.use_async_scheduling}
 for count in (8, 5):
-    steps.clear(), reads.clear()
+    steps.clear(), reads.clear(), host_tensors.clear()
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts[:count]], params, use_tqdm=False)
     results[count] = {"tokens": [list(o.outputs[0].token_ids) for o in outputs], "steps": list(steps),
-                      "host_tensor_reads": list(reads)}
+                      "host_tensor_reads": list(reads), "host_tensors_made": list(host_tensors)}
 print("RESULT " + json.dumps(results))
 """
 
@@ -1000,7 +1005,8 @@ def test_async_greedy_token_reads_padded_or_not_give_hugging_faces_tokens(tiny_l
     """Under async scheduling on the compile path, a greedy step hands vLLM its program's padded tokens
     themselves where its requests fill the bucket (8 requests: no view of their rows made) and a view of their
     first rows where they do not (5 of 8); either way the engine reads them with no host tensor made
-    (TokensCopiedLater reads the padded tokens whole into a host array), and the tokens are Hugging Face's."""
+    (TokensCopiedLater reads the padded tokens whole into a host array, and makes vLLM's host tensor of them
+    only where a logits processor reads output ids: none here), and the tokens are Hugging Face's."""
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", TORCH_PJRT_VLLM_ASYNC_SCHEDULING="1")
     generator = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 256, (n,), generator=generator).tolist() for n in (5, 9, 13, 6, 21, 7, 16, 11)]
@@ -1015,6 +1021,7 @@ def test_async_greedy_token_reads_padded_or_not_give_hugging_faces_tokens(tiny_l
         run = result[count]
         assert run["tokens"] == expected[: int(count)]
         assert run["host_tensor_reads"] == []
+        assert run["host_tensors_made"] and not any(run["host_tensors_made"])
         assert run["steps"] and all(whole == (rows == padded) for rows, padded, whole in run["steps"])
     assert [8, 8, True] in result["8"]["steps"] and [5, 8, False] in result["5"]["steps"]
 
