@@ -89,6 +89,8 @@ class PjrtModelRunner(CPUModelRunner):
         self._step_logits_indices: torch.Tensor | None = None
         self._step_sampled_in_program: SampledInProgram | None = None
         self._step_has_grammar = False
+        # (vLLM's sampling metadata, whether its own fields leave its sampler an argmax): see _only_argmax_samples
+        self._argmax_fields: tuple[SamplingMetadata, bool] | None = None
         self._compute_logits: Any = None
         # the compile path's one program a step (StepProgram), where one rank runs the whole model: vLLM's call
         # of it (the first traces it), then its compiled code called directly (StepProgram.compiled_forward)
@@ -468,12 +470,18 @@ class PjrtModelRunner(CPUModelRunner):
         else: all greedy, no logprobs, no penalties, bad words, allowed-token masks or logits processors that
         act (vLLM's min-tokens and logit-bias ones when they hold no request), no grammar, no NaN counts."""
         metadata = self.input_batch.sampling_metadata
+        # its own fields (and vLLM's NaN-count setting, ~4 us a read) are checked once per metadata: vLLM's input
+        # batch makes a new one whenever its requests change (refresh_metadata); the processors' and the step's
+        # state are read each step
+        if self._argmax_fields is None or self._argmax_fields[0] is not metadata:
+            argmax = (metadata.all_greedy and metadata.max_num_logprobs is None and not metadata.logprob_token_ids
+                      and metadata.allowed_token_ids_mask is None and not metadata.bad_words_token_ids
+                      and metadata.no_penalties and not vllm_envs.VLLM_COMPUTE_NANS_IN_LOGITS)
+            self._argmax_fields = (metadata, argmax)
         holder = metadata.thinking_budget_state_holder
-        return (metadata.all_greedy and metadata.max_num_logprobs is None and not metadata.logprob_token_ids
-                and metadata.allowed_token_ids_mask is None and not metadata.bad_words_token_ids
-                and metadata.no_penalties and (holder is None or not holder.has_tracked_requests())
+        return (self._argmax_fields[1] and (holder is None or not holder.has_tracked_requests())
                 and all(_holds_no_request(processor) for processor in metadata.logitsprocs.non_argmax_invariant)
-                and not self._step_has_grammar and not vllm_envs.VLLM_COMPUTE_NANS_IN_LOGITS)
+                and not self._step_has_grammar)
 
     def _prepare_inputs(self, scheduler_output: Any, num_scheduled_tokens: Any) -> tuple[Any, ...]:
         """vLLM's inputs, the positions whose logits are sampled padded to a bucket (padded_token_count) by
