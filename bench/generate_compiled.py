@@ -14,7 +14,9 @@ the guards' own cost timed alone; the program call into jax's call of the execut
 it), and counts graphs, graph breaks, recompiles and eager ops per token;
 it also times the decode program alone (each call on ready inputs, waited for) against torch CPU eager's whole
 forward per token, splits CPU eager's token the same way (HF's loop runs on every device), and names the eager
-pjrt ops HF's loop runs per token (their top-level ATen ops).
+pjrt ops HF's loop runs per token (their top-level ATen ops); last, the middle token's decode graph call replayed
+alone on ready inputs: jax's program call against our replay around it, the arrays crossing per call, and whether
+the static cache's written storages keep their device buffers (donated) or are copied.
 Run: .venv/bin/python bench/generate_compiled.py [--rounds 5] [--new-tokens 64] [--breakdown]
 """
 
@@ -32,7 +34,7 @@ from collections.abc import Callable
 import torch
 
 import torch_pjrt
-from torch_pjrt import _torch_private
+from torch_pjrt import _torch_private, storage
 from torch_pjrt.compile import backend
 from torch_pjrt.eager import fusion
 from torch_pjrt.runtime import client, programs
@@ -195,6 +197,68 @@ def guard_check_seconds(model: torch.nn.Module, args: tuple, kwargs: dict, repea
     return best
 
 
+def decode_call_alone(pjrt: torch.nn.Module, run: Callable[[], torch.Tensor],
+                      repeats: int = 20) -> None:
+    """Print one decode graph call replayed alone on ready inputs: its main-thread CPU split into jax's call of the
+    executable and our replay around it, the arrays crossing per call, and whether the written storages (the
+    static cache's keys, values and lengths) keep their device buffers (donated, updated in place) or are copied.
+
+    The call is the middle token's, its arguments kept; the inputs it writes are set back to their values before
+    that call between batches of calls (outside the timing), so the repeated calls stay within the cache's length
+    and the cache is left as that call found it."""
+    jax = client.jax_module()
+    graph_call, kept = backend.CompiledGraph.__call__, []
+
+    def keep(graph: backend.CompiledGraph, *args: object) -> object:
+        kept.append((graph, args, [args[index].clone() for index, _ in graph.mutations]))
+        return graph_call(graph, *args)
+
+    backend.CompiledGraph.__call__ = keep
+    try:
+        run()
+    finally:
+        backend.CompiledGraph.__call__ = graph_call
+    graph, args, saved = kept[len(kept) // 2]
+    written = [args[index] for index, _ in graph.mutations]
+
+    def buffers() -> list[int]:  # read after a wait: the addresses of the written storages' device buffers
+        arrays = [storage.storage_of(tensor).array for tensor in written]
+        jax.block_until_ready(arrays)
+        return [array.unsafe_buffer_pointer() for array in arrays]
+
+    program_timer, program_call = CpuTimer(), programs.Program.call
+    programs.Program.call = program_timer.wrap(program_call, lambda self, *rest: self.name == "compiled_graph")
+    best_call, best_program, kept_in_place = float("inf"), float("inf"), 0
+    try:
+        with torch.no_grad():
+            for _ in range(10):
+                for tensor, value in zip(written, saved):
+                    tensor.copy_(value)
+                before = buffers()
+                program_timer.seconds, program_timer.calls = 0.0, 0
+                start = time.thread_time()
+                for _ in range(repeats):
+                    graph(*args)
+                seconds = time.thread_time() - start
+                kept_in_place = sum(old == new for old, new in zip(before, buffers()))
+                if seconds < best_call:
+                    best_call, best_program = seconds, program_timer.seconds
+    finally:
+        programs.Program.call = program_call
+        for tensor, value in zip(written, saved):
+            tensor.copy_(value)
+    inputs = [value for value in args if isinstance(value, torch.Tensor)]
+    found = graph.native_last
+    outputs = sum(out.is_tensor for out in graph.outputs)
+    us = 1e6 / repeats
+    print(f"the middle token's decode graph call alone, its inputs ready (best of 10 x {repeats}), main-thread CPU us: "
+          f"{best_call * us:.1f} = jax's program call {best_program * us:.1f} + our replay around it "
+          f"{(best_call - best_program) * us:.1f} (native: {found is not None and found.native is not None}); "
+          f"arrays per call: {len(inputs)} tensor inputs ({sum(t.is_cpu for t in inputs)} on CPU), {len(written)} "
+          f"written back ({kept_in_place} kept their device buffer after {repeats} calls: donated, updated in place; "
+          f"{len(written) - kept_in_place} copied), {outputs} tensor outputs")
+
+
 def median(values: list[float]) -> float:
     return sorted(values)[len(values) // 2]
 
@@ -310,6 +374,7 @@ def main() -> None:
         faster = min(rows, key=lambda name: best[name] if name not in COMPILED_ROWS else float("inf"))
         print(f"{COMPILED_ROWS[0]}, beside {faster}:")
         device_side(rows[COMPILED_ROWS[0]], cpu, rows[faster], args.new_tokens)
+        decode_call_alone(pjrt, rows[COMPILED_ROWS[0]])
 
 
 if __name__ == "__main__":
