@@ -15,8 +15,10 @@ With --fused-host, only the fused step's main-thread CPU time split by phase (tr
 backward, clipping, AdamW, and loss.item()'s flush: ours before and after jax's program call, the call, the wait).
 With --graph-calls, only the compiled step, and each of its graph calls' CPU time on the thread that made it
 (forward and optimizer on the main thread, backward on autograd's), by graph.
+`--backward` picks the compiled step's route (bench/train_step.py's TorchRow): AOTAutograd's backward run by
+autograd (default), compiled autograd, or Dynamo tracing loss.backward() ("traced": two programs a step).
 Run: .venv/bin/python bench/step_breakdown.py [--steps N] [--adamw default|fused]
-    [--graph-calls | --host | --fused-host]
+    [--backward autograd|compiled autograd|traced] [--graph-calls | --host | --fused-host]
 """
 
 from __future__ import annotations
@@ -153,7 +155,7 @@ def jax_host_parts(model: torch.nn.Module, data: list) -> dict[str, list[float]]
     return jax_parts
 
 
-def host_split(model: torch.nn.Module, data: list, fused_adamw: bool) -> None:
+def host_split(model: torch.nn.Module, data: list, fused_adamw: bool, backward: str) -> None:
     """The compiled step's main-thread CPU time per step split by what the host does: the batch's two transfers,
     our graph calls (forward, clipping, AdamW and the loss's detach; the backward's runs on autograd's thread),
     everything else inside the compiled step call (Dynamo's frames and guards, AOTAutograd's wrappers, the autograd
@@ -171,7 +173,7 @@ def host_split(model: torch.nn.Module, data: list, fused_adamw: bool) -> None:
         finally:
             graph_cpu[0] += time.thread_time() - start
 
-    row = TorchRow(model, "pjrt", "compile", cpu_threads=1, fused_adamw=fused_adamw)
+    row = TorchRow(model, "pjrt", "compile", cpu_threads=1, fused_adamw=fused_adamw, backward=backward)
     row.run(data[:3])
     parts: dict[str, list[float]] = {"transfers": [], "graph calls": [], "Dynamo, AOTAutograd, autograd, optimizer": [],
                                      "item": []}
@@ -324,7 +326,7 @@ def fused_host_split(model: torch.nn.Module, data: list, fused_adamw: bool) -> N
           + f"; total {sum(jax_medians.values()):.3f}")
 
 
-def graph_calls(model: torch.nn.Module, data: list, fused_adamw: bool) -> None:
+def graph_calls(model: torch.nn.Module, data: list, fused_adamw: bool, backward: str) -> None:
     """Each compiled graph's calls: inputs, calls per step and the median CPU time of one call (thread_time on the
     calling thread, so the backward's is autograd's), over the steps after the first three, split into the program
     call (jax), torch's own part of the graph (views and host ops, run by torch after the program) and the rest
@@ -363,7 +365,7 @@ def graph_calls(model: torch.nn.Module, data: list, fused_adamw: bool) -> None:
     backend.CompiledGraph.__init__ = made
     programs.Program.call = part_timer(1, program_call)
     try:
-        row = TorchRow(model, "pjrt", "compile", cpu_threads=1, fused_adamw=fused_adamw)
+        row = TorchRow(model, "pjrt", "compile", cpu_threads=1, fused_adamw=fused_adamw, backward=backward)
         row.run(data[:3])
         backend.CompiledGraph.__call__ = timed
         try:
@@ -395,16 +397,18 @@ def main() -> None:
                         help="only the fused step's main-thread CPU, split by phase and flush part")
     parser.add_argument("--adamw", choices=["default", "fused"], default="default",
                         help="fused: AdamW(fused=True), one aten::_fused_adamw_ a step (as bench/train_step.py)")
+    parser.add_argument("--backward", choices=["autograd", "compiled autograd", "traced"], default="autograd",
+                        help="the compiled step's backward route (bench/train_step.py's TorchRow)")
     args = parser.parse_args()
     fused_adamw = args.adamw == "fused"
     torch.manual_seed(0)
     model = GPT(width=128, layers=2, heads=4, context=64)
     data = batches(corpus_bytes(), 8, 64, args.steps)
     if args.graph_calls:
-        graph_calls(model, data, fused_adamw)
+        graph_calls(model, data, fused_adamw, args.backward)
         return
     if args.host:
-        host_split(model, data, fused_adamw)
+        host_split(model, data, fused_adamw, args.backward)
         return
     if args.fused_host:
         fused_host_split(model, data, fused_adamw)
@@ -413,7 +417,8 @@ def main() -> None:
     rows = []
     for label, mode in (("pjrt strict eager", "eager"), ("pjrt DEFER_AND_FUSE", "fuse"),
                         ("pjrt torch.compile", "compile")):
-        row = TorchRow(model, "pjrt", mode, cpu_threads=1, fused_adamw=fused_adamw)
+        row = TorchRow(model, "pjrt", mode, cpu_threads=1, fused_adamw=fused_adamw,
+                       backward=args.backward if mode == "compile" else "autograd")
         walls, cpus = timed_steps(row, data[:-1])
         calls.clear()
         recording[0] = True

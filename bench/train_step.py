@@ -6,8 +6,13 @@ in JAX (jax.jit, hand-written AdamW, donated state). Every row starts from the s
 same batches; after a warm-up the rows take turns, a round of steps each, and the best round counts.
 `--adamw fused` builds the torch rows' AdamW with fused=True (one aten::_fused_adamw_ per step instead of
 PyTorch's default: the multi-tensor _foreach_* ops on pjrt, the per-parameter loop on CPU).
+The compiled step is four programs (forward, backward, clip, AdamW: backward and the optimizer's step break
+Dynamo's graph). `--compiled-autograd` adds a row compiled with torch._dynamo.config.compiled_autograd on (Dynamo
+traces the backward into a graph of its own: still four programs). `--traced-backward` adds a row whose step
+detaches its loss before the optimizer's step, compiled with torch._dynamo.config.trace_autograd_ops on: Dynamo
+traces loss.backward() into the forward's graph, so the step is two programs (forward, backward and clip; AdamW).
 Run: .venv/bin/python bench/train_step.py [--rounds 5] [--steps 8] [--skip-inductor] [--skip-fused] [--cpu-threads 1]
-     [--adamw default|fused]
+     [--adamw default|fused] [--compiled-autograd] [--traced-backward]
 """
 
 from __future__ import annotations
@@ -29,26 +34,48 @@ import torch_pjrt
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 
-from gpt import GPT, batches, corpus_bytes, train_step  # noqa: E402
+from gpt import GPT, batches, corpus_bytes, loss_fn, train_step  # noqa: E402
 
 LR, WEIGHT_DECAY, BETAS, EPS, CLIP = 3e-3, 0.01, (0.9, 0.999), 1e-8, 1.0
 # Largest |loss difference| from torch CPU eager for the JAX step to count as the same step (float32 drift).
 LOSS_TOLERANCE = 1e-3
 
 
-class TorchRow:
-    """The step run by PyTorch on one device and in one mode, on its own copy of the model and optimizer."""
+def train_step_detached_first(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, tokens: torch.Tensor, targets: torch.Tensor
+) -> torch.Tensor:
+    """gpt.train_step with its loss detached before the optimizer's step: no tensor holding the backward's graph
+    lives across the step's graph break, which Dynamo needs to trace loss.backward() (trace_autograd_ops)."""
+    optimizer.zero_grad(set_to_none=True)
+    loss = loss_fn(model, tokens, targets)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+    detached = loss.detach()
+    del loss
+    optimizer.step()
+    return detached
 
-    def __init__(self, model: torch.nn.Module, device: str, mode: str, cpu_threads: int, fused_adamw: bool) -> None:
+
+class TorchRow:
+    """The step run by PyTorch on one device and in one mode, on its own copy of the model and optimizer.
+    `backward`: how a compiled step's backward runs: "autograd" (AOTAutograd's backward, called by autograd),
+    "compiled autograd" or "traced" (train_step_detached_first with Dynamo's trace_autograd_ops)."""
+
+    def __init__(self, model: torch.nn.Module, device: str, mode: str, cpu_threads: int, fused_adamw: bool,
+                 backward: str = "autograd") -> None:
         self.device = device
+        self.trace_autograd_ops = backward == "traced"
         self.cpu_threads = cpu_threads
         self.eager_mode = "defer_and_fuse" if mode == "fuse" else "defer_never"
         self.model = copy.deepcopy(model).to(device)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY,
                                            fused=fused_adamw or None)
-        self.step = functools.partial(train_step, self.model, self.optimizer)
+        step = train_step_detached_first if self.trace_autograd_ops else train_step
+        self.step = functools.partial(step, self.model, self.optimizer)
         if mode == "compile":
-            self.step = torch.compile(self.step, backend="pjrt" if device == "pjrt" else "inductor")
+            # torch.compile reads the compiled autograd setting when it wraps the step.
+            with torch._dynamo.config.patch(compiled_autograd=backward == "compiled autograd"):
+                self.step = torch.compile(self.step, backend="pjrt" if device == "pjrt" else "inductor")
 
     def run(self, data: list) -> tuple[float, list[float]]:
         """Seconds for the steps on the batches (until every update is done) and each step's loss, read back."""
@@ -57,7 +84,9 @@ class TorchRow:
         threads = torch.get_num_threads()
         torch.set_num_threads(self.cpu_threads)
         try:
-            with torch.pjrt.set_eager_mode(mode):
+            # Dynamo reads trace_autograd_ops when it traces a frame (the first steps, a recompile).
+            tracing = torch._dynamo.config.patch(trace_autograd_ops=self.trace_autograd_ops)
+            with torch.pjrt.set_eager_mode(mode), tracing:
                 start = time.perf_counter()
                 for tokens, targets in data:
                     losses.append(self.step(tokens.to(self.device), targets.to(self.device)).item())
@@ -160,6 +189,10 @@ def main() -> None:
                              "against every other process: torch CPU eager's step read 10-20x slower)")
     parser.add_argument("--adamw", choices=["default", "fused"], default="default",
                         help="the torch rows' AdamW: PyTorch's default implementation, or fused=True")
+    parser.add_argument("--compiled-autograd", action="store_true",
+                        help="add the pjrt torch.compile row with compiled autograd on")
+    parser.add_argument("--traced-backward", action="store_true",
+                        help="add the pjrt torch.compile row whose backward Dynamo traces (two programs a step)")
     args = parser.parse_args()
     fused = args.adamw == "fused"
     torch.manual_seed(0)
@@ -175,6 +208,12 @@ def main() -> None:
         "pjrt torch.compile": lambda: TorchRow(model, "pjrt", "compile", args.cpu_threads, fused),
         "JAX jit (hand-written)": lambda: JaxRow(model, layers, heads),
     }
+    if args.compiled_autograd:
+        makers["pjrt compile, compiled AG"] = lambda: TorchRow(model, "pjrt", "compile", args.cpu_threads, fused,
+                                                               backward="compiled autograd")
+    if args.traced_backward:
+        makers["pjrt compile, traced bwd"] = lambda: TorchRow(model, "pjrt", "compile", args.cpu_threads, fused,
+                                                              backward="traced")
     if args.skip_inductor:
         del makers["torch CPU inductor"]
     if args.skip_fused:
@@ -238,7 +277,9 @@ def main() -> None:
         if a in best and b in best:
             print(f"  {a} / {b}: {best[a] / best[b]:.2f}   ({goal})")
     print("goals against the hand-written JAX step")
-    for name, goal in (("pjrt torch.compile", 1.10), ("pjrt DEFER_AND_FUSE", 1.15)):
+    goals = (("pjrt torch.compile", 1.10), ("pjrt compile, compiled AG", 1.10), ("pjrt compile, traced bwd", 1.10),
+             ("pjrt DEFER_AND_FUSE", 1.15))
+    for name, goal in goals:
         if name not in best:
             continue
         ratio = best[name] / best["JAX jit (hand-written)"]

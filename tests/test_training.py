@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import os
 import subprocess
 import sys
@@ -15,7 +16,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 
-from gpt import GPT, batches, corpus_bytes, train_step  # noqa: E402
+from gpt import GPT, batches, corpus_bytes, loss_fn, train_step  # noqa: E402
 
 
 def train_both(model: nn.Module, make_optimizer, data: list, loss_fn, ignore=None) -> None:  # noqa: ANN001
@@ -45,6 +46,14 @@ def train_both(model: nn.Module, make_optimizer, data: list, loss_fn, ignore=Non
         if ignore is not None:
             a, b = ignore(name, a), ignore(name, b)
         torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4, msg=name)
+
+
+def without_key_bias(name: str, value: torch.Tensor) -> torch.Tensor:
+    """A bias on the keys shifts every score of a query equally: softmax ignores it."""
+    if name.endswith("qkv.bias"):
+        width = value.shape[0] // 3
+        return torch.cat([value[:width], value[2 * width:]])
+    return value
 
 
 def random_batches(shape: tuple[int, ...], classes: int, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -84,13 +93,6 @@ def test_transformer_with_adamw_trains_like_cpu() -> None:
     def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), label_smoothing=0.1)
 
-    def without_key_bias(name: str, value: torch.Tensor) -> torch.Tensor:
-        """A bias on the keys shifts every score of a query equally: softmax ignores it."""
-        if name.endswith("qkv.bias"):
-            width = value.shape[0] // 3
-            return torch.cat([value[:width], value[2 * width:]])
-        return value
-
     train_both(model, lambda p: torch.optim.AdamW(p, lr=3e-3, weight_decay=0.01), data, loss, without_key_bias)
 
 
@@ -104,6 +106,75 @@ def test_gpt_train_step_with_clip_grad_norm() -> None:
         optimizer = torch.optim.AdamW(local.parameters(), lr=1e-3)
         losses[device] = [train_step(local, optimizer, tokens.to(device), targets.to(device)).item() for _ in range(2)]
     torch.testing.assert_close(torch.tensor(losses["pjrt"]), torch.tensor(losses["cpu"]), atol=1e-4, rtol=1e-4)
+
+
+def clipped_gradients(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The loss's gradients, clipped, and the loss detached: the tensor holding the backward's graph ends here."""
+    loss = loss_fn(model, tokens, targets)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    return loss.detach()
+
+
+def train_step_detached_first(
+    model: nn.Module, optimizer: torch.optim.Optimizer, tokens: torch.Tensor, targets: torch.Tensor
+) -> torch.Tensor:
+    """train_step with no tensor holding the backward's graph alive at the optimizer's step (its graph break), as
+    Dynamo's trace_autograd_ops needs to trace loss.backward()."""
+    optimizer.zero_grad(set_to_none=True)
+    loss = clipped_gradients(model, tokens, targets)
+    optimizer.step()
+    return loss
+
+
+@pytest.mark.parametrize(("backward", "programs"), [("autograd", 4), ("compiled autograd", 4), ("traced", 2)])
+def test_the_compiled_gpt_step_runs_its_programs_with_strict_eagers_losses(
+    backward: str, programs: int, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The GPT step (zero_grad, forward, backward, clip, AdamW) under torch.compile(backend="pjrt") runs four
+    programs a step: the forward, the backward, the clip and AdamW, each ended by a break PyTorch makes (backward
+    ends the forward's graph, the optimizer's step is its own frame). Compiled autograd (Dynamo tracing the
+    backward) keeps that count: its backward graph is one program too. With Dynamo's trace_autograd_ops and the
+    loss detached before the optimizer's step, loss.backward() and the clip join the forward's graph: two programs.
+    (A graph returning the step's `loss.detach()` runs no program.) Losses and weights equal strict eager's, but
+    for the keys' bias (see without_key_bias)."""
+    from torch_pjrt.compile import backend
+
+    torch.manual_seed(5)
+    model = GPT(width=32, layers=1, heads=2, context=16)
+    data = [(tokens.to("pjrt"), targets.to("pjrt")) for tokens, targets in batches(corpus_bytes(), 2, 16, 3)]
+    graphs_called: list[backend.CompiledGraph] = []
+    call = backend.CompiledGraph.__call__
+
+    def counted(graph: backend.CompiledGraph, *args: object) -> object:
+        graphs_called.append(graph)
+        return call(graph, *args)
+
+    runs = {}
+    for compiled in (False, True):
+        local = copy.deepcopy(model).to("pjrt")
+        optimizer = torch.optim.AdamW(local.parameters(), lr=3e-3, weight_decay=0.01)
+        step = functools.partial(train_step_detached_first if backward == "traced" else train_step, local, optimizer)
+        # torch.compile reads compiled_autograd when it wraps the step, Dynamo trace_autograd_ops when it traces.
+        with torch._dynamo.config.patch(compiled_autograd=compiled and backward == "compiled autograd",
+                                        trace_autograd_ops=backward == "traced"):
+            if compiled:
+                torch._dynamo.reset()
+                torch._dynamo.utils.counters.clear()
+                step = torch.compile(step, backend="pjrt")
+            losses = [step(tokens, targets).item() for tokens, targets in data[:-1]]
+            graphs_called.clear()
+            monkeypatch.setattr(backend.CompiledGraph, "__call__", counted)
+            losses.append(step(*data[-1]).item())
+            monkeypatch.undo()
+        runs[compiled] = (losses, local, sum(graph.needs_program for graph in graphs_called))
+    (eager_losses, eager_model, _), (losses, compiled_model, ran) = runs[False], runs[True]
+    assert ran == programs
+    assert bool(torch._dynamo.utils.counters["compiled_autograd"]["captures"]) == (backward == "compiled autograd")
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(eager_losses), atol=1e-5, rtol=1e-5)
+    for (name, a), (_, b) in zip(eager_model.state_dict().items(), compiled_model.state_dict().items()):
+        a, b = without_key_bias(name, a.cpu()), without_key_bias(name, b.cpu())
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5, msg=name)
 
 
 def test_readme_example() -> None:
