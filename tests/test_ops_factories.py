@@ -331,3 +331,41 @@ def test_one_program_serves_every_fill_value(name: str, fused: bool) -> None:
                 assert torch.equal(got_sum, want_sum), (value, got_sum, want_sum)
                 compiles.append(torch_pjrt.metrics.counters()["compiles"])
             assert compiles[-1] == compiles[0], (values, dtype, compiles)
+
+
+# --- a fill value the dtype cannot hold ----------------------------------------------------------------
+
+FITTED = {**FILLS, "masked_fill": lambda device, like, value, dtype: torch.zeros(3, 2, dtype=dtype, device=device)
+          .masked_fill(torch.tensor([[True, False]] * 3, device=device), value)}
+
+
+def _filled(name: str, device: str, like: torch.Tensor, value: Any, dtype: torch.dtype) -> torch.Tensor | str:
+    """The fill's result on the CPU, or the message of the RuntimeError it raised."""
+    try:
+        return FITTED[name](device, like, value, dtype).cpu()
+    except RuntimeError as error:
+        return str(error)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["strict", "fused"])
+@pytest.mark.parametrize("name", sorted(FITTED))
+def test_a_fill_value_the_dtype_cannot_hold_raises_cpus_error(name: str, fused: bool) -> None:
+    """CPU converts a fill value with Scalar.to<T>(), which raises on overflow; pjrt raised nothing and gave a
+    wrapped or infinite value (full((3,), 2**40, dtype=int32) was zeros). Now the same error, from a device-side
+    check at the next host wait for a traced value; values that fit (an unsigned type's negatives wrap) as CPU."""
+    mode = torch.pjrt.EagerMode.DEFER_AND_FUSE if fused else torch.pjrt.EagerMode.DEFER_NEVER
+    like = torch.randn(2, 5)
+    fits = int(torch.randint(-100, 100, ()))
+    cases = [(2 ** 40, torch.int32), (fits, torch.int32), (300, torch.int8), (-1, torch.uint8), (-256, torch.uint8),
+             (float("nan"), torch.int32), (1e6 * (1 + torch.rand(()).item()), torch.float16),
+             (float("inf"), torch.float16), (1e39, torch.float32), (1000.0, torch.float8_e4m3fn),
+             (torch.randn(()).item(), torch.float32)]
+    with torch.pjrt.set_eager_mode(mode):
+        for value, dtype in cases:
+            if name == "masked_fill" and value != value and not dtype.is_floating_point:
+                continue  # PyTorch's own masked_fill reference, run for the result's shape, raises ValueError first
+            want, got = _filled(name, "cpu", like, value, dtype), _filled(name, "pjrt", like, value, dtype)
+            if isinstance(want, str):
+                assert isinstance(got, str) and want in got, (value, dtype, want, got)
+            else:
+                assert isinstance(got, torch.Tensor) and torch.equal(got, want), (value, dtype, want, got)

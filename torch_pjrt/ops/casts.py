@@ -16,6 +16,8 @@ C++ leaves them undefined).
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -24,6 +26,7 @@ import numpy as np
 import torch
 
 from torch_pjrt import storage
+from torch_pjrt.runtime import checks
 
 _FLOAT_TARGETS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _SIGN_KEPT_NAN = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -55,6 +58,70 @@ def convert(array: Any, dtype: torch.dtype) -> Any:
     if dtype is torch.bool:
         return array != 0
     return array.astype(storage.numpy_dtype(dtype))
+
+
+# A number no dtype but double holds: what CPU's own fill is asked to take to read its overflow message.
+_LARGEST_DOUBLE = float.fromhex("0x1.fffffffffffffp+1023")
+
+
+@dataclasses.dataclass(frozen=True)
+class _FitRule:
+    """Which numbers a dtype takes from a Scalar (Scalar.to<T>()), as CPU checks them, and CPU's message."""
+
+    message: str
+    lowest: float
+    highest: float
+    takes_infinity: bool
+    unsigned: bool
+
+
+@functools.cache
+def _fit_rule(dtype: torch.dtype, one_element: bool) -> _FitRule | None:
+    """The rule read from PyTorch CPU itself (its fill_ raises for a number that does not fit); None where
+    every number fits (bool, double, and a one-element fill of a half type, which CPU makes unchecked)."""
+    probe = torch.zeros(1 if one_element else 2, dtype=dtype)
+    try:
+        probe.fill_(_LARGEST_DOUBLE)
+    except RuntimeError as error:
+        message = str(error)
+    else:
+        return None
+    try:
+        probe.fill_(float("inf"))
+        takes_infinity = True
+    except RuntimeError:
+        takes_infinity = False
+    info = torch.finfo(dtype) if dtype.is_floating_point or dtype.is_complex else torch.iinfo(dtype)
+    return _FitRule(message, float(info.min) if info.min else 0.0, float(info.max), takes_infinity,
+                    not dtype.is_floating_point and not dtype.is_complex and info.min == 0)
+
+
+def _does_not_fit(value: Any, rule: _FitRule) -> Any:
+    """Where `value` (a number, or a traced array) is out of `dtype`'s range as c10's overflow check says."""
+    xp = np if isinstance(value, (int, float, np.ndarray, np.generic)) else jnp
+    value = xp.asarray(value) if xp is jnp else np.asarray(value, dtype=object if isinstance(value, int) else None)
+    if value.dtype != object and np.issubdtype(value.dtype, np.floating):
+        outside = (value < rule.lowest) | (value > rule.highest)
+        return outside & xp.isfinite(value) if rule.takes_infinity else outside | xp.isnan(value)
+    if rule.unsigned:
+        # a negative integer wraps (two's complement) when its magnitude fits, as in c10
+        return (value > rule.highest) | ((value < 0) & (-value > rule.highest))
+    return (value < rule.lowest) | (value > rule.highest)
+
+
+def fitted(value: Any, dtype: torch.dtype, op: str, filled: int | None = None) -> Any:
+    """A Scalar argument converted to `dtype` as Scalar.to<T>() converts it (fill, full, masked_fill): a value
+    the dtype cannot hold raises CPU's error, at once for a number known while tracing, else by a device-side
+    check (raised when the host next waits). A bool never overflows. `filled`: the element count of a fill."""
+    rule = _fit_rule(dtype, filled == 1)
+    if rule is not None and not isinstance(value, bool) and getattr(value, "dtype", None) != jnp.bool_:
+        bad = _does_not_fit(value, rule)
+        if isinstance(bad, (bool, np.bool_, np.ndarray)):
+            if bool(bad):
+                raise RuntimeError(rule.message)
+        else:
+            checks.fail_if(bad, op, rule.message)
+    return convert(value, dtype)
 
 
 def _float32(array: Any, source: torch.dtype) -> Any:

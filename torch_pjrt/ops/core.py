@@ -30,8 +30,15 @@ def clone(self: Any, memory_format: Any = None) -> Any:
     return self
 
 
-@register(aten.fill.Scalar, aten.fill.Tensor)
+@register(aten.fill.Scalar)
 def fill(self: Any, value: Any) -> Any:
+    fitted = casts.fitted(value, storage.torch_dtype(self.dtype), "aten::fill_", math.prod(self.shape))
+    return jnp.broadcast_to(fitted, self.shape)
+
+
+@register(aten.fill.Tensor)
+def fill_with_tensor(self: Any, value: Any) -> Any:
+    """A tensor's value converts unchecked, as on CPU (1e39 in float64 fills float32 with inf)."""
     return jnp.broadcast_to(casts.convert(value, storage.torch_dtype(self.dtype)), self.shape)
 
 
@@ -42,7 +49,11 @@ def zero(self: Any) -> Any:
 
 @register(aten.full.default)
 def full(size: Any, fill_value: Any, *, dtype: Any = None, **_: Any) -> Any:
-    return jnp.full(tuple(size), fill_value)
+    """With no dtype, the number's kind decides (a float the default dtype, an int int64)."""
+    if dtype is None and jnp.issubdtype(jnp.result_type(fill_value), jnp.floating):
+        dtype = torch.get_default_dtype()
+    return jnp.full(tuple(size), fill_value if dtype is None else casts.fitted(fill_value, dtype, "aten::full",
+                                                                                    math.prod(size)))
 
 
 @register(aten.ones.default)

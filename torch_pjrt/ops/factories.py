@@ -197,18 +197,20 @@ def triu_indices(row: int, col: int, offset: int = 0, *, dtype: Any = None, **_:
 
 @register(aten.scalar_tensor.default)
 def scalar_tensor(s: Any, *, dtype: Any = None, **_: Any) -> Any:
-    return _to(s, torch_dtype(dtype))
+    return casts.fitted(s, torch_dtype(dtype), "aten::scalar_tensor", 1)
 
 
 @register(aten.full_like.default)
 def full_like(self: Any, fill_value: Any, *, dtype: Any = None, **_: Any) -> Any:
-    return jnp.full(self.shape, _to(fill_value, torch_dtype(dtype, dtype_of(self))))
+    return jnp.full(self.shape, casts.fitted(fill_value, torch_dtype(dtype, dtype_of(self)), "aten::full_like",
+                                                 math.prod(self.shape)))
 
 
 @register(aten.new_full.default)
 def new_full(self: Any, size: Any, fill_value: Any, *, dtype: Any = None, **_: Any) -> Any:
     """Its own lowering, not PyTorch's decomposition (whose numbers are static): the fill value is traced."""
-    return jnp.full(tuple(size), _to(fill_value, torch_dtype(dtype, dtype_of(self))))
+    return jnp.full(tuple(size), casts.fitted(fill_value, torch_dtype(dtype, dtype_of(self)), "aten::new_full",
+                                                  math.prod(size)))
 
 
 @register(aten.zeros_like.default, aten.empty_like.default)

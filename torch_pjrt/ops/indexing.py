@@ -17,6 +17,8 @@ import numpy as np
 import torch
 from jax import lax
 
+from torch_pjrt import storage
+from torch_pjrt.ops import casts
 from torch_pjrt.ops.factories import dtype_of, scalar_type_name
 from torch_pjrt.ops.registry import register
 from torch_pjrt.runtime import checks
@@ -454,7 +456,7 @@ def index_reduce(self: Any, dim: int, index: Any, source: Any, reduce: str, *, i
 
 @register(aten.masked_fill.Scalar, aten.masked_fill.Tensor)
 def masked_fill(self: Any, mask: Any, value: Any) -> Any:
-    return jnp.where(mask, jnp.asarray(value).astype(self.dtype), self)
+    return jnp.where(mask, casts.fitted(value, storage.torch_dtype(self.dtype), "aten::masked_fill"), self)
 
 
 @register(aten.masked_scatter.default)
