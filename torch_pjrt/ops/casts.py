@@ -109,18 +109,24 @@ def _does_not_fit(value: Any, rule: _FitRule) -> Any:
     return (value < rule.lowest) | (value > rule.highest)
 
 
+# Targets whose overflow a traced value is not checked for: beyond their range a number becomes inf where CPU
+# raises, and a check would make every float masked_fill and full (attention masks) hand a code to the host.
+_WIDE_FLOATS = frozenset({torch.float32, torch.float64, torch.complex64, torch.complex128})
+
+
 def fitted(value: Any, dtype: torch.dtype, op: str, filled: int | None = None) -> Any:
     """A Scalar argument converted to `dtype` as Scalar.to<T>() converts it (fill, full, masked_fill): a value
-    the dtype cannot hold raises CPU's error, at once for a number known while tracing, else by a device-side
-    check (raised when the host next waits). A bool never overflows. `filled`: the element count of a fill."""
+    the dtype cannot hold raises CPU's error, at once for a number known while tracing, by a device-side check
+    (raised when the host next waits) for a traced one going into an integer or half type (not into a wider float,
+    see _WIDE_FLOATS, nor into its own dtype). A bool never overflows. `filled`: the element count of a fill."""
     rule = _fit_rule(dtype, filled == 1)
-    if rule is not None and not isinstance(value, bool) and getattr(value, "dtype", None) != jnp.bool_:
-        bad = _does_not_fit(value, rule)
-        if isinstance(bad, (bool, np.bool_, np.ndarray)):
-            if bool(bad):
-                raise RuntimeError(rule.message)
-        else:
-            checks.fail_if(bad, op, rule.message)
+    if rule is None or isinstance(value, bool) or getattr(value, "dtype", None) == jnp.bool_:
+        return convert(value, dtype)
+    if isinstance(value, (int, float)):
+        if bool(_does_not_fit(value, rule)):
+            raise RuntimeError(rule.message)
+    elif dtype not in _WIDE_FLOATS and value.dtype != storage.numpy_dtype(dtype):
+        checks.fail_if(_does_not_fit(value, rule), op, rule.message)
     return convert(value, dtype)
 
 
