@@ -55,6 +55,19 @@ enum class Kind : int { Tensor = 1, TensorList = 2, Scalar = 3, ScalarList = 4, 
 // How a miss converts an argument to Python where the IValue alone does not say.
 enum class Convert : int { Plain, Dtype, Layout, MemoryFormat };
 
+// Where fusion.PendingGraph's members sit in its objects, and Replay's nodes: a recorded call reads its graph's
+// lists through them, not by name.
+struct GraphSlots {
+  Py_ssize_t lock, nodes, inputs, input_slots, outputs, check_lines, replay, replay_nodes;
+};
+
+GraphSlots graph_slots_of(py::handle fusion) {
+  py::object graph = fusion.attr("PendingGraph");
+  auto at = [&graph](const char* name) { return slot_offset(graph.ptr(), name); };
+  return GraphSlots{at("lock"), at("nodes"), at("inputs"), at("input_slots"), at("outputs"), at("check_lines"),
+                    at("replay"), slot_offset(py::object(fusion.attr("Replay")).ptr(), "nodes")};
+}
+
 // What Python hands over once, at set-up (all references kept for the process).
 struct Runtime {
   PyObject* miss = nullptr;  // dispatch.native_miss(plan, args, kwargs) -> (result, install or None)
@@ -88,6 +101,7 @@ struct Runtime {
   Py_ssize_t at_index = 0;
   Py_ssize_t at_value = 0;
   Py_ssize_t at_failure = 0;
+  GraphSlots graph_slots;
   PyObject* s_array = nullptr;
   PyObject* s_shape = nullptr;
   PyObject* s_padded = nullptr;
@@ -99,15 +113,8 @@ struct Runtime {
   PyObject* s_dtype = nullptr;
   PyObject* s_weak_type = nullptr;
   PyObject* s_call_for = nullptr;
-  PyObject* s_lock = nullptr;
   PyObject* s_acquire = nullptr;
   PyObject* s_release = nullptr;
-  PyObject* s_nodes = nullptr;
-  PyObject* s_inputs = nullptr;
-  PyObject* s_input_slots = nullptr;
-  PyObject* s_outputs = nullptr;
-  PyObject* s_check_lines = nullptr;
-  PyObject* s_replay = nullptr;
   PyObject* s_graph = nullptr;
   PyObject* s_max_nodes = nullptr;
   PyObject* s_debug_recompile = nullptr;
@@ -154,6 +161,16 @@ void bump(PyObject* counter, PyObject* name) {
 py::object slot_or_none(PyObject* object, Py_ssize_t offset) {
   PyObject* value = slot_at(object, offset);
   return py::reinterpret_borrow<py::object>(value == nullptr ? Py_None : value);
+}
+
+// The __slots__ member of `object` at `offset` (see slot_offset), raising AttributeError `name` while it is unset.
+py::object member_at(PyObject* object, Py_ssize_t offset, const char* name) {
+  PyObject* value = slot_at(object, offset);
+  if (value == nullptr) {
+    PyErr_SetString(PyExc_AttributeError, name);
+    throw py::error_already_set();
+  }
+  return py::reinterpret_borrow<py::object>(value);
 }
 
 // `object.name`, raising Python's error when it has none.
@@ -1082,11 +1099,11 @@ bool same_ref(PyObject* recorded, const GraphRef& ref) {
 PyObject* replayed_node(PyObject* graph, Py_ssize_t position, PyObject* recorded,
                         const c10::SmallVectorImpl<GraphRef>& refs) {
   auto& rt = runtime();
-  py::object replay = attribute_of(graph, rt.s_replay);
+  py::object replay = member_at(graph, rt.graph_slots.replay, "replay");
   if (replay.is_none()) {
     return nullptr;
   }
-  py::object nodes = attribute_of(replay.ptr(), rt.s_nodes);
+  py::object nodes = member_at(replay.ptr(), rt.graph_slots.replay_nodes, "nodes");
   if (!PyList_CheckExact(nodes.ptr()) || position >= PyList_GET_SIZE(nodes.ptr())) {
     return nullptr;
   }
@@ -1145,7 +1162,7 @@ py::object graph_of(c10::DeviceIndex device) {
 struct GraphLock {
   PyObject* lock;
   bool held = false;
-  explicit GraphLock(PyObject* graph) : lock(attribute_of(graph, runtime().s_lock).release().ptr()) {
+  explicit GraphLock(PyObject* graph) : lock(member_at(graph, runtime().graph_slots.lock, "lock").release().ptr()) {
     PyObject* got = PyObject_CallMethodOneArg(lock, runtime().s_acquire, Py_False);
     if (got == nullptr) {
       Py_DECREF(lock);
@@ -1213,14 +1230,14 @@ py::object record_call(const Entry& entry, Signature& sig) {
       values.push_back(py::reinterpret_borrow<py::object>(PyTuple_GET_ITEM(entry.lengths, i)));
     }
     refs.resize(values.size());
-    py::object inputs = attribute_of(graph, rt.s_inputs);
-    py::object input_slots = attribute_of(graph, rt.s_input_slots);
+    py::object inputs = member_at(graph, rt.graph_slots.inputs, "inputs");
+    py::object input_slots = member_at(graph, rt.graph_slots.input_slots, "input_slots");
     for (size_t i = 0; i < values.size(); ++i) {
       if (refs[i].kind == nullptr) {
         refs[i] = input_ref(values[i].ptr(), inputs.ptr(), input_slots.ptr());
       }
     }
-    py::object nodes = attribute_of(graph, rt.s_nodes);
+    py::object nodes = member_at(graph, rt.graph_slots.nodes, "nodes");
     const Py_ssize_t position = PyList_GET_SIZE(nodes.ptr());
     py::object node = py::reinterpret_steal<py::object>(PyLong_FromSsize_t(position));
     py::object recorded = py::reinterpret_borrow<py::object>(replayed_node(graph, position, entry.recorded, refs));
@@ -1236,12 +1253,12 @@ py::object record_call(const Entry& entry, Signature& sig) {
     }
     if (entry.checks != nullptr) {
       py::object line = call_python(rt.check_caller, {});
-      if (PyList_Append(attribute_of(graph, rt.s_check_lines).ptr(), line.ptr()) != 0) {
+      if (PyList_Append(member_at(graph, rt.graph_slots.check_lines, "check_lines").ptr(), line.ptr()) != 0) {
         throw py::error_already_set();
       }
     }
     const size_t n_outputs = entry.fresh + entry.mutated.size();
-    py::object outputs = attribute_of(graph, rt.s_outputs);
+    py::object outputs = member_at(graph, rt.graph_slots.outputs, "outputs");
     results = py::reinterpret_steal<py::object>(PyTuple_New(static_cast<Py_ssize_t>(n_outputs)));
     for (size_t i = 0; i < n_outputs; ++i) {
       py::object deferred = new_deferred(graph, node.ptr(), static_cast<Py_ssize_t>(i));
@@ -1739,6 +1756,7 @@ void configure(py::object miss, py::object storage_type, py::object array_type,
   rt.at_index = slot_offset(rt.deferred_type, "index");
   rt.at_value = slot_offset(rt.deferred_type, "value");
   rt.at_failure = slot_offset(rt.deferred_type, "failure");
+  rt.graph_slots = graph_slots_of(fusion);
   rt.s_array = interned("array");
   rt.s_shape = interned("shape");
   rt.s_padded = interned("padded");
@@ -1750,15 +1768,8 @@ void configure(py::object miss, py::object storage_type, py::object array_type,
   rt.s_dtype = interned("dtype");
   rt.s_weak_type = interned("weak_type");
   rt.s_call_for = interned("call_for");
-  rt.s_lock = interned("lock");
   rt.s_acquire = interned("acquire");
   rt.s_release = interned("release");
-  rt.s_nodes = interned("nodes");
-  rt.s_inputs = interned("inputs");
-  rt.s_input_slots = interned("input_slots");
-  rt.s_outputs = interned("outputs");
-  rt.s_check_lines = interned("check_lines");
-  rt.s_replay = interned("replay");
   rt.s_graph = interned("graph");
   rt.s_max_nodes = interned("MAX_NODES");
   rt.s_debug_recompile = interned("DEBUG_RECOMPILE");

@@ -68,7 +68,11 @@ class Deferred(storage.PendingArray):
 
 
 class PendingGraph:
-    """The ops recorded on one device since its last flush."""
+    """The ops recorded on one device since its last flush. Slotted: the native record path
+    (csrc/dispatch.cpp) reads its members at their offsets, with no lookup by name per op."""
+
+    __slots__ = ("device_index", "nodes", "inputs", "input_slots", "outputs", "where", "check_lines", "mesh",
+                 "replay", "replays", "lock")
 
     def __init__(self, device_index: int) -> None:
         self.device_index = device_index
