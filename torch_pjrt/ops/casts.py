@@ -92,8 +92,8 @@ def _fit_rule(dtype: torch.dtype, one_element: bool) -> _FitRule | None:
     except RuntimeError:
         takes_infinity = False
     info = torch.finfo(dtype) if dtype.is_floating_point or dtype.is_complex else torch.iinfo(dtype)
-    return _FitRule(message, float(info.min) if info.min else 0.0, float(info.max), takes_infinity,
-                    not dtype.is_floating_point and not dtype.is_complex and info.min == 0)
+    integral = not (dtype.is_floating_point or dtype.is_complex)
+    return _FitRule(message, float(info.min), float(info.max), takes_infinity, integral and not dtype.is_signed)
 
 
 def _does_not_fit(value: Any, rule: _FitRule) -> Any:
