@@ -358,6 +358,7 @@ def test_a_fill_value_the_dtype_cannot_hold_raises_cpus_error(name: str, fused: 
     like = torch.randn(2, 5)
     fits = int(torch.randint(-100, 100, ()))
     cases = [(2 ** 40, torch.int32), (fits, torch.int32), (300, torch.int8), (-1, torch.uint8), (-256, torch.uint8),
+             (-2 ** 63, torch.uint8), (2 ** 63 - 1, torch.int64), (-2 ** 63, torch.int64),
              (float("nan"), torch.int32), (1e6 * (1 + torch.rand(()).item()), torch.float16),
              (float("inf"), torch.float16), (1000.0, torch.float8_e4m3fn),
              (torch.randn(()).item(), torch.float32)]

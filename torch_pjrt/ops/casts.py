@@ -69,8 +69,8 @@ class _FitRule:
     """Which numbers a dtype takes from a Scalar (Scalar.to<T>()), as CPU checks them, and CPU's message."""
 
     message: str
-    lowest: float
-    highest: float
+    lowest: int | float  # an integer type's bounds stay ints: 2**63 - 1 as a float would round to 2**63
+    highest: int | float
     takes_infinity: bool
     unsigned: bool
 
@@ -91,22 +91,28 @@ def _fit_rule(dtype: torch.dtype, one_element: bool) -> _FitRule | None:
         takes_infinity = True
     except RuntimeError:
         takes_infinity = False
-    info = torch.finfo(dtype) if dtype.is_floating_point or dtype.is_complex else torch.iinfo(dtype)
-    integral = not (dtype.is_floating_point or dtype.is_complex)
-    return _FitRule(message, float(info.min), float(info.max), takes_infinity, integral and not dtype.is_signed)
+    if dtype.is_floating_point or dtype.is_complex:
+        info = torch.finfo(dtype)
+        return _FitRule(message, float(info.min), float(info.max), takes_infinity, False)
+    info = torch.iinfo(dtype)
+    return _FitRule(message, int(info.min), int(info.max), takes_infinity, not dtype.is_signed)
 
 
 def _does_not_fit(value: Any, rule: _FitRule) -> Any:
     """Where `value` (a number, or a traced array) is out of `dtype`'s range as c10's overflow check says."""
     xp = np if isinstance(value, (int, float, np.ndarray, np.generic)) else jnp
     value = xp.asarray(value) if xp is jnp else np.asarray(value, dtype=object if isinstance(value, int) else None)
+    # a Python int is compared exactly; a traced array against float bounds (an int bound past its type overflows)
+    exact = value.dtype == object
+    lowest, highest = (rule.lowest, rule.highest) if exact else (float(rule.lowest), float(rule.highest))
     if value.dtype != object and np.issubdtype(value.dtype, np.floating):
-        outside = (value < rule.lowest) | (value > rule.highest)
+        outside = (value < lowest) | (value > highest)
         return outside & xp.isfinite(value) if rule.takes_infinity else outside | xp.isnan(value)
     if rule.unsigned:
-        # a negative integer wraps (two's complement) when its magnitude fits, as in c10
-        return (value > rule.highest) | ((value < 0) & (-value > rule.highest))
-    return (value < rule.lowest) | (value > rule.highest)
+        # a negative integer wraps (two's complement) when its magnitude fits, as in c10 (no negation: -(-2**63)
+        # overflows an int64)
+        return (value > highest) | (value < -highest)
+    return (value < lowest) | (value > highest)
 
 
 # Targets whose overflow a traced value is not checked for: beyond their range a number becomes inf where CPU
