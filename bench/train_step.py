@@ -5,14 +5,16 @@ pjrt torch.compile(backend="pjrt") of the whole step, and the same model and ste
 in JAX (jax.jit, hand-written AdamW, donated state). Every row starts from the same weights and sees the
 same batches; after a warm-up the rows take turns, a round of steps each, and the best round counts.
 `--adamw fused` builds the torch rows' AdamW with fused=True (one aten::_fused_adamw_ per step instead of
-PyTorch's default: the multi-tensor _foreach_* ops on pjrt, the per-parameter loop on CPU).
+PyTorch's default: the multi-tensor _foreach_* ops on pjrt, the per-parameter loop on CPU); `--adamw both` keeps
+the default and adds a DEFER_AND_FUSE row with fused=True, so the two optimizers' fused steps take turns in the
+same rounds (on this shared machine, two runs meet different loads).
 The compiled step is four programs (forward, backward, clip, AdamW: backward and the optimizer's step break
 Dynamo's graph). `--compiled-autograd` adds a row compiled with torch._dynamo.config.compiled_autograd on (Dynamo
 traces the backward into a graph of its own: still four programs). `--traced-backward` adds a row whose step
 detaches its loss before the optimizer's step, compiled with torch._dynamo.config.trace_autograd_ops on: Dynamo
 traces loss.backward() into the forward's graph, so the step is two programs (forward, backward and clip; AdamW).
 Run: .venv/bin/python bench/train_step.py [--rounds 5] [--steps 8] [--skip-inductor] [--skip-fused] [--cpu-threads 1]
-     [--adamw default|fused] [--compiled-autograd] [--traced-backward]
+     [--adamw default|fused|both] [--compiled-autograd] [--traced-backward]
 """
 
 from __future__ import annotations
@@ -187,8 +189,9 @@ def main() -> None:
     parser.add_argument("--cpu-threads", type=int, default=1,
                         help="torch's CPU threads while a row runs (on a shared 2-core machine, two threads spin "
                              "against every other process: torch CPU eager's step read 10-20x slower)")
-    parser.add_argument("--adamw", choices=["default", "fused"], default="default",
-                        help="the torch rows' AdamW: PyTorch's default implementation, or fused=True")
+    parser.add_argument("--adamw", choices=["default", "fused", "both"], default="default",
+                        help="the torch rows' AdamW: PyTorch's default implementation, or fused=True; both: the "
+                             "default, and a DEFER_AND_FUSE row with fused=True besides")
     parser.add_argument("--compiled-autograd", action="store_true",
                         help="add the pjrt torch.compile row with compiled autograd on")
     parser.add_argument("--traced-backward", action="store_true",
@@ -208,6 +211,8 @@ def main() -> None:
         "pjrt torch.compile": lambda: TorchRow(model, "pjrt", "compile", args.cpu_threads, fused),
         "JAX jit (hand-written)": lambda: JaxRow(model, layers, heads),
     }
+    if args.adamw == "both":
+        makers["pjrt DEFER_AND_FUSE, fused AdamW"] = lambda: TorchRow(model, "pjrt", "fuse", args.cpu_threads, True)
     if args.compiled_autograd:
         makers["pjrt compile, compiled AG"] = lambda: TorchRow(model, "pjrt", "compile", args.cpu_threads, fused,
                                                                backward="compiled autograd")
@@ -244,11 +249,11 @@ def main() -> None:
             round_means[name].append(seconds / len(chunk))
 
     best = {name: min(means) for name, means in round_means.items()}
-    adamw = "fused AdamW" if fused else "AdamW"
+    adamw = {"default": "AdamW", "fused": "fused AdamW", "both": "AdamW (and fused AdamW where named)"}[args.adamw]
     print(f"GPT step (2 layers, width 128, seq 64, batch 8, {adamw}), {args.warmup} warm-up steps, then {args.rounds} "
           f"interleaved rounds of {args.steps} steps per row; step ms: the best round's wall time per step, "
           f"its last update done; torch CPU threads: {args.cpu_threads}")
-    print(f"{'':<26}{'first step s':>13}{'step ms':>10}{'rounds ms':>16}{'compiles':>10}{'peak MiB':>10}"
+    print(f"{'':<33}{'first step s':>13}{'step ms':>10}{'rounds ms':>16}{'compiles':>10}{'peak MiB':>10}"
           f"{'loss diff':>11}{'host cpu ms':>13}{'all cpu ms':>12}")
     reference = losses["torch CPU eager"]
     differences = {}
@@ -259,7 +264,7 @@ def main() -> None:
         memory = "-" if peak[name] is None else f"{peak[name] / 2**20:.1f}"
         host_cpu = min(cpu[0] for cpu in round_cpu[name]) * 1e3
         all_cpu = min(cpu[1] for cpu in round_cpu[name]) * 1e3
-        print(f"{name:<26}{first[name]:>13.2f}{best[name] * 1e3:>10.1f}{spread:>16}{grown:>10}{memory:>10}"
+        print(f"{name:<33}{first[name]:>13.2f}{best[name] * 1e3:>10.1f}{spread:>16}{grown:>10}{memory:>10}"
               f"{differences[name]:>11.1e}{host_cpu:>13.1f}{all_cpu:>12.1f}")
     print("(compiles: new programs during the timed rounds; peak MiB: pjrt memory the row added while warming up; "
           "loss diff: largest |loss - torch CPU eager's loss| over all steps; host / all cpu ms: the least CPU time "
@@ -278,7 +283,7 @@ def main() -> None:
             print(f"  {a} / {b}: {best[a] / best[b]:.2f}   ({goal})")
     print("goals against the hand-written JAX step")
     goals = (("pjrt torch.compile", 1.10), ("pjrt compile, compiled AG", 1.10), ("pjrt compile, traced bwd", 1.10),
-             ("pjrt DEFER_AND_FUSE", 1.15))
+             ("pjrt DEFER_AND_FUSE", 1.15), ("pjrt DEFER_AND_FUSE, fused AdamW", 1.15))
     for name, goal in goals:
         if name not in best:
             continue
