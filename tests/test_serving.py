@@ -897,9 +897,18 @@ llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, enforce_eager=False, dtyp
 runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
 step, sampled, fused = runner._run_step, runner._sampled, runner._sampled_rows_program
 calls = {"steps": 0, "fused": 0, "back": []}
+import torch._dynamo.eval_frame as eval_frame
+set_eval_frame = eval_frame.set_eval_frame
+def counted_set_eval_frame(callback):
+    calls["frame_evaluation_sets"] += 1
+    return set_eval_frame(callback)
 def counted_step(*args, **kwargs):
     calls["steps"] += 1
-    return step(*args, **kwargs)
+    eval_frame.set_eval_frame = counted_set_eval_frame
+    try:
+        return step(*args, **kwargs)
+    finally:
+        eval_frame.set_eval_frame = set_eval_frame
 def recorded(logits, tokens, rows):
     result = sampled(logits, tokens, rows)
     back = result.tokens if result.tokens is not None else result.logits
@@ -926,7 +935,7 @@ prompts = [TokensPrompt(prompt_token_ids=p) for p in json.loads(sys.argv[2])]
 results = {"dynamo_code_of": getattr(getattr(program, "_compiled_bytecode", None), "co_name", None),
            "async": runner.use_async_scheduling}
 for logprobs in (None, 2):
-    calls.update(steps=0, fused=0, back=[], through_torch_compile=0, programs=0)
+    calls.update(steps=0, fused=0, back=[], through_torch_compile=0, programs=0, frame_evaluation_sets=0)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=logprobs, detokenize=False)
     outputs = llm.generate(prompts, params, use_tqdm=False)
     results[str(logprobs)] = {"tokens": [list(o.outputs[0].token_ids) for o in outputs], **calls,
@@ -940,7 +949,9 @@ def test_greedy_steps_on_the_compile_path_run_one_program_and_bring_back_only_to
     head, argmax) and no fused program runs after it; greedy steps bring back only the sampled rows' int32
     token ids, one per request; with logprobs asked, the sampled rows' logits come back for vLLM's sampler;
     Hugging Face's greedy tokens either way. The step runs the code Dynamo made of StepProgram.forward's own
-    frame directly (vLLM's bytecode hook), never through torch.compile's call after the warm-up's trace. Under
+    frame directly (vLLM's bytecode hook), never through torch.compile's call after the warm-up's trace, and
+    without Dynamo's `disable` wrappers around that code's helpers and graph call: the one pair of frame
+    evaluation resets left a step is vLLM's, around its graph piece (the wrappers made 14 pairs). Under
     async scheduling (the default) the greedy tokens stay on the device until the engine asks for them; a
     greedy step launches one program, its own (its tokens' rows are read from the padded tokens whole)."""
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
@@ -955,6 +966,7 @@ def test_greedy_steps_on_the_compile_path_run_one_program_and_bring_back_only_to
         run = result[logprobs]
         assert run["tokens"] == expected
         assert run["steps"] >= NEW_TOKENS and run["fused"] == 0 and run["through_torch_compile"] == 0
+        assert run["frame_evaluation_sets"] == 2 * run["steps"]
         assert len(run["back"]) == run["steps"]
         on = "pjrt" if result["async"] and kind == "tokens" else "cpu"
         assert {(what, device) for what, device, _, _ in run["back"]} == {(kind, on)}

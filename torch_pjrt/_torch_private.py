@@ -206,6 +206,25 @@ def dynamo_guard_checks(code: types.CodeType) -> list[Callable[[dict[str, Any]],
     return [entry.guard_manager.check for entry in _debug_get_cache_entry_list(code)]
 
 
+def dynamo_undisabled(fn: Any) -> Any:
+    """What a Dynamo `disable` wrapper around `fn` (torch._dynamo.disable, torch._disable_dynamo, both nested)
+    runs, or `fn` itself: for code called where no Dynamo frame evaluation is on, which the wrappers' resets of
+    it (four set_eval_frame calls a call) only cost."""
+    while True:
+        if getattr(fn, "_torchdynamo_disable", False):
+            fn = fn._torchdynamo_orig_callable
+        elif getattr(fn, "__code__", None) is _disable_dynamo_wrapper_code():
+            fn = fn.__wrapped__
+        else:
+            return fn
+
+
+@functools.cache
+def _disable_dynamo_wrapper_code() -> types.CodeType:
+    """The code of torch._disable_dynamo's wrapper (every function it decorates shares it)."""
+    return torch._disable_dynamo(lambda: None).__code__
+
+
 def min_cut_partition() -> Callable[..., Any]:
     """AOTAutograd's min-cut partitioner (Inductor's): views and cheap ops of the forward are recomputed in
     the backward instead of saved, so a compiled forward hands fewer tensors over."""

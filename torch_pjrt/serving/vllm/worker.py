@@ -588,16 +588,35 @@ class StepProgram(torch.nn.Module):
         through its dispatch (the compile checks, a swap of forward's code object in and out) and, here,
         Dynamo's config patch that let it trace our frame: ~85 of the ~400 us of engine-thread CPU a call
         took at 32 requests. The forward context (attention metadata, KV cache) is the runner's, set around
-        the call, as vLLM's wrapper leaves it."""
+        the call, as vLLM's wrapper leaves it. It reads its globals without Dynamo's `disable` wrappers (see
+        _undisabled_globals)."""
         code = getattr(self, "_compiled_bytecode", None)
         if code is None:
             return None
         forward = type(self).forward
         # Dynamo's code keeps the original's arguments, cells and free variables: it runs as the function would
-        compiled = types.FunctionType(code, forward.__globals__, forward.__name__, forward.__defaults__,
-                                      forward.__closure__)
+        compiled = types.FunctionType(code, _undisabled_globals(code, forward.__globals__), forward.__name__,
+                                      forward.__defaults__, forward.__closure__)
         compiled.__kwdefaults__ = forward.__kwdefaults__
         return types.MethodType(compiled, self)
+
+
+def _undisabled_globals(code: types.CodeType, module_globals: dict[str, Any]) -> dict[str, Any]:
+    """The globals Dynamo's `code` runs with, its `disable`-wrapped ones unwrapped: the graph's call and the
+    helpers it calls before it (call_size, call_storage_offset, the stream's and profiler's) reset Dynamo's
+    frame evaluation around each call, for when they run inside a Dynamo frame. Called directly, as the step
+    is, none is on: the 14 wrappers a step cost ~20 of ~125 us a call (32 requests, warm, in process)."""
+    found = dict(module_globals)
+    for name in code.co_names:
+        value = found.get(name)
+        if isinstance(value, types.ModuleType) and value.__name__.startswith("torch._dynamo"):
+            # Dynamo's helper modules, imported into the code's globals: only the names the code reads
+            found[name] = types.SimpleNamespace(**{
+                read: _torch_private.dynamo_undisabled(getattr(value, read)) for read in code.co_names
+                if hasattr(value, read)})
+        elif callable(value):
+            found[name] = _torch_private.dynamo_undisabled(value)
+    return found
 
 
 @dataclasses.dataclass
