@@ -373,3 +373,24 @@ def test_a_fill_value_the_dtype_cannot_hold_raises_cpus_error(name: str, fused: 
                 assert isinstance(got, torch.Tensor) and torch.equal(got, want), (value, dtype, want, got)
         unchecked = _filled(name, "pjrt", like, -1e39, torch.float32)
         assert isinstance(unchecked, torch.Tensor) and bool(unchecked.isinf().any()), unchecked
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["strict", "fused"])
+def test_a_python_int_past_int64_behaves_as_on_cpu(fused: bool) -> None:
+    """PyTorch takes a Python int in [2**63, 2**64) as a uint64 Scalar: int64 arithmetic wraps it, float arithmetic
+    keeps it, a fill raises CPU's overflow error. pjrt passed it to jax as a program argument, which raised
+    OverflowError for every op."""
+    mode = torch.pjrt.EagerMode.DEFER_AND_FUSE if fused else torch.pjrt.EagerMode.DEFER_NEVER
+    ints, floats = torch.randint(-1000, 1000, (3, 2)), torch.randn(3, 2, dtype=torch.float64)
+    big = 2 ** 63 + int(torch.randint(0, 1000, ()))
+    ops = {"add": lambda t: t + big, "mul": lambda t: t.mul(big), "sub": lambda t: t.sub(big)}
+    with torch.pjrt.set_eager_mode(mode):
+        for name, op in ops.items():
+            for t in (ints, floats):
+                assert torch.equal(op(t.to("pjrt")).cpu(), op(t)), (name, t.dtype)
+        for fill in (lambda device: torch.full((2,), big, device=device),
+                     lambda device: torch.zeros(2, dtype=torch.int64, device=device).fill_(big)):
+            with pytest.raises(RuntimeError, match="value cannot be converted to type int64_t without overflow"):
+                fill("cpu")
+            with pytest.raises(RuntimeError, match="value cannot be converted to type int64_t without overflow"):
+                fill("pjrt").cpu()

@@ -326,7 +326,8 @@ class Scan:
 
     def number(self, value: Any) -> Any:
         """A Python number: traced (its type in the key), unless the op wants it static or it is 0 or 1."""
-        if value is None or self.plan.static_scalars or isinstance(value, torch.SymInt) or _is_unit(value):
+        if (value is None or self.plan.static_scalars or isinstance(value, torch.SymInt) or _is_unit(value)
+                or _beyond_int64(value)):
             return ("static", value, type(value))  # (1 and 1.0 are equal keys, and their programs differ)
         self.dynamic.append(value)
         return type(value)
@@ -350,6 +351,12 @@ class Scan:
         if kind is Arg.DEVICE:
             return None if value is None else torch.device(value)
         return _static(value)
+
+
+def _beyond_int64(value: Any) -> bool:
+    """A Python int no int64 holds (PyTorch's uint64 Scalar, 2**63 and up): jax cannot take it as a program
+    argument, so it is compiled in, where the lowering converts it as CPU does (a fill raises CPU's overflow)."""
+    return type(value) is int and not -(2 ** 63) <= value < 2 ** 63
 
 
 def _is_unit(value: Any) -> bool:

@@ -52,6 +52,8 @@ def full(size: Any, fill_value: Any, *, dtype: Any = None, **_: Any) -> Any:
     """With no dtype, the number's kind decides (a float the default dtype, an int int64)."""
     if dtype is None and jnp.issubdtype(jnp.result_type(fill_value), jnp.floating):
         dtype = torch.get_default_dtype()
+    elif dtype is None and type(fill_value) is int:  # (checked as int64: 2**63, a uint64 Scalar, raises as on CPU)
+        dtype = torch.int64
     return jnp.full(tuple(size), fill_value if dtype is None else casts.fitted(fill_value, dtype, "aten::full",
                                                                                     math.prod(size)))
 
