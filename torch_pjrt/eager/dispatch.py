@@ -26,7 +26,7 @@ from torch._ops import OpOverload
 
 from torch_pjrt import _torch_private, storage
 from torch_pjrt.eager import dynamic, fusion, modes
-from torch_pjrt.ops import arguments, graph, indexing, linalg, padding, registry
+from torch_pjrt.ops import arguments, casts, graph, indexing, linalg, padding, registry
 from torch_pjrt.runtime import checks, client, disk_store, metrics, programs, rng, startup
 from torch_pjrt.storage import View
 
@@ -327,8 +327,10 @@ class Scan:
     def number(self, value: Any) -> Any:
         """A Python number: traced (its type in the key), unless the op wants it static or it is 0 or 1."""
         if (value is None or self.plan.static_scalars or isinstance(value, torch.SymInt) or _is_unit(value)
-                or _beyond_int64(value)):
-            return ("static", value, type(value))  # (1 and 1.0 are equal keys, and their programs differ)
+                or casts.beyond_int64(value)):
+            # (1 and 1.0 are equal keys, and their programs differ; a uint64 Scalar is compiled in, where the
+            # lowering converts it as CPU does)
+            return ("static", value, type(value))
         self.dynamic.append(value)
         return type(value)
 
@@ -351,12 +353,6 @@ class Scan:
         if kind is Arg.DEVICE:
             return None if value is None else torch.device(value)
         return _static(value)
-
-
-def _beyond_int64(value: Any) -> bool:
-    """A Python int no int64 holds (PyTorch's uint64 Scalar, 2**63 and up): jax cannot take it as a program
-    argument, so it is compiled in, where the lowering converts it as CPU does (a fill raises CPU's overflow)."""
-    return type(value) is int and not -(2 ** 63) <= value < 2 ** 63
 
 
 def _is_unit(value: Any) -> bool:

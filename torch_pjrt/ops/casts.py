@@ -105,7 +105,7 @@ def _does_not_fit(value: Any, rule: _FitRule) -> Any:
     # a Python int is compared exactly; a traced array against float bounds (an int bound past its type overflows)
     exact = value.dtype == object
     lowest, highest = (rule.lowest, rule.highest) if exact else (float(rule.lowest), float(rule.highest))
-    if value.dtype != object and np.issubdtype(value.dtype, np.floating):
+    if not exact and np.issubdtype(value.dtype, np.floating):
         outside = (value < lowest) | (value > highest)
         return outside & xp.isfinite(value) if rule.takes_infinity else outside | xp.isnan(value)
     if rule.unsigned:
@@ -113,6 +113,12 @@ def _does_not_fit(value: Any, rule: _FitRule) -> Any:
         # overflows an int64)
         return (value > highest) | (value < -highest)
     return (value < lowest) | (value > highest)
+
+
+def beyond_int64(value: Any) -> bool:
+    """A Python int no int64 holds: PyTorch takes one in [2**63, 2**64) as a uint64 Scalar (one past that range
+    it refuses before any op runs). jax cannot take it as a program argument."""
+    return type(value) is int and not -(2 ** 63) <= value < 2 ** 63
 
 
 # Targets whose overflow a traced value is not checked for: beyond their range a number becomes inf where CPU

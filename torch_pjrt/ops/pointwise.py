@@ -20,6 +20,7 @@ from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND as KIND
 from torch._prims_common import elementwise_dtypes
 
 from torch_pjrt import storage
+from torch_pjrt.ops import casts
 from torch_pjrt.ops.factories import not_implemented_for
 from torch_pjrt.ops.registry import register
 from torch_pjrt.runtime import checks
@@ -46,15 +47,11 @@ def promote(*args: Any, kind: KIND = KIND.DEFAULT, exact: bool = False) -> list[
     if computation in storage.FLOAT8_DTYPES:
         computation = torch.float32  # PyTorch CPU computes its few float8 ops (mul, abs) in float32
     dtype = storage.numpy_dtype(result if exact else computation)
-    integral = dtype.kind in "iu"
-    return [None if a is None else jnp.asarray(_wrapped(a) if integral and type(a) is int else a, dtype)
+    # a uint64 Scalar goes into an integer computation as c10 converts it: two's complement, unchecked (int64 +
+    # 2**63 is -2**63 on CPU); a float computation keeps its value
+    wraps = dtype.kind in "iu"
+    return [None if a is None else jnp.asarray(a - 2 ** 64 if wraps and casts.beyond_int64(a) else a, dtype)
             for a in args]
-
-
-def _wrapped(number: int) -> int:
-    """A Python int of 2**63 or more (PyTorch's uint64 Scalar) as c10 converts it for arithmetic: two's complement
-    wrapped into int64, unchecked (int64 + 2**63 is -2**63 on CPU)."""
-    return number - 2 ** 64 if 2 ** 63 <= number < 2 ** 64 else number
 
 
 def is_integral(x: Any) -> bool:
